@@ -1,0 +1,66 @@
+"""`Diagnosis`: the one typed result every output uses (CLI, REST, Kafka, mitigation).
+
+A diagnosis covers one or more traces. For each trace: is it anomalous, how sure the model is,
+which services are the bottlenecks (ranked), which model decided, and the evidence (critical
+path, each service's latency against its normal baseline). With a window of traces it also
+ranks services over the whole window.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class ServiceScore(BaseModel):
+    service: str
+    score: float = Field(description="Bottleneck score in [0, 1]; higher is more likely.")
+    bottleneck: bool = Field(description="Score at or above the model's node threshold.")
+
+
+class CriticalPathStep(BaseModel):
+    service: str
+    operation: str
+    exclusive_us: float = Field(description="Time on the critical path not covered by its children.")
+
+
+class ServiceLatency(BaseModel):
+    service: str
+    latency_us: float = Field(description="The service's exclusive time in this trace (sum over its spans).")
+    baseline_us: float | None = Field(None, description="Median of the same in normal traces.")
+    ratio: float | None = Field(None, description="latency_us / baseline_us.")
+
+
+class MitigationHint(BaseModel):
+    service: str
+    action: Literal["scale_out", "scale_up", "retune", "migrate", "shed", "none"]
+    reason: str
+
+
+class TraceDiagnosis(BaseModel):
+    trace_id: str
+    spans: int
+    total_us: float = Field(description="End-to-end latency of the root span.")
+    anomalous: bool
+    anomaly_score: float = Field(description="Probability the trace is affected by a bottleneck.")
+    threshold: float = Field(description="Decision threshold the verdict used.")
+    model: Literal["gnn", "svm"] = Field(description="Which model decided: the GNN stages or the SVM fallback.")
+    bottlenecks: list[ServiceScore] = Field(default_factory=list, description="Services ranked by score.")
+    critical_path: list[CriticalPathStep] = Field(default_factory=list)
+    latencies: list[ServiceLatency] = Field(default_factory=list)
+    mitigations: list[MitigationHint] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list, description="Repairs made to the input trace.")
+
+
+class Diagnosis(BaseModel):
+    model_version: str
+    application: str
+    traces: list[TraceDiagnosis]
+    ranking: list[ServiceScore] | None = Field(
+        None, description="Services ranked over all the traces given (window mode)."
+    )
+
+    @property
+    def anomalous(self) -> list[TraceDiagnosis]:
+        return [trace for trace in self.traces if trace.anomalous]

@@ -1,0 +1,57 @@
+"""The one span schema every reader, writer and stage uses.
+
+A span table is a `pyarrow.Table` with exactly `SPAN_SCHEMA`. Times are integer nanoseconds
+since the Unix epoch (OTLP's unit; Jaeger's microseconds convert exactly). Ids are lowercase
+hex strings; `parent_id` is null for a root span.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SPAN_KINDS = ("unspecified", "internal", "server", "client", "producer", "consumer")
+STATUS_CODES = ("unset", "ok", "error")
+
+SPAN_SCHEMA = pa.schema(
+    [
+        pa.field("trace_id", pa.string(), nullable=False),
+        pa.field("span_id", pa.string(), nullable=False),
+        pa.field("parent_id", pa.string()),
+        pa.field("service", pa.string(), nullable=False),
+        pa.field("operation", pa.string(), nullable=False),
+        pa.field("start_ns", pa.int64(), nullable=False),
+        pa.field("duration_ns", pa.int64(), nullable=False),
+        pa.field("kind", pa.string(), nullable=False),  # one of SPAN_KINDS
+        pa.field("status", pa.string(), nullable=False),  # one of STATUS_CODES
+        pa.field("peer_service", pa.string()),  # `peer.service` attribute
+        pa.field("db_system", pa.string()),  # `db.system` attribute
+        pa.field("instance", pa.string()),  # host / pod / replica that ran the span
+    ]
+)
+
+COLUMNS = tuple(SPAN_SCHEMA.names)
+
+
+def empty_span_table() -> pa.Table:
+    return SPAN_SCHEMA.empty_table()
+
+
+def span_table(columns: dict[str, list]) -> pa.Table:
+    """Build a span table from column lists; missing optional columns become nulls/defaults."""
+    n = len(columns["trace_id"])
+    defaults = {"kind": "unspecified", "status": "unset"}
+    arrays = []
+    for field in SPAN_SCHEMA:
+        values = columns.get(field.name)
+        if values is None:
+            values = [defaults.get(field.name)] * n
+        arrays.append(pa.array(values, type=field.type))
+    return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA)
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """Cast a table with the schema's columns (any order, compatible types) to SPAN_SCHEMA."""
+    missing = [name for name in COLUMNS if name not in table.column_names]
+    if missing:
+        raise ValueError(f"span table lacks columns {missing}; expected {list(COLUMNS)}")
+    return table.select(list(COLUMNS)).cast(SPAN_SCHEMA)
