@@ -1,0 +1,58 @@
+"""Stage 1: is this trace anomalous? A DGCNN graph classifier (Zhang et al., AAAI'18).
+
+Four GCN layers whose outputs are concatenated; SortPooling keeps the k nodes ranked highest by
+the last layer's channel; Conv1D -> MaxPool -> Conv1D read the sorted nodes as a sequence; one
+dense layer and a two-class output (normal, anomalous).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch_geometric.nn import GCNConv
+from torch_geometric.nn.aggr import SortAggregation
+
+
+class DGCNN(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        hidden_channels: int = 32,
+        k: int = 30,
+        dense_channels: int = 128,
+        dropout: float = 0.3,
+    ):
+        super().__init__()
+        # The last GCN layer has one channel: the sort key of SortPooling.
+        widths = [hidden_channels, hidden_channels, hidden_channels, 1]
+        self.convs = nn.ModuleList()
+        for width_in, width_out in zip([in_channels, *widths[:-1]], widths):
+            self.convs.append(GCNConv(width_in, width_out))
+        total = sum(widths)
+        self.sort_pool = SortAggregation(k)
+        # The first Conv1D reads one node's concatenated features at a time.
+        self.conv1 = nn.Conv1d(1, 16, kernel_size=total, stride=total)
+        self.pool = nn.MaxPool1d(2, 2)
+        self.conv2 = nn.Conv1d(16, 32, kernel_size=5, stride=1)
+        conv2_len = (k // 2) - 5 + 1
+        if conv2_len < 1:
+            raise ValueError(f"k={k} is too small for the Conv1D stack: use k >= 10")
+        self.dense = nn.Linear(32 * conv2_len, dense_channels)
+        self.dropout = nn.Dropout(dropout)
+        self.out = nn.Linear(dense_channels, 2)
+        self.k = k
+
+    def forward(self, x: Tensor, edge_index: Tensor, batch: Tensor) -> Tensor:
+        """x [num_nodes, in_channels] -> logits [num_graphs, 2]."""
+        layers = []
+        h = x
+        for conv in self.convs:
+            h = torch.tanh(conv(h, edge_index))
+            layers.append(h)
+        h = torch.cat(layers, dim=-1)  # [num_nodes, total]
+        h = self.sort_pool(h, batch)  # [num_graphs, k * total]
+        h = h.unsqueeze(1)  # [num_graphs, 1, k * total]
+        h = self.pool(torch.relu(self.conv1(h)))  # [num_graphs, 16, k // 2]
+        h = torch.relu(self.conv2(h))  # [num_graphs, 32, k // 2 - 4]
+        h = self.dropout(torch.relu(self.dense(h.flatten(1))))
+        return self.out(h)

@@ -1,0 +1,38 @@
+"""Stage 2: which nodes of an anomalous trace are the bottlenecks? A GCN node classifier.
+
+Three GCN layers, a feed-forward layer, and a two-class output per node (not a bottleneck,
+bottleneck). Inductive: each trace is a stand-alone graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch_geometric.nn import GCNConv
+
+
+class GCNNodeClassifier(nn.Module):
+    def __init__(self, in_channels: int, hidden_channels: int = 64, dropout: float = 0.2):
+        super().__init__()
+        self.convs = nn.ModuleList(
+            [
+                GCNConv(in_channels, hidden_channels),
+                GCNConv(hidden_channels, hidden_channels),
+                GCNConv(hidden_channels, hidden_channels),
+            ]
+        )
+        # The node's own input features skip past the convolutions: a bottleneck is mostly a
+        # node whose own latency is off, read in the context of its neighbours.
+        self.feed_forward = nn.Sequential(
+            nn.Linear(hidden_channels + in_channels, hidden_channels),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden_channels, 2),
+        )
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        """x [num_nodes, in_channels] -> logits [num_nodes, 2]."""
+        h = x
+        for conv in self.convs:
+            h = torch.relu(conv(h, edge_index))
+        return self.feed_forward(torch.cat([h, x], dim=-1))
