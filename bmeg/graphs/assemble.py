@@ -1,0 +1,410 @@
+"""Span table -> traces: group spans by trace, link parents, and repair what can be repaired.
+
+`assemble` works on all traces of a table at once with numpy (sorting, `searchsorted`, pointer
+jumping); Python loops run only over the few spans that need a repair. The result, a
+`SpanForest`, keeps every span in flat arrays grouped by trace, so later stages (critical
+path, features, PyG batches) stay vectorised too.
+
+Repairs, each reported in `SpanForest.warnings` as a sentence naming the trace and span:
+
+- **Duplicate span ids** (within a trace): keep one copy, the first *complete* one (positive
+  duration) in input order, else the first; the others are listed in `dropped`.
+- **Missing parent** (orphan): attached to the trace's root. Its timing is kept as is (we do
+  not know how it relates to the root), so it reaches the critical path only when it lies in
+  the root's window.
+- **Self-parent and cycles**: a cycle is broken at the edge that most violates time order
+  (the child that starts furthest before its parent); that child then counts as an orphan.
+- **Several roots**: the earliest root (ties: the longest) stays the root, the others are
+  attached to it like orphans. **No root** (every span has a parent that is missing or
+  cyclic): the earliest such span becomes the root.
+- **Clock skew**: a child must not start before its parent (causality), and a *synchronous*
+  child must also end by its parent's end. A child that breaks this is shifted, with its whole
+  subtree, by the smallest amount that puts it into its parent's window (or at the parent's
+  start when it is longer than the parent, which is also reported). A child is *asynchronous*,
+  and keeps its end where it is, when it or its parent is a `producer`/`consumer` span, or when
+  it starts at or after its parent's end (a FOLLOWS_FROM-like fire-and-forget call). Orphans
+  and extra roots attached by the repairs above are never shifted.
+
+Unrepairable input raises `TraceInputError` naming the trace and span: a negative duration, an
+empty trace or span id. With `on_bad_trace="drop"` such a trace is dropped instead (all its
+spans listed in `dropped`) so a stream of traces can go on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from bmeg.traces.errors import TraceInputError
+from bmeg.traces.schema import conform
+
+ASYNC_KINDS = ("producer", "consumer")
+
+
+class DroppedSpan(NamedTuple):
+    trace_id: str
+    span_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SpanForest:
+    """All spans of many traces, linked and repaired, in flat arrays.
+
+    Spans are grouped by trace (traces in order of first appearance), and within a trace
+    ordered by their original start time. Array index = row of `spans`.
+    """
+
+    spans: pa.Table  # the kept spans (SPAN_SCHEMA), original times
+    trace_ids: list[str]
+    trace_offsets: np.ndarray  # int64 [T+1]: spans of trace t are rows offsets[t]:offsets[t+1]
+    trace_index: np.ndarray  # int64 [n]: trace of each span
+    parent: np.ndarray  # int64 [n]: parent row, -1 for each trace's root
+    root: np.ndarray  # int64 [T]: root row of each trace
+    depth: np.ndarray  # int64 [n]: 0 for roots
+    start_ns: np.ndarray  # int64 [n]: start after the clock-skew repair
+    duration_ns: np.ndarray  # int64 [n]
+    warnings: list[str] = field(default_factory=list)
+    dropped: list[DroppedSpan] = field(default_factory=list)
+
+    @property
+    def num_spans(self) -> int:
+        return len(self.parent)
+
+    @property
+    def num_traces(self) -> int:
+        return len(self.trace_ids)
+
+    @property
+    def end_ns(self) -> np.ndarray:
+        return self.start_ns + self.duration_ns
+
+    def trace_slice(self, trace: int) -> slice:
+        return slice(int(self.trace_offsets[trace]), int(self.trace_offsets[trace + 1]))
+
+
+def assemble(table: pa.Table, *, on_bad_trace: Literal["raise", "drop"] = "raise") -> SpanForest:
+    """Group a span table into traces, link parents and repair (see the module docstring)."""
+    table = conform(table).combine_chunks()
+    dropped: list[DroppedSpan] = []
+    warnings: list[str] = []
+    table = _reject_bad_traces(table, on_bad_trace, dropped)
+    if table.num_rows == 0:
+        return _empty_forest(table, warnings, dropped)
+
+    trace_code, trace_ids = _encode(table["trace_id"])
+    start = table["start_ns"].to_numpy()
+    duration = table["duration_ns"].to_numpy()
+
+    kept, key, parent_key = _dedupe(table, trace_code, start, duration, dropped, warnings)
+    spans = table.take(pa.array(kept))
+    start, duration = start[kept], duration[kept]
+    # Traces are numbered in order of first appearance, so trace_code is sorted over `kept`.
+    trace_index = trace_code[kept].astype(np.int64)
+    trace_offsets = np.searchsorted(trace_index, np.arange(len(trace_ids) + 1)).astype(np.int64)
+    names = _SpanNames(trace_ids, trace_index, spans["span_id"])
+
+    parent, orphan = _link_parents(key[kept], parent_key[kept], names, warnings)
+    _break_cycles(parent, orphan, start, names, warnings)
+    root, adopted = _choose_roots(parent, orphan, trace_index, len(trace_ids), start, duration, names, warnings)
+    depth = _depth(parent)
+    start = _repair_clock_skew(spans, parent, adopted, depth, trace_offsets, start, duration, names, warnings)
+    return SpanForest(
+        spans=spans,
+        trace_ids=list(trace_ids),
+        trace_offsets=trace_offsets,
+        trace_index=trace_index,
+        parent=parent,
+        root=root,
+        depth=depth,
+        start_ns=start,
+        duration_ns=duration,
+        warnings=warnings,
+        dropped=dropped,
+    )
+
+
+class _SpanNames:
+    """Turns rows into the "trace T: span S" words of warnings and errors."""
+
+    def __init__(self, trace_ids: list[str], trace_index: np.ndarray, span_ids: pa.ChunkedArray):
+        self.trace_ids, self.trace_index, self.span_ids = trace_ids, trace_index, span_ids
+
+    def span_id(self, row: int) -> str:
+        return self.span_ids[int(row)].as_py()
+
+    def span(self, row: int) -> str:
+        return f"trace {self.trace_ids[self.trace_index[row]]}: span {self.span_id(row)}"
+
+
+def _encode(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
+    """Integer codes (first appearance order) and the distinct values of a string column."""
+    encoded = pc.dictionary_encode(column)
+    if isinstance(encoded, pa.ChunkedArray):
+        encoded = encoded.combine_chunks()
+    return encoded.indices.to_numpy(), encoded.dictionary.to_pylist()
+
+
+def _reject_bad_traces(table: pa.Table, on_bad_trace: str, dropped: list[DroppedSpan]) -> pa.Table:
+    """Raise (or drop the trace) for what no repair can fix: negative durations, empty ids."""
+    problems = [
+        (pc.less(table["duration_ns"], 0), "negative duration"),
+        (pc.fill_null(pc.equal(table["span_id"], ""), True), "missing span id"),
+        (pc.fill_null(pc.equal(table["trace_id"], ""), True), "missing trace id"),
+    ]
+    bad_rows = np.zeros(table.num_rows, dtype=bool)
+    reasons = np.empty(table.num_rows, dtype=object)
+    for mask, reason in problems:
+        rows = mask.to_numpy(zero_copy_only=False)
+        reasons[rows & ~bad_rows] = reason
+        bad_rows |= rows
+    if not bad_rows.any():
+        return table
+    trace_ids = table["trace_id"].to_numpy(zero_copy_only=False)
+    span_ids = table["span_id"].to_numpy(zero_copy_only=False)
+    if on_bad_trace == "raise":
+        row = int(np.flatnonzero(bad_rows)[0])
+        detail = f" {table['duration_ns'][row].as_py()} ns" if reasons[row] == "negative duration" else ""
+        raise TraceInputError(
+            f"{reasons[row]}{detail}; the span cannot be repaired",
+            trace_id=trace_ids[row] or "(empty)",
+            span_id=span_ids[row] or "(empty)",
+        )
+    bad_traces = set(trace_ids[bad_rows])
+    drop = np.isin(trace_ids, list(bad_traces))
+    for row in np.flatnonzero(drop):
+        why = reasons[row] or "its trace has an unrepairable span"
+        dropped.append(DroppedSpan(trace_ids[row], span_ids[row], why))
+    return table.filter(pa.array(~drop))
+
+
+def _dedupe(
+    table: pa.Table,
+    trace_code: np.ndarray,
+    start: np.ndarray,
+    duration: np.ndarray,
+    dropped: list[DroppedSpan],
+    warnings: list[str],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows to keep (grouped by trace, by start), and each row's span and parent keys.
+
+    A key packs (trace, span id) into one int64, so parents resolve with one searchsorted.
+    """
+    span_code, span_dictionary = _encode(table["span_id"])
+    parent_code = pc.index_in(table["parent_id"], value_set=pa.array(span_dictionary, pa.string()))
+    width = np.int64(len(span_dictionary))
+    key = trace_code.astype(np.int64) * width + span_code
+    parent_key = np.where(
+        parent_code.is_valid().to_numpy(zero_copy_only=False),
+        trace_code.astype(np.int64) * width + parent_code.fill_null(0).to_numpy(zero_copy_only=False),
+        -1,
+    )
+    # Missing parent ids that are not any span's id get -2: "has a parent, not found".
+    has_parent_id = table["parent_id"].is_valid().to_numpy(zero_copy_only=False)
+    parent_key[has_parent_id & (parent_key < 0)] = -2
+
+    rows = np.arange(len(key))
+    complete = duration > 0
+    by_key = np.lexsort((rows, ~complete, key))
+    first_copy = np.r_[True, key[by_key][1:] != key[by_key][:-1]]
+    if not first_copy.all():
+        _report_duplicates(table, by_key, first_copy, dropped, warnings)
+    keep = np.zeros(len(key), dtype=bool)
+    keep[by_key[first_copy]] = True
+    order = np.lexsort((start, trace_code))
+    return order[keep[order]], key, parent_key
+
+
+def _report_duplicates(table, by_key, first_copy, dropped, warnings) -> None:
+    trace_ids = table["trace_id"].to_numpy(zero_copy_only=False)
+    span_ids = table["span_id"].to_numpy(zero_copy_only=False)
+    for position in np.flatnonzero(~first_copy):
+        row = by_key[position]
+        dropped.append(DroppedSpan(trace_ids[row], span_ids[row], "duplicate span id"))
+        warnings.append(
+            f"trace {trace_ids[row]}: span {span_ids[row]}: duplicate span id; "
+            f"kept the first complete copy, dropped one"
+        )
+
+
+def _link_parents(
+    key: np.ndarray, parent_key: np.ndarray, names: _SpanNames, warnings: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Parent row of each row (-1: none), and which rows are orphans (parent id not found)."""
+    by_key = np.argsort(key, kind="stable")
+    sorted_keys = key[by_key]
+    position = np.minimum(np.searchsorted(sorted_keys, parent_key), len(key) - 1)
+    found = (parent_key >= 0) & (sorted_keys[position] == parent_key)
+    parent = np.where(found, by_key[position], -1).astype(np.int64)
+    orphan = (parent_key != -1) & ~found
+    for row in np.flatnonzero(orphan):
+        warnings.append(f"{names.span(row)}: its parent is not in the trace; attached it to the root")
+    self_parent = parent == np.arange(len(parent))
+    for row in np.flatnonzero(self_parent):
+        warnings.append(f"{names.span(row)}: is its own parent; treated it as an orphan")
+    parent[self_parent] = -1
+    return parent, orphan | self_parent
+
+
+def _top_ancestor(parent: np.ndarray) -> np.ndarray:
+    """Each row's topmost ancestor by pointer jumping (O(n log depth)); cycles never settle."""
+    pointer = np.where(parent >= 0, parent, np.arange(len(parent)))
+    for _ in range(int(np.ceil(np.log2(max(len(parent), 2)))) + 1):
+        jumped = pointer[pointer]
+        if np.array_equal(jumped, pointer):
+            break
+        pointer = jumped
+    return pointer
+
+
+def _break_cycles(
+    parent: np.ndarray, orphan: np.ndarray, start: np.ndarray, names: _SpanNames, warnings: list[str]
+) -> None:
+    """Cut each parent cycle at the edge whose child starts furthest before its parent."""
+    stuck = np.flatnonzero(parent[_top_ancestor(parent)] >= 0)  # never reach a parentless row
+    visited: set[int] = set()
+    for first in stuck.tolist():
+        walk: dict[int, int] = {}  # row -> position on this walk up the parents
+        row = first
+        while row not in visited and row not in walk and row >= 0:
+            walk[row] = len(walk)
+            row = int(parent[row])
+        if row in walk:  # closed a new cycle
+            cycle = list(walk)[walk[row]:]
+            child = max(cycle, key=lambda r: (start[parent[r]] - start[r], -r))
+            warnings.append(
+                f"{names.span(child)}: parent links form a cycle of {len(cycle)} span(s); "
+                f"cut the link to its parent {names.span_id(parent[child])} and treated it as an orphan"
+            )
+            parent[child] = -1
+            orphan[child] = True
+        visited.update(walk)
+
+
+def _choose_roots(
+    parent: np.ndarray,
+    orphan: np.ndarray,
+    trace_index: np.ndarray,
+    num_traces: int,
+    start: np.ndarray,
+    duration: np.ndarray,
+    names: _SpanNames,
+    warnings: list[str],
+) -> tuple[np.ndarray, np.ndarray]:
+    """One root per trace; other parentless rows (extra roots, orphans) are attached to it.
+
+    Returns the root row of each trace and a mask of the attached ("adopted") rows.
+    """
+    candidates = np.flatnonzero(parent < 0)
+    # Prefer real roots over orphans, then the earliest, then the longest.
+    preference = candidates[
+        np.lexsort((-duration[candidates], start[candidates], orphan[candidates], trace_index[candidates]))
+    ]
+    first_of_trace = np.r_[True, trace_index[preference][1:] != trace_index[preference][:-1]]
+    root = np.empty(num_traces, dtype=np.int64)
+    root[trace_index[preference[first_of_trace]]] = preference[first_of_trace]
+    adopted = np.zeros(len(parent), dtype=bool)
+    others = preference[~first_of_trace]
+    adopted[others] = True
+    parent[others] = root[trace_index[others]]
+    for row in others[~orphan[others]].tolist():
+        warnings.append(
+            f"{names.span(row)}: a second root span; attached it to the root {names.span_id(parent[row])}"
+        )
+    for row in root[orphan[root]].tolist():
+        warnings.append(f"{names.span(row)}: the trace has no root span; made this, its earliest orphan, the root")
+    return root, adopted
+
+
+def _depth(parent: np.ndarray) -> np.ndarray:
+    """Number of ancestors of each row, by pointer jumping (list ranking), O(n log depth)."""
+    depth = (parent >= 0).astype(np.int64)
+    pointer = parent.copy()
+    while True:
+        linked = np.flatnonzero(pointer >= 0)
+        if len(linked) == 0:
+            return depth
+        ancestors = pointer[linked]
+        depth[linked] += depth[ancestors]  # fancy indexing reads the old values first
+        pointer[linked] = pointer[ancestors]
+
+
+def _repair_clock_skew(
+    spans: pa.Table,
+    parent: np.ndarray,
+    adopted: np.ndarray,
+    depth: np.ndarray,
+    trace_offsets: np.ndarray,
+    start: np.ndarray,
+    duration: np.ndarray,
+    names: _SpanNames,
+    warnings: list[str],
+) -> np.ndarray:
+    """Shift skewed children (and their subtrees) into their parent's window; returns starts."""
+    kind = spans["kind"]
+    is_async_kind = pc.is_in(kind, value_set=pa.array(ASYNC_KINDS)).to_numpy(zero_copy_only=False)
+    has_parent = parent >= 0
+    p = np.where(has_parent, parent, 0)
+    end = start + duration
+    synchronous = ~(is_async_kind | is_async_kind[p]) & (start < end[p])
+    skewed = has_parent & ~adopted & ((start < start[p]) | (synchronous & (end > end[p])))
+    if not skewed.any():
+        return start
+    start = start.copy()
+    skewed_traces = np.unique(np.searchsorted(trace_offsets, np.flatnonzero(skewed), side="right") - 1)
+    for trace in skewed_traces.tolist():
+        rows = np.arange(trace_offsets[trace], trace_offsets[trace + 1])
+        top_down = rows[np.argsort(depth[rows], kind="stable")]
+        _shift_trace(top_down, parent, adopted, is_async_kind, start, duration, names, warnings)
+    return start
+
+
+def _shift_trace(top_down, parent, adopted, is_async_kind, start, duration, names, warnings) -> None:
+    """Sequential skew repair of one trace, parents before children (starts change in place)."""
+    shift = dict.fromkeys(top_down.tolist(), 0)
+    for row in top_down.tolist():
+        up = int(parent[row])
+        if up < 0 or adopted[row]:
+            continue
+        child_start = int(start[row]) + shift[up]
+        parent_start = int(start[up]) + shift[up]
+        parent_end = parent_start + int(duration[up])
+        child_end = child_start + int(duration[row])
+        synchronous = not (is_async_kind[row] or is_async_kind[up]) and child_start < parent_end
+        delta = 0
+        if child_start < parent_start:
+            delta = parent_start - child_start
+        elif synchronous and child_end > parent_end:
+            delta = max(parent_end - child_end, parent_start - child_start)
+        shift[row] = shift[up] + delta
+        if delta:
+            too_long = " (it is longer than its parent, so it now starts with it)" if (
+                synchronous and duration[row] > duration[up]
+            ) else ""
+            warnings.append(
+                f"{names.span(row)}: outside its parent {names.span_id(up)} by clock skew; "
+                f"shifted it and its subtree by {delta / 1000:+.1f} us{too_long}"
+            )
+    for row, total in shift.items():
+        start[row] += total
+
+
+def _empty_forest(table: pa.Table, warnings: list[str], dropped: list[DroppedSpan]) -> SpanForest:
+    empty = np.zeros(0, dtype=np.int64)
+    return SpanForest(
+        spans=table,
+        trace_ids=[],
+        trace_offsets=np.zeros(1, dtype=np.int64),
+        trace_index=empty,
+        parent=empty,
+        root=empty,
+        depth=empty,
+        start_ns=empty,
+        duration_ns=empty,
+        warnings=warnings,
+        dropped=dropped,
+    )

@@ -1,0 +1,140 @@
+"""Node features of call graphs, computed for all spans of a forest at once.
+
+`base_columns` gives named per-node columns (times in microseconds):
+
+- `duration_us`: the span's duration, the thesis's *service time*;
+- `self_time_us`: duration not covered by any child (union of children, clipped to the span);
+- `cp_exclusive_us`: exclusive critical-path time (0 off the path);
+- `on_critical_path`: 1.0 / 0.0;
+- `start_offset_us`: start relative to the trace's root;
+- `depth`, `fan_out`: position and number of children in the call tree;
+- `log_*`: log1p of each time and of the fan-out, for models that want tame scales.
+
+A `FeatureSpec` picks columns in order. Extra columns come from `ColumnFn`s that see the
+forest and the base columns; `operation_baseline_ratio` is one (the span's duration against a
+per-operation baseline, e.g. the training set's median).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from bmeg.graphs.assemble import SpanForest
+from bmeg.graphs.critical_path import CriticalPaths, critical_paths
+
+#: (forest, base columns) -> more named columns, each float [num_spans].
+ColumnFn = Callable[[SpanForest, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    columns: tuple[str, ...]
+    extra: Sequence[ColumnFn] = field(default_factory=tuple)
+
+
+#: The thesis's feature: the service time of each node, no feature engineering.
+SERVICE_TIME_ONLY = FeatureSpec(("log_duration_us",))
+DEFAULT_FEATURES = FeatureSpec(
+    (
+        "log_duration_us",
+        "log_self_time_us",
+        "log_cp_exclusive_us",
+        "on_critical_path",
+        "log_start_offset_us",
+        "depth",
+        "log_fan_out",
+    )
+)
+
+
+def base_columns(forest: SpanForest, paths: CriticalPaths | None = None) -> dict[str, np.ndarray]:
+    """All built-in per-node columns (see the module docstring), float64 [num_spans]."""
+    paths = paths or critical_paths(forest)
+    n = forest.num_spans
+    root_start = forest.start_ns[forest.root][forest.trace_index] if n else np.zeros(0, np.int64)
+    has_parent = forest.parent >= 0
+    columns = {
+        "duration_us": forest.duration_ns / 1e3,
+        "self_time_us": self_time_ns(forest) / 1e3,
+        "cp_exclusive_us": paths.exclusive_ns / 1e3,
+        "on_critical_path": paths.on_path.astype(np.float64),
+        "start_offset_us": (forest.start_ns - root_start) / 1e3,
+        "depth": forest.depth.astype(np.float64),
+        "fan_out": np.bincount(forest.parent[has_parent], minlength=n).astype(np.float64),
+    }
+    for name in ("duration_us", "self_time_us", "cp_exclusive_us", "start_offset_us", "fan_out"):
+        # Skew-kept async children may start before the root: sign-preserving log.
+        columns[f"log_{name}"] = np.sign(columns[name]) * np.log1p(np.abs(columns[name]))
+    return columns
+
+
+def node_features(
+    forest: SpanForest, spec: FeatureSpec = DEFAULT_FEATURES, paths: CriticalPaths | None = None
+) -> np.ndarray:
+    """The feature matrix float32 [num_spans, len(spec.columns)] in spec order."""
+    columns = base_columns(forest, paths)
+    for column_fn in spec.extra:
+        columns.update(column_fn(forest, columns))
+    unknown = [name for name in spec.columns if name not in columns]
+    if unknown:
+        raise KeyError(f"unknown feature columns {unknown}; known: {sorted(columns)}")
+    matrix = np.empty((forest.num_spans, len(spec.columns)), dtype=np.float32)
+    for i, name in enumerate(spec.columns):
+        matrix[:, i] = columns[name]
+    return matrix
+
+
+def self_time_ns(forest: SpanForest) -> np.ndarray:
+    """Duration of each span not covered by the union of its children (clipped to the span)."""
+    n = forest.num_spans
+    parent = forest.parent
+    children = np.flatnonzero(parent >= 0)
+    owner = parent[children]
+    low = np.clip(forest.start_ns[children], forest.start_ns[owner], forest.end_ns[owner])
+    high = np.clip(forest.end_ns[children], forest.start_ns[owner], forest.end_ns[owner])
+    order = np.lexsort((low, owner))
+    owner, low, high = owner[order], low[order], high[order]
+    reach = _running_max_within_groups(owner, high)
+    # What each child adds to the union: the part after everything its earlier siblings cover.
+    earlier = np.r_[np.iinfo(np.int64).min, reach[:-1]]
+    earlier[np.r_[True, owner[1:] != owner[:-1]]] = np.iinfo(np.int64).min
+    added = np.maximum(high - np.maximum(low, earlier), 0)
+    covered = np.bincount(owner, weights=added, minlength=n)
+    return forest.duration_ns - covered.astype(np.int64)
+
+
+def _running_max_within_groups(group: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Running maximum of `values` restarting at each group (groups contiguous, sorted).
+
+    Values are ranked so that (group, rank) packs into one int64 and a plain running max works.
+    """
+    if len(values) == 0:
+        return values
+    distinct, rank = np.unique(values, return_inverse=True)
+    width = np.int64(len(distinct))
+    packed = np.maximum.accumulate(group.astype(np.int64) * width + rank)
+    return distinct[packed - group * width]
+
+
+def operation_baseline_ratio(
+    baseline_us: Mapping[tuple[str, str], float], name: str = "log_baseline_ratio"
+) -> ColumnFn:
+    """A column: log(duration / baseline of the span's (service, operation)); 0 when unknown."""
+    keys = pa.array([f"{service}\x1f{operation}" for service, operation in baseline_us], pa.string())
+    baselines = np.array(list(baseline_us.values()), dtype=np.float64)
+
+    def column(forest: SpanForest, base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        span_keys = pc.binary_join_element_wise(forest.spans["service"], forest.spans["operation"], "\x1f")
+        where = pc.index_in(span_keys, value_set=keys)
+        known = pc.is_valid(where).to_numpy(zero_copy_only=False)
+        index = pc.fill_null(where, 0).to_numpy(zero_copy_only=False)[known]
+        ratio = np.zeros(forest.num_spans)
+        ratio[known] = np.log(np.maximum(base["duration_us"][known], 1e-3) / np.maximum(baselines[index], 1e-3))
+        return {name: ratio}
+
+    return column
