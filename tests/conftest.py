@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["conftest_infra"]  # fixtures for Kafka and the Kubernetes API server
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
