@@ -6,6 +6,7 @@
 #   scripts/kafka.sh start    fetch if needed, format fresh storage, start, wait until it answers
 #   scripts/kafka.sh stop     stop the broker and remove its run directory (data included)
 #   scripts/kafka.sh status   exit 0 when the broker answers
+#   scripts/kafka.sh env      print the settings as shell exports (for scripts/test.sh)
 #
 # Environment: BMEG_KAFKA_PORT (default 19092; the controller listens on the port above it),
 # BMEG_KAFKA_RUN_DIR (default ${TMPDIR:-/tmp}/bmeg-kafka-$USER), BMEG_PYTHON (the Python with
@@ -141,10 +142,16 @@ status() {
     if ready; then echo "running: 127.0.0.1:$port"; else echo "not running"; return 1; fi
 }
 
+print_env() {
+    printf 'export BMEG_KAFKA_PORT=%q BMEG_KAFKA_RUN_DIR=%q BMEG_KAFKA_BOOTSTRAP=%q\n' \
+        "$port" "$run_dir" "127.0.0.1:$port"
+}
+
 case ${1:-} in
+    env) print_env ;;
     fetch) fetch ;;
     start) start ;;
     stop) stop ;;
     status) status ;;
-    *) echo "usage: $0 fetch|start|stop|status" >&2; exit 2 ;;
+    *) echo "usage: $0 fetch|start|stop|status|env" >&2; exit 2 ;;
 esac

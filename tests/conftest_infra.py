@@ -9,6 +9,7 @@ missing part is a failure: CI always starts them, so their absence there is a bu
 
 from __future__ import annotations
 
+import getpass
 import os
 import socket
 import tempfile
@@ -22,8 +23,16 @@ APP_NAMESPACE = "socialnet"
 
 # The scripts' defaults, for runs outside scripts/test.sh.
 DEFAULT_KAFKA_PORT = 19092
-USER = os.environ.get("USER") or "user"
-DEFAULT_KUBE_RUN_DIR = Path(tempfile.gettempdir()) / f"bmeg-kube-{USER}"
+DEFAULT_KUBE_RUN_DIR = Path(tempfile.gettempdir()) / f"bmeg-kube-{getpass.getuser()}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # kafka-python loads its protocol schemas through a deprecated importlib API, with two
+    # warnings per schema: noise that would bury the project's own warnings.
+    for module, function in [("kafka.protocol.schemas.load_json", "read_text"),
+                             ("importlib.resources._legacy", "open_text")]:
+        config.addinivalue_line(
+            "filterwarnings", f"ignore:{function} is deprecated:DeprecationWarning:{module}")
 
 
 def _missing(what: str, how_to_start: str) -> None:
