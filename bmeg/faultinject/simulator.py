@@ -1,0 +1,632 @@
+"""A lean discrete-event simulator of a microservice application under open-loop load.
+
+Mechanics (why bottlenecks behave like real ones):
+- Each replica has a worker pool and a FIFO queue in front of it. A worker is held for the
+  whole operation, including the time it waits on downstream calls, so a slow service fills
+  its callers' pools and latency spreads upstream (back-pressure). A full queue rejects.
+- CPU work runs on the replica's cores as FCFS servers: threads beyond the cores wait.
+  Because bursts are requested in time order, a burst's start and end are known at once
+  from the cores' next-free times (a small heap), which keeps the event count low.
+- An operation does half its self time, then its steps (calls, parallel groups, branches,
+  cache lookups), then the other half. Every message pays a network delay.
+- Faults change replica or service state between their start and end events.
+
+Times are float nanoseconds from the episode's start. The output is columnar (lists turned
+into numpy arrays) and becomes Arrow tables in `bmeg.faultinject.tables`.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass
+from heapq import heapify, heappop, heappush, heapreplace
+from itertools import count
+
+import numpy as np
+
+from bmeg.faultinject.scenario import Fault
+from bmeg.faultinject.spec import (
+    BranchStep,
+    CacheStep,
+    CallStep,
+    ParallelStep,
+    SequenceStep,
+    TopologySpec,
+)
+
+SERVER, CLIENT = 0, 1
+# step codes of the compiled call trees
+CALL, CACHE, PAR, SEQ, BRANCH = range(5)
+SAMPLE_BLOCK = 4096
+
+
+def _lognormal_stream(rng: np.random.Generator, mu: float, sigma: float):
+    while True:
+        yield from np.exp(mu + sigma * rng.standard_normal(SAMPLE_BLOCK)).tolist()
+
+
+def _uniform_stream(rng: np.random.Generator):
+    while True:
+        yield from rng.random(SAMPLE_BLOCK).tolist()
+
+
+class Replica:
+    __slots__ = ("index", "cores", "slowdown", "interference", "pool", "busy", "queue", "fault",
+                 "pause_starts", "pause_ends", "link_free")
+
+    def __init__(self, index: int, cores: float, workers: int):
+        self.index = index  # global instance number
+        self.cores = [0.0]  # heap of the cores' next-free times
+        self.interference = 1.0  # slowdown factor from a noisy neighbour
+        self.slowdown = 1.0  # what one unit of work costs here: fractional cores and interference
+        _resize_cores(self, cores, 0.0)
+        self.pool = workers
+        self.busy = 0
+        self.queue: deque = deque()
+        self.fault = -1  # index of the active fault touching this replica
+        self.pause_starts: list[float] = []
+        self.pause_ends: list[float] = []
+        self.link_free = 0.0
+
+
+class ServiceState:
+    __slots__ = ("index", "name", "spec", "storage", "replicas", "active", "next_rr", "queue_cap",
+                 "net_delay", "net_jitter", "bytes_per_ns", "hit_override")
+
+    def __init__(self, index: int, name: str, spec, first_instance: int):
+        self.index = index
+        self.name = name
+        self.spec = spec
+        self.storage = spec.storage
+        self.replicas = [Replica(first_instance + i, spec.cores, spec.workers) for i in range(spec.replicas)]
+        self.active = spec.replicas
+        self.next_rr = 0
+        self.queue_cap = spec.queue
+        self.net_delay = 0.0  # extra delay (ns) on every message this service sends
+        self.net_jitter = 0.0
+        self.bytes_per_ns = 0.0  # 0: no bandwidth limit
+        self.hit_override: float | None = None  # a cache's hit ratio under misconfiguration
+
+
+class Op:
+    __slots__ = ("key", "service", "name_id", "client_id", "draw", "steps", "response_bytes")
+
+    def __init__(self, key, service, name_id, client_id, draw, response_bytes):
+        self.key = key
+        self.service = service
+        self.name_id = name_id  # server span name
+        self.client_id = client_id  # default client span name
+        self.draw = draw
+        self.steps = ()
+        self.response_bytes = response_bytes
+
+
+class Frame:
+    """A running sequence or parallel group inside one visit."""
+
+    __slots__ = ("visit", "parent", "items", "index", "pending", "error")
+
+    def __init__(self, visit, parent, items):
+        self.visit = visit
+        self.parent = parent
+        self.items = items
+        self.index = 0
+        self.pending = 0
+        self.error = False
+
+
+class Visit:
+    """One operation executed at one replica for one trace (and the call that caused it)."""
+
+    __slots__ = ("op", "trace", "replica", "span", "client_span", "frame", "on_miss", "cache_fault",
+                 "t_arrive", "t_steps", "steps_wait", "post_work", "extra", "error", "done", "fault")
+
+    def __init__(self, op, trace, client_span, frame):
+        self.op = op
+        self.trace = trace
+        self.client_span = client_span
+        self.frame = frame  # the caller's frame to notify (None for a request's root)
+        self.on_miss = None
+        self.cache_fault = False
+        self.replica = None
+        self.span = -1
+        self.steps_wait = 0.0
+        self.extra = 0.0
+        self.error = False
+        self.done = False
+        self.fault = -1
+
+
+@dataclass
+class SimulationResult:
+    """Columnar output of one episode; ids are indices into the name lists."""
+
+    span_trace: np.ndarray
+    span_parent: np.ndarray
+    span_service: np.ndarray
+    span_operation: np.ndarray
+    span_start: np.ndarray
+    span_end: np.ndarray
+    span_kind: np.ndarray
+    span_error: np.ndarray
+    span_instance: np.ndarray
+    span_peer: np.ndarray  # store service id of a storage client span, -1 otherwise
+    visit_span: np.ndarray  # the span that stands for a visit (server span, or storage client span)
+    visit_key: np.ndarray  # operation key (service:operation)
+    visit_local: np.ndarray  # ns spent at the service itself: queueing, CPU, its own network delay
+    visit_fault: np.ndarray  # active fault touching the visit's replica, -1 if none
+    visit_cache_fault: np.ndarray  # a cache miss caused by a misconfigured cache
+    trace_request: np.ndarray
+    trace_start: np.ndarray
+    trace_end: np.ndarray
+    services: list[str]
+    storage: list[str | None]
+    operations: list[str]
+    instances: list[str]
+    op_keys: list[str]
+    requests: list[str]
+    faults: list[Fault]
+
+
+class Simulator:
+    def __init__(self, topology: TopologySpec, faults: list[Fault], seed_sequence: np.random.SeedSequence):
+        self.topology = topology
+        self.faults = faults
+        streams = seed_sequence.spawn(4)
+        self.rng = np.random.default_rng(streams[0])
+        self.uniform = _uniform_stream(np.random.default_rng(streams[1]))
+        mu, sigma = topology.network.latency.log_params_ns()
+        self.network = _lognormal_stream(np.random.default_rng(streams[2]), mu, sigma)
+        self._op_seeds = streams[3]
+        self.request_bytes = topology.network.request_bytes
+        self.heap: list = []
+        self.sequence = count()
+        self._compile()
+        self._reset_output()
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _compile(self) -> None:
+        self.names: list[str] = []
+        self._name_ids: dict[str, int] = {}
+        self.services: dict[str, ServiceState] = {}
+        self.instances: list[str] = []
+        for index, (name, spec) in enumerate(self.topology.services.items()):
+            state = ServiceState(index, name, spec, len(self.instances))
+            self.instances.extend(f"{name}-{i}" for i in range(spec.replicas))
+            self.services[name] = state
+        self.ops: dict[str, Op] = {}
+        targets = [f"{s}:{o}" for s, spec in self.topology.services.items() for o in spec.operations]
+        op_rngs = self._op_seeds.spawn(len(targets))
+        for key, target in enumerate(targets):
+            service, _, spec = self.topology.operation(target)
+            operation = target.split(":", 1)[1]
+            mu, sigma = spec.self_time.log_params_ns()
+            client = operation[: -len("_server")] + "_client" if operation.endswith("_server") else f"{operation}_client"
+            self.ops[target] = Op(key, self.services[service], self._name(operation), self._name(client),
+                                  _lognormal_stream(np.random.default_rng(op_rngs[key]), mu, sigma), spec.response_bytes)
+        self.op_keys = targets
+        for target, op in self.ops.items():
+            op.steps = self._compile_steps(self.topology.operation(target)[2].calls)
+        self.requests = list(self.topology.requests)
+        self.entries = [self.ops[r.entry] for r in self.topology.requests.values()]
+
+    def _name(self, name: str) -> int:
+        if name not in self._name_ids:
+            self._name_ids[name] = len(self.names)
+            self.names.append(name)
+        return self._name_ids[name]
+
+    def _compile_steps(self, steps) -> tuple:
+        return tuple(self._compile_step(step) for step in steps)
+
+    def _compile_step(self, step) -> tuple:
+        if isinstance(step, CallStep):
+            op = self.ops[step.call]
+            client = self._name(step.client) if step.client else op.client_id
+            timeout = step.timeout_ms * 1e6 if step.timeout_ms else 0.0
+            return (CALL, op, client, timeout)
+        if isinstance(step, CacheStep):
+            op = self.ops[step.cache]
+            client = self._name(step.client) if step.client else op.client_id
+            return (CACHE, op, client, step.hit_ratio, self._compile_steps(step.on_miss))
+        if isinstance(step, ParallelStep):
+            return (PAR, self._compile_steps(step.parallel))
+        if isinstance(step, SequenceStep):
+            return (SEQ, self._compile_steps(step.sequence))
+        assert isinstance(step, BranchStep)
+        cumulative = np.cumsum([option.p for option in step.branch]).tolist()
+        return (BRANCH, cumulative, tuple(self._compile_steps(option.steps) for option in step.branch))
+
+    def _reset_output(self) -> None:
+        self.s_trace: list[int] = []
+        self.s_parent: list[int] = []
+        self.s_service: list[int] = []
+        self.s_op: list[int] = []
+        self.s_start: list[float] = []
+        self.s_end: list[float] = []
+        self.s_kind: list[int] = []
+        self.s_error: list[bool] = []
+        self.s_instance: list[int] = []
+        self.s_peer: list[int] = []
+        self.v_span: list[int] = []
+        self.v_key: list[int] = []
+        self.v_local: list[float] = []
+        self.v_fault: list[int] = []
+        self.v_cache_fault: list[bool] = []
+        self.t_request: list[int] = []
+        self.t_start: list[float] = []
+        self.t_end: list[float] = []
+
+    # ---- the event loop -----------------------------------------------------------------
+    def _at(self, t: float, handler, subject) -> None:
+        heappush(self.heap, (t, next(self.sequence), handler, subject))
+
+    def run(self, duration_s: float) -> SimulationResult:
+        arrivals, kinds = self._arrivals(duration_s)
+        for index, fault in enumerate(self.faults):
+            self._at(fault.start_s * 1e9, self._fault_start, index)
+            self._at(fault.end_s * 1e9, self._fault_end, index)
+        self._arrival_times = arrivals
+        self._arrival_kinds = kinds
+        if len(arrivals):
+            self._at(arrivals[0], self._arrival, 0)
+        heap = self.heap
+        while heap:
+            t, _, handler, subject = heappop(heap)
+            handler(subject, t)
+        return self._result()
+
+    def _arrivals(self, duration_s: float) -> tuple[list[float], list[int]]:
+        workload = self.topology.workload
+        expected = int(workload.rate * duration_s)
+        if workload.arrivals == "constant":
+            times = np.arange(expected) / workload.rate
+        else:
+            gaps = self.rng.exponential(1 / workload.rate, size=expected + 10 * int(math.sqrt(expected)) + 10)
+            times = np.cumsum(gaps)
+            times = times[times < duration_s]
+        weights = np.array([r.weight for r in self.topology.requests.values()])
+        kinds = self.rng.choice(len(weights), size=len(times), p=weights / weights.sum())
+        return (times * 1e9).tolist(), kinds.tolist()
+
+    def _arrival(self, index: int, t: float) -> None:
+        if index + 1 < len(self._arrival_times):
+            self._at(self._arrival_times[index + 1], self._arrival, index + 1)
+        trace = len(self.t_start)
+        kind = self._arrival_kinds[index]
+        self.t_request.append(kind)
+        self.t_start.append(t)
+        self.t_end.append(-1.0)
+        self._visit_arrives(Visit(self.entries[kind], trace, -1, None), t)
+
+    # ---- a visit's life: arrive, queue, pre-burst, steps, post-burst, respond ------------
+    def _visit_arrives(self, visit: Visit, t: float) -> None:
+        service = visit.op.service
+        replica = service.replicas[service.next_rr % service.active]
+        service.next_rr += 1
+        visit.replica = replica
+        visit.t_arrive = t
+        if replica.busy < replica.pool:
+            replica.busy += 1
+            self._start(visit, t)
+        elif len(replica.queue) < service.queue_cap:
+            replica.queue.append(visit)
+        else:  # rejected: the caller gets an error after the network round trip
+            visit.error = True
+            if visit.frame is None:
+                self.t_end[visit.trace] = t
+            else:
+                self._at(t + next(self.network), self._returned, visit)
+
+    def _start(self, visit: Visit, t: float) -> None:
+        op = visit.op
+        service = op.service
+        replica = visit.replica
+        visit.fault = replica.fault
+        if service.storage is None:
+            root = visit.frame is None
+            visit.span = self._open_span(visit.trace, visit.client_span, service.index, op.name_id,
+                                         visit.t_arrive if root else t, SERVER, replica.index, -1)
+        work = next(op.draw)
+        if op.steps:
+            visit.post_work = work * 0.5
+            self._at(self._cpu(replica, t, work * 0.5), self._pre_done, visit)
+        else:
+            self._at(self._cpu(replica, t, work), self._post_done, visit)
+
+    def _cpu(self, replica: Replica, t: float, work: float) -> float:
+        """FCFS on the replica's cores; returns when this burst of work ends."""
+        cores = replica.cores
+        start = cores[0] if cores[0] > t else t
+        end = start + work * replica.slowdown
+        if replica.pause_starts:
+            end = _stall(replica.pause_starts, replica.pause_ends, start, end)
+        heapreplace(cores, end)
+        return end
+
+    def _pre_done(self, visit: Visit, t: float) -> None:
+        visit.t_steps = t
+        frame = Frame(visit, None, visit.op.steps)
+        self._advance(frame, t)
+
+    def _steps_done(self, visit: Visit, t: float, error: bool) -> None:
+        visit.steps_wait = t - visit.t_steps
+        visit.error = visit.error or error
+        self._at(self._cpu(visit.replica, t, visit.post_work), self._post_done, visit)
+
+    def _post_done(self, visit: Visit, t: float) -> None:
+        replica = visit.replica
+        replica.busy -= 1
+        while replica.queue and replica.busy < replica.pool:
+            replica.busy += 1
+            self._start(replica.queue.popleft(), t)
+        service = visit.op.service
+        if visit.span >= 0:
+            self.s_end[visit.span] = t
+            self.s_error[visit.span] = visit.error
+        if visit.frame is None:
+            self.t_end[visit.trace] = t
+            arrive = t
+        else:
+            arrive = self._send(service, replica, t, visit.op.response_bytes, visit)
+            self._at(arrive, self._returned, visit)
+        fault = visit.fault if visit.fault >= 0 else replica.fault
+        self.v_span.append(visit.span if visit.span >= 0 else visit.client_span)
+        self.v_key.append(visit.op.key)
+        self.v_local.append(t - visit.t_arrive - visit.steps_wait + visit.extra)
+        self.v_fault.append(fault)
+        self.v_cache_fault.append(visit.cache_fault)
+
+    def _send(self, service: ServiceState, replica: Replica, t: float, size: int, visit: Visit) -> float:
+        """When a message sent at t arrives; delay added by a network fault counts as the sender's."""
+        arrive = t + next(self.network)
+        if service.net_delay or service.bytes_per_ns:
+            extra = service.net_delay + service.net_jitter * (2 * next(self.uniform) - 1)
+            if service.bytes_per_ns:
+                replica.link_free = max(replica.link_free, t) + size / service.bytes_per_ns
+                extra += replica.link_free - t
+            extra = max(extra, 0.0)
+            visit.extra += extra
+            arrive += extra
+        return arrive
+
+    def _returned(self, visit: Visit, t: float) -> None:
+        if visit.done:  # the caller already gave up (timeout)
+            return
+        visit.done = True
+        self.s_end[visit.client_span] = t
+        self.s_error[visit.client_span] = visit.error
+        if visit.on_miss is not None and not visit.error:
+            self._advance(Frame(visit.frame.visit, visit.frame, visit.on_miss), t)
+        else:
+            self._child_done(visit.frame, t, visit.error)
+
+    def _timeout(self, visit: Visit, t: float) -> None:
+        if visit.done:
+            return
+        visit.done = True
+        self.s_end[visit.client_span] = t
+        self.s_error[visit.client_span] = True
+        self._child_done(visit.frame, t, True)
+
+    # ---- steps --------------------------------------------------------------------------
+    def _advance(self, frame: Frame, t: float) -> None:
+        """Start a sequence's next step, or finish the sequence."""
+        if frame.index < len(frame.items) and not frame.error:
+            step = frame.items[frame.index]
+            frame.index += 1
+            self._begin(step, frame, t)
+        else:
+            self._frame_done(frame, t)
+
+    def _frame_done(self, frame: Frame, t: float) -> None:
+        if frame.parent is None:
+            self._steps_done(frame.visit, t, frame.error)
+        else:
+            self._child_done(frame.parent, t, frame.error)
+
+    def _child_done(self, frame: Frame, t: float, error: bool) -> None:
+        frame.error = frame.error or error
+        if frame.pending:  # a parallel group
+            frame.pending -= 1
+            if frame.pending == 0:
+                self._frame_done(frame, t)
+        else:
+            self._advance(frame, t)
+
+    def _begin(self, step: tuple, frame: Frame, t: float) -> None:
+        code = step[0]
+        if code == CALL or code == CACHE:
+            self._call(step, frame, t)
+        elif code == PAR:
+            group = Frame(frame.visit, frame, ())
+            group.pending = len(step[1])
+            for child in step[1]:
+                self._begin(child, group, t)
+        elif code == SEQ:
+            self._advance(Frame(frame.visit, frame, step[1]), t)
+        else:
+            draw = next(self.uniform)
+            cumulative = step[1]
+            choice = 0
+            while choice < len(cumulative) - 1 and draw >= cumulative[choice]:
+                choice += 1
+            self._advance(Frame(frame.visit, frame, step[2][choice]), t)
+
+    def _call(self, step: tuple, frame: Frame, t: float) -> None:
+        caller = frame.visit
+        op = step[1]
+        callee = op.service
+        source = caller.op.service
+        client = self._open_span(caller.trace, caller.span, source.index, step[2], t, CLIENT,
+                                 caller.replica.index, callee.index if callee.storage else -1)
+        visit = Visit(op, caller.trace, client, frame)
+        if step[0] == CACHE:
+            draw = next(self.uniform)
+            normal_hit = draw < step[3]
+            hit = normal_hit if callee.hit_override is None else draw < callee.hit_override
+            visit.cache_fault = normal_hit and not hit
+            if not hit and step[4]:
+                visit.on_miss = step[4]
+        elif step[3]:
+            self._at(t + step[3], self._timeout, visit)
+        self._at(self._send(source, caller.replica, t, self.request_bytes, caller), self._visit_arrives, visit)
+
+    def _open_span(self, trace, parent, service, operation, start, kind, instance, peer) -> int:
+        self.s_trace.append(trace)
+        self.s_parent.append(parent)
+        self.s_service.append(service)
+        self.s_op.append(operation)
+        self.s_start.append(start)
+        self.s_end.append(start)
+        self.s_kind.append(kind)
+        self.s_error.append(False)
+        self.s_instance.append(instance)
+        self.s_peer.append(peer)
+        return len(self.s_trace) - 1
+
+    # ---- faults -------------------------------------------------------------------------
+    def _targets(self, fault: Fault) -> list[Replica]:
+        replicas = self.services[fault.service].replicas
+        count_ = fault.parameter("replicas")
+        if fault.source in ("interference", "background") and count_:
+            return replicas[: int(count_)]
+        return replicas
+
+    def _fault_start(self, index: int, t: float) -> None:
+        fault = self.faults[index]
+        service = self.services[fault.service]
+        source = fault.source
+        if source == "interference":
+            for replica in self._targets(fault):
+                _interfere(replica, fault.parameter("factor"))
+        elif source == "saturation":
+            if fault.parameter("capacity") is not None:
+                for replica in service.replicas:
+                    _resize_cores(replica, service.spec.cores * fault.parameter("capacity"), t)
+            if fault.parameter("replicas") is not None:
+                service.active = max(1, min(int(fault.parameter("replicas")), len(service.replicas)))
+        elif source == "network":
+            service.net_delay = (fault.parameter("delay_ms") or 0.0) * 1e6
+            service.net_jitter = fault.parameter("jitter_ms") * 1e6
+            kbit = fault.parameter("bandwidth_kbit")
+            service.bytes_per_ns = kbit * 1e3 / 8 / 1e9 if kbit else 0.0
+        elif source == "misconfiguration":
+            if fault.parameter("pool_size") is not None:
+                for replica in service.replicas:
+                    replica.pool = int(fault.parameter("pool_size"))
+            if fault.parameter("hit_ratio") is not None:
+                service.hit_override = fault.parameter("hit_ratio")
+        else:  # background: stop-the-world pauses on the target replicas until the fault ends
+            for replica in self._targets(fault):
+                replica.pause_starts, replica.pause_ends = self._pauses(fault)
+        for replica in self._targets(fault)[: service.active]:
+            replica.fault = index
+
+    def _fault_end(self, index: int, t: float) -> None:
+        fault = self.faults[index]
+        service = self.services[fault.service]
+        spec = service.spec
+        source = fault.source
+        if source == "interference":
+            for replica in self._targets(fault):
+                _interfere(replica, 1.0)
+        elif source == "saturation":
+            for replica in service.replicas:
+                _resize_cores(replica, spec.cores, t)
+            service.active = len(service.replicas)
+        elif source == "network":
+            service.net_delay = service.net_jitter = service.bytes_per_ns = 0.0
+        elif source == "misconfiguration":
+            service.hit_override = None
+            for replica in service.replicas:
+                replica.pool = spec.workers
+                while replica.queue and replica.busy < replica.pool:
+                    replica.busy += 1
+                    self._start(replica.queue.popleft(), t)
+        else:
+            for replica in self._targets(fault):
+                replica.pause_starts, replica.pause_ends = [], []
+        for replica in service.replicas:
+            if replica.fault == index:
+                replica.fault = -1
+
+    def _pauses(self, fault: Fault) -> tuple[list[float], list[float]]:
+        starts, ends = [], []
+        every = fault.parameter("every_ms") * 1e6
+        length = fault.parameter("pause_ms") * 1e6
+        t = fault.start_s * 1e9 + self.rng.exponential(every)
+        while t < fault.end_s * 1e9:
+            starts.append(t)
+            t += length * self.rng.uniform(0.5, 1.5)
+            ends.append(t)
+            t += self.rng.exponential(every)
+        return starts, ends
+
+    def _result(self) -> SimulationResult:
+        return SimulationResult(
+            span_trace=np.array(self.s_trace, dtype=np.int64),
+            span_parent=np.array(self.s_parent, dtype=np.int64),
+            span_service=np.array(self.s_service, dtype=np.int32),
+            span_operation=np.array(self.s_op, dtype=np.int32),
+            span_start=np.array(self.s_start, dtype=np.float64),
+            span_end=np.array(self.s_end, dtype=np.float64),
+            span_kind=np.array(self.s_kind, dtype=np.int8),
+            span_error=np.array(self.s_error, dtype=bool),
+            span_instance=np.array(self.s_instance, dtype=np.int32),
+            span_peer=np.array(self.s_peer, dtype=np.int32),
+            visit_span=np.array(self.v_span, dtype=np.int64),
+            visit_key=np.array(self.v_key, dtype=np.int32),
+            visit_local=np.array(self.v_local, dtype=np.float64),
+            visit_fault=np.array(self.v_fault, dtype=np.int32),
+            visit_cache_fault=np.array(self.v_cache_fault, dtype=bool),
+            trace_request=np.array(self.t_request, dtype=np.int32),
+            trace_start=np.array(self.t_start, dtype=np.float64),
+            trace_end=np.array(self.t_end, dtype=np.float64),
+            services=list(self.services),
+            storage=[s.storage for s in self.services.values()],
+            operations=self.names,
+            instances=self.instances,
+            op_keys=self.op_keys,
+            requests=self.requests,
+            faults=list(self.faults),
+        )
+
+
+def _stall(starts: list[float], ends: list[float], start: float, end: float) -> float:
+    """End of a burst [start, end) stretched by the stop-the-world pauses it runs into."""
+    i = bisect_right(starts, start) - 1
+    if i >= 0 and ends[i] > start:  # starts inside a pause: waits for its end
+        end += ends[i] - start
+    i += 1
+    while i < len(starts) and starts[i] < end:
+        end += ends[i] - starts[i]
+        i += 1
+    return end
+
+
+def _resize_cores(replica: Replica, cores: float, t: float) -> None:
+    """Change a replica's CPU (a container limit): whole cores as servers, a fraction as slowdown."""
+    whole = max(1, math.ceil(cores))
+    current = replica.cores
+    if whole < len(current):  # the cores kept are the ones busy longest
+        kept = sorted(current)[-whole:]
+    else:
+        kept = current + [t] * (whole - len(current))
+    heapify(kept)
+    replica.cores = kept
+    replica.slowdown = whole / cores * replica.interference
+
+
+def _interfere(replica: Replica, factor: float) -> None:
+    cores = len(replica.cores) / (replica.slowdown / replica.interference)
+    replica.interference = factor
+    replica.slowdown = len(replica.cores) / cores * factor
+
+
+def simulate(topology: TopologySpec, faults: list[Fault], duration_s: float, seed: int | np.random.SeedSequence) -> SimulationResult:
+    """Run one episode of `duration_s` seconds of arrivals (then drain) under `faults`."""
+    seed_sequence = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+    return Simulator(topology, faults, seed_sequence).run(duration_s)
