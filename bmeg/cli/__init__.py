@@ -12,6 +12,7 @@ import click
 
 #: command name -> "module:attribute" of a click command or group.
 COMMANDS = {
+    "critical-path": "bmeg.cli.graphs:critical_path",
 }
 
 
