@@ -1,0 +1,322 @@
+"""OTLP traces: protobuf (`ExportTraceServiceRequest`, `TracesData`) and OTLP/JSON.
+
+Both protobuf messages have the same layout (field 1: `resource_spans`), so one parser reads
+either. OTLP/JSON is the protobuf JSON mapping with two differences the Collector's encoding
+makes: ids are hex (not base64) and enums are integers (names are accepted too). JSON is read
+by turning hex ids into base64 and handing the document to `json_format`, so both encodings
+share one decoder and one set of field rules.
+
+The protobuf path is the hot one (HTTP server, Kafka consumer): it builds column lists in one
+pass over the spans, with ids via `bytes.hex()` and no per-span dicts.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+import numpy as np
+import pyarrow as pa
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Status
+
+from bmeg.traces.build import table_from_arrays
+from bmeg.traces.errors import TraceInputError
+from bmeg.traces.otlp_view import RawSpansView, SpanAttributesView, SpansView
+from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
+
+SERVICE_NAME = "service.name"
+#: Resource attributes naming the replica that ran a span, most specific first.
+INSTANCE_KEYS = ("service.instance.id", "k8s.pod.name", "host.name")
+#: What OpenTelemetry SDKs report when no service name is configured.
+UNKNOWN_SERVICE = "unknown_service"
+PEER_SERVICE = "peer.service"
+DB_SYSTEM = "db.system"
+_PEER_SERVICE_BYTES = PEER_SERVICE.encode()
+_DB_SYSTEM_BYTES = DB_SYSTEM.encode()
+
+_KIND_NAMES = pa.array(SPAN_KINDS)  # OTLP's SpanKind numbers index SPAN_KINDS
+_STATUS_NAMES = pa.array(STATUS_CODES)  # and Status.StatusCode numbers STATUS_CODES
+
+
+# --- protobuf -> span table ------------------------------------------------------------------
+
+
+def read_otlp_proto(data: bytes, source: str = "<bytes>") -> pa.Table:
+    """Read a serialized `ExportTraceServiceRequest` or `TracesData` into a span table."""
+    request = _decode(SpansView, data, source)
+    trace_ids: list[str] = []
+    span_ids: list[str] = []
+    parent_ids: list[str | None] = []
+    operations: list[str] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    kinds: list[int] = []
+    statuses: list[bytes] = []
+    services: list[str] = []
+    instances: list[str | None] = []
+    for resource_spans in request.resource_spans:
+        service, instance = _resource_identity(resource_spans.resource.attributes)
+        for scope_spans in resource_spans.scope_spans:
+            spans = scope_spans.spans
+            services += [service] * len(spans)
+            instances += [instance] * len(spans)
+            for span in spans:
+                trace_ids.append(span.trace_id.hex())
+                span_ids.append(span.span_id.hex())
+                parent = span.parent_span_id
+                parent_ids.append(parent.hex() if parent else None)
+                operations.append(span.name)
+                starts.append(span.start_time_unix_nano)
+                ends.append(span.end_time_unix_nano)
+                kinds.append(span.kind)
+                statuses.append(span.status)
+    ids = {"trace_id": trace_ids, "span_id": span_ids}
+    peers, db_systems = _peer_and_db_system(data, ids, source)
+    return table_from_arrays(
+        {
+            "trace_id": pa.array(trace_ids, pa.string()),
+            "span_id": pa.array(span_ids, pa.string()),
+            "parent_id": pa.array(parent_ids, pa.string()),
+            "service": pa.array(services, pa.string()),
+            "operation": pa.array(operations, pa.string()),
+            "start_ns": _nanoseconds(starts, "start time", ids, source),
+            "end_ns": _nanoseconds(ends, "end time", ids, source),
+            "kind": _enum_names(kinds, _KIND_NAMES, "span kind", ids, source),
+            "status": _enum_names(_status_codes(statuses, ids, source), _STATUS_NAMES, "status code", ids, source),
+            "peer_service": pa.array(peers, pa.string()),
+            "db_system": pa.array(db_systems, pa.string()),
+            "instance": pa.array(instances, pa.string()),
+        },
+        source,
+    )
+
+
+def _decode(view, data: bytes, source: str):
+    try:
+        return view.FromString(data)
+    except DecodeError as error:
+        raise TraceInputError(f"not an OTLP protobuf trace message: {error} (in {source})") from None
+
+
+def _peer_and_db_system(
+    data: bytes, ids: dict[str, list], source: str
+) -> tuple[list[str | None], list[str | None]]:
+    """`peer.service` and `db.system` per span. Byte searches find the spans that may hold
+    either key; only those spans' attributes are decoded."""
+    peers: list[str | None] = [None] * len(ids["span_id"])
+    db_systems: list[str | None] = [None] * len(ids["span_id"])
+    if _PEER_SERVICE_BYTES not in data and _DB_SYSTEM_BYTES not in data:
+        return peers, db_systems
+    raw_spans = [
+        raw
+        for resource_spans in _decode(RawSpansView, data, source).resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for raw in scope_spans.spans
+    ]
+    for row in _rows_mentioning(raw_spans, (_PEER_SERVICE_BYTES, _DB_SYSTEM_BYTES)):
+        try:
+            attributes = SpanAttributesView.FromString(raw_spans[row]).attributes
+        except DecodeError as error:
+            _fail_at(row, f"malformed span attributes: {error}", ids, source)
+        for attribute in attributes:
+            if attribute.key == PEER_SERVICE:
+                peers[row] = any_value_text(attribute.value)
+            elif attribute.key == DB_SYSTEM:
+                db_systems[row] = any_value_text(attribute.value)
+    return peers, db_systems
+
+
+def _rows_mentioning(raw_spans: list[bytes], needles: tuple[bytes, ...]) -> list[int]:
+    """Rows of the spans whose bytes contain a needle: one search over all spans joined (a
+    match across two spans' boundary only costs a needless decode)."""
+    joined = b"".join(raw_spans)
+    positions = []
+    for needle in needles:
+        at = joined.find(needle)
+        while at >= 0:
+            positions.append(at)
+            at = joined.find(needle, at + 1)
+    span_ends = np.cumsum(np.fromiter(map(len, raw_spans), dtype=np.int64, count=len(raw_spans)))
+    return np.unique(np.searchsorted(span_ends, positions, side="right")).tolist()
+
+
+def _status_codes(statuses: list[bytes], ids: dict[str, list], source: str) -> list[int]:
+    codes = [0] * len(statuses)
+    for row, raw in enumerate(statuses):
+        if raw:  # empty for the usual unset status
+            try:
+                codes[row] = Status.FromString(raw).code
+            except DecodeError as error:
+                _fail_at(row, f"malformed span status: {error}", ids, source)
+    return codes
+
+
+def any_value_text(value: AnyValue) -> str:
+    """An attribute value as text: strings as they are, other scalars printed."""
+    which = value.WhichOneof("value")
+    if which is None or which == "string_value":
+        return value.string_value
+    if which == "bool_value":
+        return "true" if value.bool_value else "false"
+    if which == "bytes_value":
+        return value.bytes_value.hex()
+    if which in ("int_value", "double_value"):
+        return str(getattr(value, which))
+    return json_format.MessageToJson(value, indent=None)  # arrays and key-value lists
+
+
+def _resource_identity(attributes) -> tuple[str, str | None]:
+    found = {a.key: a.value for a in attributes if a.key == SERVICE_NAME or a.key in INSTANCE_KEYS}
+    service = any_value_text(found[SERVICE_NAME]) if SERVICE_NAME in found else UNKNOWN_SERVICE
+    instance = next((any_value_text(found[key]) for key in INSTANCE_KEYS if key in found), None)
+    return service, instance
+
+
+def _nanoseconds(values: list[int], what: str, ids: dict[str, list], source: str) -> pa.Array:
+    """uint64 protobuf times as int64; a time past int64 (year 2262) is an error."""
+    times = np.asarray(values, dtype=np.uint64)
+    too_large = np.flatnonzero(times > np.uint64(2**63 - 1))
+    if too_large.size:
+        _fail_at(int(too_large[0]), f"{what} {values[too_large[0]]} overflows int64 ns", ids, source)
+    return pa.array(times.astype(np.int64))
+
+
+def _enum_names(
+    values: list[int], names: pa.Array, what: str, ids: dict[str, list], source: str
+) -> pa.Array:
+    numbers = np.asarray(values, dtype=np.int64)
+    unknown = np.flatnonzero((numbers < 0) | (numbers >= len(names)))
+    if unknown.size:
+        _fail_at(int(unknown[0]), f"unknown {what} {values[unknown[0]]}", ids, source)
+    return names.take(pa.array(numbers))
+
+
+def _fail_at(row: int, message: str, ids: dict[str, list], source: str) -> None:
+    raise TraceInputError(
+        f"{message} (in {source})",
+        trace_id=ids["trace_id"][row] or None,
+        span_id=ids["span_id"][row] or None,
+    )
+
+
+# --- span table -> protobuf ------------------------------------------------------------------
+
+
+def table_to_request(table: pa.Table) -> ExportTraceServiceRequest:
+    """One `resource_spans` per (service, instance), spans in table order within each."""
+    request = ExportTraceServiceRequest()
+    scopes: dict[tuple[str, str | None], object] = {}
+    kind_numbers = {name: number for number, name in enumerate(SPAN_KINDS)}
+    status_numbers = {name: number for number, name in enumerate(STATUS_CODES)}
+    for row in table.to_pylist():
+        identity = (row["service"], row["instance"])
+        scope_spans = scopes.get(identity)
+        if scope_spans is None:
+            scope_spans = scopes[identity] = _add_resource(request, *identity)
+        span = scope_spans.spans.add(
+            trace_id=_id_bytes(row["trace_id"]),
+            span_id=_id_bytes(row["span_id"]),
+            name=row["operation"],
+            start_time_unix_nano=row["start_ns"],
+            end_time_unix_nano=row["start_ns"] + row["duration_ns"],
+            kind=kind_numbers[row["kind"]],
+        )
+        if row["parent_id"] is not None:
+            span.parent_span_id = _id_bytes(row["parent_id"])
+        span.status.code = status_numbers[row["status"]]
+        for key, column in ((PEER_SERVICE, "peer_service"), (DB_SYSTEM, "db_system")):
+            if row[column] is not None:
+                span.attributes.add(key=key).value.string_value = row[column]
+    return request
+
+
+def to_otlp_proto_bytes(table: pa.Table) -> bytes:
+    """Serialize a span table as an `ExportTraceServiceRequest` (a Kafka message, an HTTP body)."""
+    return table_to_request(table).SerializeToString()
+
+
+def _add_resource(request: ExportTraceServiceRequest, service: str, instance: str | None):
+    resource_spans = request.resource_spans.add()
+    attributes = resource_spans.resource.attributes
+    attributes.add(key=SERVICE_NAME).value.string_value = service
+    if instance is not None:
+        attributes.add(key=INSTANCE_KEYS[0]).value.string_value = instance
+    scope_spans = resource_spans.scope_spans.add()
+    scope_spans.scope.name = "bmeg"
+    return scope_spans
+
+
+def _id_bytes(hex_id: str) -> bytes:
+    """Hex id to bytes; an odd-length id (possible in CSV input) gets a leading zero."""
+    return bytes.fromhex(hex_id if len(hex_id) % 2 == 0 else "0" + hex_id)
+
+
+# --- OTLP/JSON -------------------------------------------------------------------------------
+
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+def otlp_json_to_table(documents: list, source: str = "<json>") -> pa.Table:
+    """Read decoded OTLP/JSON documents (one per file, or one per line of JSON lines)."""
+    request = ExportTraceServiceRequest()
+    for number, document in enumerate(documents):
+        where = source if len(documents) == 1 else f"{source}, document {number + 1}"
+        if not isinstance(document, dict) or "resourceSpans" not in document:
+            raise TraceInputError(f"OTLP/JSON needs an object with 'resourceSpans' (in {where})")
+        _hex_ids_to_base64(document, where)
+        try:
+            part = json_format.ParseDict(document, ExportTraceServiceRequest())
+        except (json_format.ParseError, TypeError, ValueError, AttributeError) as error:
+            raise TraceInputError(f"malformed OTLP/JSON: {error} (in {where})") from None
+        request.MergeFrom(part)
+    return read_otlp_proto(request.SerializeToString(), source)
+
+
+def table_to_otlp_json(table: pa.Table) -> dict:
+    """A span table as an OTLP/JSON document (hex ids, integer enums, string nanoseconds)."""
+    document = json_format.MessageToDict(table_to_request(table), use_integers_for_enums=True)
+    for span in _json_spans(document):
+        for field in _ID_FIELDS:
+            if field in span:
+                span[field] = base64.b64decode(span[field]).hex()
+    return document
+
+
+def _hex_ids_to_base64(document: dict, where: str) -> None:
+    """Rewrite the hex ids of an OTLP/JSON document as the base64 `json_format` expects."""
+    for span in _json_spans(document):
+        for field in _ID_FIELDS:
+            value = span.get(field)
+            if isinstance(value, str):
+                try:
+                    span[field] = base64.b64encode(bytes.fromhex(value)).decode()
+                except ValueError:
+                    raise TraceInputError(
+                        f"{field} {value!r} is not a hex id (in {where})",
+                        trace_id=str(span.get("traceId")),
+                        span_id=str(span.get("spanId")),
+                    ) from None
+
+
+def _json_spans(document: dict):
+    """The span objects of an OTLP/JSON document; parts of the wrong shape are skipped here
+    (json_format reports them)."""
+    for resource_spans in _list(document.get("resourceSpans")):
+        if not isinstance(resource_spans, dict):
+            continue
+        if "instrumentationLibrarySpans" in resource_spans:  # pre-1.0 name of scopeSpans
+            resource_spans["scopeSpans"] = resource_spans.pop("instrumentationLibrarySpans")
+            for scope_spans in _list(resource_spans["scopeSpans"]):
+                if isinstance(scope_spans, dict) and "instrumentationLibrary" in scope_spans:
+                    scope_spans["scope"] = scope_spans.pop("instrumentationLibrary")
+        for scope_spans in _list(resource_spans.get("scopeSpans")):
+            if isinstance(scope_spans, dict):
+                yield from (span for span in _list(scope_spans.get("spans")) if isinstance(span, dict))
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
