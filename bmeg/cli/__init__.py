@@ -13,6 +13,7 @@ import click
 #: command name -> "module:attribute" of a click command or group.
 COMMANDS = {
     "critical-path": "bmeg.cli.graphs:critical_path",
+    "generate": "bmeg.cli.generate:generate",
 }
 
 

@@ -1,0 +1,115 @@
+"""Load a dataset by name (generated into the cache on first use) or from a folder.
+
+A dataset folder holds `spans.parquet` (SPAN_SCHEMA), `traces.parquet` (per-trace labels),
+`nodes.parquet` (per-span bottleneck labels) and `dataset.json` (its card). A folder whose
+sub-folders are such datasets (the shards of one job, `bmeg generate --shard i/n`) loads as
+their union.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bmeg.datasets.generate import generate_dataset
+from bmeg.faultinject.errors import SpecError
+from bmeg.faultinject.spec import topology_path
+from bmeg.paths import cache_dir
+from bmeg.traces.schema import conform
+
+DEFAULT_TRACES = 20_000
+DEFAULT_IMBALANCE = 0.1
+TEST_FRACTION = 0.2
+
+
+@dataclass(frozen=True)
+class Split:
+    train: frozenset[str]
+    test: frozenset[str]
+
+
+@dataclass
+class Dataset:
+    path: Path
+    spans: pa.Table
+    traces: pa.Table  # trace labels: trace_id, anomalous, fault_kind, fault_source, fault_services, ...
+    nodes: pa.Table  # node labels: trace_id, span_id, service, bottleneck
+    cards: list[dict]
+
+    @property
+    def card(self) -> dict:
+        return self.cards[0]
+
+    def split(self, seed: int = 0, test_fraction: float = TEST_FRACTION) -> Split:
+        """Stratified train/test trace ids: `test_fraction` of each class (anomalous, normal) to test."""
+        ids = np.array(self.traces["trace_id"].to_pylist(), dtype=object)
+        flags = self.traces["anomalous"].to_numpy(zero_copy_only=False)
+        rng = np.random.default_rng(seed)
+        test: list[str] = []
+        for members in (ids[flags], ids[~flags]):
+            shuffled = rng.permutation(members)
+            test.extend(shuffled[: round(len(members) * test_fraction)].tolist())
+        test_set = frozenset(test)
+        return Split(frozenset(ids.tolist()) - test_set, test_set)
+
+
+def _dataset_dirs(path: Path) -> list[Path]:
+    if (path / "dataset.json").is_file():
+        return [path]
+    shards = sorted(child for child in path.iterdir() if (child / "dataset.json").is_file()) if path.is_dir() else []
+    if not shards:
+        raise FileNotFoundError(f"{path} holds no dataset (no dataset.json in it or its sub-folders)")
+    return shards
+
+
+def read_dataset(path: str | Path) -> Dataset:
+    path = Path(path)
+    folders = _dataset_dirs(path)
+
+    def table(name: str) -> pa.Table:
+        return pa.concat_tables([pq.read_table(folder / f"{name}.parquet") for folder in folders])
+
+    cards = [json.loads((folder / "dataset.json").read_text()) for folder in folders]
+    return Dataset(path, conform(table("spans")), table("traces"), table("nodes"), cards)
+
+
+def cached_path(name: str, traces: int, imbalance: float, seed: int, scenario: str) -> Path:
+    return cache_dir() / "datasets" / f"{name}-{Path(scenario).stem}-n{traces}-r{imbalance:g}-s{seed}"
+
+
+def load_dataset(
+    name_or_path: str | Path,
+    traces: int = DEFAULT_TRACES,
+    imbalance: float = DEFAULT_IMBALANCE,
+    seed: int = 0,
+    scenario: str = "single",
+    workers: int = 1,
+    progress: bool = True,
+) -> Dataset:
+    """A dataset folder, or a topology name (`socialnet`, ...) generated into the cache once."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return read_dataset(path)
+    try:
+        topology_path(name_or_path)
+    except SpecError:
+        raise FileNotFoundError(f"{name_or_path!r} is neither a dataset folder nor a known topology") from None
+    target = cached_path(str(name_or_path), traces, imbalance, seed, scenario)
+    if not (target / "dataset.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # generate beside the target and rename, so an interrupted run leaves no half dataset
+        staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            generate_dataset(staging, name_or_path, traces, imbalance, seed, scenario, workers=workers, progress=progress)
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return read_dataset(target)
