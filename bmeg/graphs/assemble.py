@@ -55,8 +55,8 @@ class DroppedSpan(NamedTuple):
 class SpanForest:
     """All spans of many traces, linked and repaired, in flat arrays.
 
-    Spans are grouped by trace (traces in order of first appearance), and within a trace
-    ordered by their original start time. Array index = row of `spans`.
+    Spans are grouped by trace (traces in order of first appearance), in input order within a
+    trace. Array index = row of `spans`.
     """
 
     spans: pa.Table  # the kept spans (SPAN_SCHEMA), original times
@@ -100,15 +100,17 @@ def assemble(table: pa.Table, *, on_bad_trace: Literal["raise", "drop"] = "raise
     start = table["start_ns"].to_numpy()
     duration = table["duration_ns"].to_numpy()
 
-    kept, key, parent_key = _dedupe(table, trace_code, start, duration, dropped, warnings)
-    spans = table.take(pa.array(kept))
-    start, duration = start[kept], duration[kept]
-    # Traces are numbered in order of first appearance, so trace_code is sorted over `kept`.
-    trace_index = trace_code[kept].astype(np.int64)
+    kept, key, parent_key = _dedupe(table, trace_code, duration, dropped, warnings)
+    if kept is not None:
+        table, key, parent_key = table.take(pa.array(kept)), key[kept], parent_key[kept]
+        start, duration, trace_code = start[kept], duration[kept], trace_code[kept]
+    spans = table
+    # Traces are numbered in order of first appearance, so trace codes are now sorted.
+    trace_index = trace_code.astype(np.int64)
     trace_offsets = np.searchsorted(trace_index, np.arange(len(trace_ids) + 1)).astype(np.int64)
     names = _SpanNames(trace_ids, trace_index, spans["span_id"])
 
-    parent, orphan = _link_parents(key[kept], parent_key[kept], names, warnings)
+    parent, orphan = _link_parents(key, parent_key, names, warnings)
     _break_cycles(parent, orphan, start, names, warnings)
     root, adopted = _choose_roots(parent, orphan, trace_index, len(trace_ids), start, duration, names, warnings)
     depth = _depth(parent)
@@ -185,38 +187,39 @@ def _reject_bad_traces(table: pa.Table, on_bad_trace: str, dropped: list[Dropped
 def _dedupe(
     table: pa.Table,
     trace_code: np.ndarray,
-    start: np.ndarray,
     duration: np.ndarray,
     dropped: list[DroppedSpan],
     warnings: list[str],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows to keep (grouped by trace, by start), and each row's span and parent keys.
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """Rows to keep, grouped by trace (None: all rows, already grouped), and each row's span
+    and parent keys (-1: no parent).
 
     A key packs (trace, span id) into one int64, so parents resolve with one searchsorted.
+    Span and parent ids share one dictionary (one hashing pass over both columns).
     """
-    span_code, span_dictionary = _encode(table["span_id"])
-    parent_code = pc.index_in(table["parent_id"], value_set=pa.array(span_dictionary, pa.string()))
-    width = np.int64(len(span_dictionary))
-    key = trace_code.astype(np.int64) * width + span_code
-    parent_key = np.where(
-        parent_code.is_valid().to_numpy(zero_copy_only=False),
-        trace_code.astype(np.int64) * width + parent_code.fill_null(0).to_numpy(zero_copy_only=False),
-        -1,
-    )
-    # Missing parent ids that are not any span's id get -2: "has a parent, not found".
-    has_parent_id = table["parent_id"].is_valid().to_numpy(zero_copy_only=False)
-    parent_key[has_parent_id & (parent_key < 0)] = -2
+    n = table.num_rows
+    ids = pa.concat_arrays([table["span_id"].combine_chunks(), table["parent_id"].combine_chunks()])
+    encoded = pc.dictionary_encode(ids)
+    codes = pc.fill_null(encoded.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    span_code, parent_code = codes[:n], codes[n:]
+    trace = trace_code.astype(np.int64)
+    width = np.int64(len(encoded.dictionary))
+    key = trace * width + span_code
+    parent_key = np.where(parent_code >= 0, trace * width + parent_code, -1)
 
-    rows = np.arange(len(key))
-    complete = duration > 0
-    by_key = np.lexsort((rows, ~complete, key))
-    first_copy = np.r_[True, key[by_key][1:] != key[by_key][:-1]]
-    if not first_copy.all():
-        _report_duplicates(table, by_key, first_copy, dropped, warnings)
-    keep = np.zeros(len(key), dtype=bool)
-    keep[by_key[first_copy]] = True
-    order = np.lexsort((start, trace_code))
-    return order[keep[order]], key, parent_key
+    keep = None
+    if np.bincount(span_code, minlength=width).max(initial=0) > 1:  # an id occurs twice: check
+        rows = np.arange(n)
+        by_key = np.lexsort((rows, duration <= 0, key))  # first complete copy first
+        first_copy = np.r_[True, key[by_key][1:] != key[by_key][:-1]]
+        if not first_copy.all():
+            _report_duplicates(table, by_key, first_copy, dropped, warnings)
+            keep = np.zeros(n, dtype=bool)
+            keep[by_key[first_copy]] = True
+    if keep is None and (np.diff(trace_code) >= 0).all():
+        return None, key, parent_key
+    order = np.argsort(trace_code, kind="stable")
+    return (order if keep is None else order[keep[order]]), key, parent_key
 
 
 def _report_duplicates(table, by_key, first_copy, dropped, warnings) -> None:

@@ -50,10 +50,12 @@ def critical_paths(forest: SpanForest) -> CriticalPaths:
     exclusive = [0] * n
     window_start = [0] * n
     on_path = np.zeros(n, dtype=bool)
-    stack = [(root, start[root]) for root in forest.root.tolist()]
+    # Two stacks of ints rather than one of tuples: no allocations that wake the GC up.
+    stack_rows = forest.root.tolist()
+    stack_lows = forest.start_ns[forest.root].tolist()
     visited = []
-    while stack:
-        row, low = stack.pop()
+    while stack_rows:
+        row, low = stack_rows.pop(), stack_lows.pop()
         visited.append(row)
         window_start[row] = low
         covered = 0
@@ -61,7 +63,8 @@ def critical_paths(forest: SpanForest) -> CriticalPaths:
         while child >= 0 and end[child] > low:
             child_low = max(start[child], low)
             covered += end[child] - child_low
-            stack.append((child, child_low))
+            stack_rows.append(child)
+            stack_lows.append(child_low)
             if start[child] <= low:
                 break
             child = following[child]
