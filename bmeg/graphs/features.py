@@ -1,6 +1,7 @@
 """Node features of call graphs, computed for all spans of a forest at once.
 
-`base_columns` gives named per-node columns (times in microseconds):
+Built-in per-node columns (times in microseconds), computed on demand by `NodeColumns`
+(`base_columns` returns them all):
 
 - `duration_us`: the span's duration, the thesis's *service time*;
 - `self_time_us`: duration not covered by any child (union of children, clipped to the span);
@@ -11,7 +12,7 @@
 - `log_*`: log1p of each time and of the fan-out, for models that want tame scales.
 
 A `FeatureSpec` picks columns in order. Extra columns come from `ColumnFn`s that see the
-forest and the base columns; `operation_baseline_ratio` is one (the span's duration against a
+forest and the built-in columns; `operation_baseline_ratio` is one (the span's duration against a
 per-operation baseline, e.g. the training set's median).
 """
 
@@ -27,7 +28,7 @@ import pyarrow.compute as pc
 from bmeg.graphs.assemble import SpanForest
 from bmeg.graphs.critical_path import CriticalPaths, critical_paths
 
-#: (forest, base columns) -> more named columns, each float [num_spans].
+#: (forest, built-in columns) -> more named columns, each float [num_spans].
 ColumnFn = Callable[[SpanForest, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
 
 
@@ -52,34 +53,74 @@ DEFAULT_FEATURES = FeatureSpec(
 )
 
 
+class NodeColumns(Mapping[str, np.ndarray]):
+    """The built-in per-node columns of a forest, each computed when first asked for
+    (so a spec of service time only never computes critical paths)."""
+
+    def __init__(self, forest: SpanForest, paths: CriticalPaths | None = None):
+        self.forest = forest
+        self._paths = paths
+        self._values: dict[str, np.ndarray] = {}
+
+    @property
+    def paths(self) -> CriticalPaths:
+        if self._paths is None:
+            self._paths = critical_paths(self.forest)
+        return self._paths
+
+    def add(self, columns: Mapping[str, np.ndarray]) -> None:
+        self._values.update(columns)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._values:
+            if name in _BUILT_IN:
+                self._values[name] = np.asarray(_BUILT_IN[name](self), dtype=np.float64)
+            elif name.removeprefix("log_") in LOG_SCALED:
+                # Async children that kept their timing may start before the root: signed log.
+                plain = self[name.removeprefix("log_")]
+                self._values[name] = np.sign(plain) * np.log1p(np.abs(plain))
+            else:
+                raise KeyError(name)
+        return self._values[name]
+
+    def __iter__(self):
+        names = [*_BUILT_IN, *(f"log_{name}" for name in LOG_SCALED)]
+        return iter(names + [name for name in self._values if name not in names])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+def _start_offset_us(columns: NodeColumns) -> np.ndarray:
+    forest = columns.forest
+    return (forest.start_ns - forest.start_ns[forest.root][forest.trace_index]) / 1e3
+
+
+_BUILT_IN: dict[str, Callable[[NodeColumns], np.ndarray]] = {
+    "duration_us": lambda c: c.forest.duration_ns / 1e3,
+    "self_time_us": lambda c: self_time_ns(c.forest) / 1e3,
+    "cp_exclusive_us": lambda c: c.paths.exclusive_ns / 1e3,
+    "on_critical_path": lambda c: c.paths.on_path,
+    "start_offset_us": _start_offset_us,
+    "depth": lambda c: c.forest.depth,
+    "fan_out": lambda c: np.bincount(c.forest.parent[c.forest.parent >= 0], minlength=c.forest.num_spans),
+}
+LOG_SCALED = ("duration_us", "self_time_us", "cp_exclusive_us", "start_offset_us", "fan_out")
+
+
 def base_columns(forest: SpanForest, paths: CriticalPaths | None = None) -> dict[str, np.ndarray]:
     """All built-in per-node columns (see the module docstring), float64 [num_spans]."""
-    paths = paths or critical_paths(forest)
-    n = forest.num_spans
-    root_start = forest.start_ns[forest.root][forest.trace_index] if n else np.zeros(0, np.int64)
-    has_parent = forest.parent >= 0
-    columns = {
-        "duration_us": forest.duration_ns / 1e3,
-        "self_time_us": self_time_ns(forest) / 1e3,
-        "cp_exclusive_us": paths.exclusive_ns / 1e3,
-        "on_critical_path": paths.on_path.astype(np.float64),
-        "start_offset_us": (forest.start_ns - root_start) / 1e3,
-        "depth": forest.depth.astype(np.float64),
-        "fan_out": np.bincount(forest.parent[has_parent], minlength=n).astype(np.float64),
-    }
-    for name in ("duration_us", "self_time_us", "cp_exclusive_us", "start_offset_us", "fan_out"):
-        # Skew-kept async children may start before the root: sign-preserving log.
-        columns[f"log_{name}"] = np.sign(columns[name]) * np.log1p(np.abs(columns[name]))
-    return columns
+    columns = NodeColumns(forest, paths)
+    return {name: columns[name] for name in columns}
 
 
 def node_features(
     forest: SpanForest, spec: FeatureSpec = DEFAULT_FEATURES, paths: CriticalPaths | None = None
 ) -> np.ndarray:
     """The feature matrix float32 [num_spans, len(spec.columns)] in spec order."""
-    columns = base_columns(forest, paths)
+    columns = NodeColumns(forest, paths)
     for column_fn in spec.extra:
-        columns.update(column_fn(forest, columns))
+        columns.add(column_fn(forest, columns))
     unknown = [name for name in spec.columns if name not in columns]
     if unknown:
         raise KeyError(f"unknown feature columns {unknown}; known: {sorted(columns)}")
