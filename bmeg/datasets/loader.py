@@ -8,6 +8,7 @@ their union.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 
 from bmeg.datasets.generate import generate_dataset
 from bmeg.faultinject.errors import SpecError
+from bmeg.faultinject.scenario import scenario_path
 from bmeg.faultinject.spec import topology_path
 from bmeg.paths import cache_dir
 from bmeg.traces.schema import conform
@@ -80,8 +82,13 @@ def read_dataset(path: str | Path) -> Dataset:
     return Dataset(path, conform(table("spans")), table("traces"), table("nodes"), cards)
 
 
-def cached_path(name: str, traces: int, imbalance: float, seed: int, scenario: str) -> Path:
-    return cache_dir() / "datasets" / f"{name}-{Path(scenario).stem}-n{traces}-r{imbalance:g}-s{seed}"
+def cached_path(topology: str | Path, traces: int, imbalance: float, seed: int, scenario: str | Path) -> Path:
+    """`<topology>-<scenario>-n<traces>-r<imbalance>-s<seed>`; spec files given by path add a content hash."""
+    parts = []
+    for given, resolved in ((topology, topology_path(topology)), (scenario, scenario_path(scenario))):
+        named = resolved.stem == str(given)
+        parts.append(resolved.stem if named else f"{resolved.stem}.{hashlib.sha256(resolved.read_bytes()).hexdigest()[:8]}")
+    return cache_dir() / "datasets" / f"{parts[0]}-{parts[1]}-n{traces}-r{imbalance:g}-s{seed}"
 
 
 def load_dataset(
@@ -89,7 +96,7 @@ def load_dataset(
     traces: int = DEFAULT_TRACES,
     imbalance: float = DEFAULT_IMBALANCE,
     seed: int = 0,
-    scenario: str = "single",
+    scenario: str | Path = "single",
     workers: int = 1,
     progress: bool = True,
 ) -> Dataset:
@@ -101,7 +108,7 @@ def load_dataset(
         topology_path(name_or_path)
     except SpecError:
         raise FileNotFoundError(f"{name_or_path!r} is neither a dataset folder nor a known topology") from None
-    target = cached_path(str(name_or_path), traces, imbalance, seed, scenario)
+    target = cached_path(name_or_path, traces, imbalance, seed, scenario)
     if not (target / "dataset.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         # generate beside the target and rename, so an interrupted run leaves no half dataset

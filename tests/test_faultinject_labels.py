@@ -1,0 +1,91 @@
+"""Labels follow the injected faults: every source and kind makes anomalous traces, and only
+injected services are bottlenecks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+from test_faultinject_simulator import chain_topology
+
+from bmeg.faultinject import (
+    Fault,
+    calibrate,
+    episode_tables,
+    label_episode,
+    load_scenario,
+    plan_faults,
+    simulate,
+)
+
+SOURCES = {
+    "interference": ("leaf", {"factor": 4}),
+    "saturation": ("leaf", {"capacity": 0.3}),
+    "network": ("mid", {"delay_ms": 10}),
+    "misconfiguration": ("cache", {"hit_ratio": 0.0}),
+    "background": ("leaf", {"pause_ms": 40, "every_ms": 300}),
+}
+
+
+@pytest.fixture(scope="module")
+def thresholds():
+    return calibrate(chain_topology(), 0, duration_s=5)
+
+
+def _episode(faults, thresholds, duration=4, seed=1):
+    result = simulate(chain_topology(), faults, duration, seed)
+    labels = label_episode(result, thresholds)
+    keep = np.arange(len(result.trace_start))
+    return result, episode_tables(result, labels, keep, 0, 0, np.random.default_rng(seed))
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_every_source_makes_anomalous_traces_labelled_with_it(source, thresholds):
+    service, parameters = SOURCES[source]
+    _, tables = _episode([Fault(service, source, "single", 1.0, 3.0, parameters)], thresholds)
+    traces = tables.traces.to_pylist()
+    anomalous = [t for t in traces if t["anomalous"]]
+    assert len(anomalous) > 20
+    assert {t["fault_source"] for t in anomalous} == {source}
+    assert {tuple(t["fault_services"]) for t in anomalous} == {(service,)}
+    assert all(t["fault_kind"] == "none" and not t["fault_services"] for t in traces if not t["anomalous"])
+    # nothing is anomalous before the fault starts (start_ns counts from the episode start)
+    assert not any(t["anomalous"] for t in traces if t["start_ns"] + t["duration_ns"] < 1e9)
+
+
+def test_pool_of_one_is_a_bottleneck_too(thresholds):
+    _, tables = _episode([Fault("mid", "misconfiguration", "single", 1.0, 3.0, {"pool_size": 1})], thresholds)
+    assert pc.sum(tables.traces["anomalous"]).as_py() > 20
+
+
+def test_bottleneck_nodes_only_on_injected_services(thresholds):
+    faults = [
+        Fault("leaf", "saturation", "multiple", 1.0, 3.0, {"capacity": 0.3}),
+        Fault("db", "interference", "multiple", 1.0, 3.0, {"factor": 5}),
+    ]
+    _, tables = _episode(faults, thresholds)
+    nodes = tables.nodes.to_pylist()
+    faulty_services = {row["trace_id"]: set(row["fault_services"]) for row in tables.traces.to_pylist()}
+    anomalous = {row["trace_id"] for row in tables.traces.to_pylist() if row["anomalous"]}
+    bottlenecks = [row for row in nodes if row["bottleneck"]]
+    assert {row["service"] for row in bottlenecks} == {"leaf", "db"}
+    # callers slowed by back-pressure (front, mid) are never bottlenecks
+    assert all(row["service"] in faulty_services[row["trace_id"]] for row in bottlenecks)
+    assert {row["trace_id"] for row in bottlenecks} == anomalous
+
+
+def test_mild_fault_that_does_not_show_leaves_traces_normal(thresholds):
+    _, tables = _episode([Fault("leaf", "interference", "single", 1.0, 3.0, {"factor": 1.0})], thresholds)
+    anomalous = pc.sum(tables.traces["anomalous"]).as_py()
+    # a factor of 1 changes nothing: only the ~1% of visits above the normal p99 count
+    assert anomalous < 0.03 * tables.traces.num_rows
+
+
+@pytest.mark.parametrize("kind", ["single", "multiple", "cascading"])
+def test_every_kind_makes_anomalous_traces(kind, thresholds):
+    scenario = load_scenario(kind)
+    faults = plan_faults(scenario, chain_topology(), np.random.default_rng(2))
+    result, tables = _episode(faults, thresholds, duration=scenario.duration_s, seed=2)
+    kinds = set(pc.unique(tables.traces["fault_kind"]).to_pylist())
+    assert kind in kinds and kinds <= {kind, "none"}
+    assert pc.sum(tables.traces["anomalous"]).as_py() > 50

@@ -1,0 +1,158 @@
+"""The simulator: structure of the spans, determinism, back-pressure, timeouts, caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bmeg.faultinject import Fault, calibrate, episode_tables, label_episode, parse_topology, simulate
+from bmeg.traces.schema import SPAN_SCHEMA
+
+
+def chain_spec(rate: float = 300, **overrides) -> dict:
+    """front -> mid -> leaf, mid also reads a cache that falls through to a database."""
+    spec = {
+        "name": "chain",
+        "workload": {"rate": rate},
+        "requests": {"get": {"entry": "front:get", "weight": 1}},
+        "services": {
+            "front": {"cores": 2, "workers": 32, "operations": {"get": {
+                "self_time": {"median_us": 200, "p99_us": 600},
+                "calls": [{"call": "mid:work_server", "timeout_ms": 2000}]}}},
+            "mid": {"cores": 1, "workers": 8, "operations": {"work_server": {
+                "self_time": {"median_us": 300, "p99_us": 900},
+                "calls": [
+                    {"call": "leaf:compute"},
+                    {"cache": "cache:get", "hit_ratio": 0.9, "on_miss": [{"call": "db:find"}]},
+                ]}}},
+            "leaf": {"cores": 1, "workers": 8, "operations": {"compute": {"self_time": {"median_us": 800, "p99_us": 2000}}}},
+            "cache": {"storage": "memcached", "workers": 4, "operations": {"get": {"self_time": {"median_us": 100, "p99_us": 300}}}},
+            "db": {"storage": "mongodb", "cores": 2, "workers": 16, "operations": {"find": {"self_time": {"median_us": 1500, "p99_us": 4000}}}},
+        },
+    }
+    spec.update(overrides)
+    return spec
+
+
+def chain_topology(rate: float = 300):
+    return parse_topology(chain_spec(rate))
+
+
+def _tables(topology, result):
+    labels = label_episode(result, calibrate(topology, 0, duration_s=5))
+    return episode_tables(result, labels, np.arange(len(result.trace_start)), 0, 0, np.random.default_rng(0))
+
+
+def _durations(result, operation: str) -> np.ndarray:
+    index = result.operations.index(operation)
+    mask = result.span_operation == index
+    return result.span_end[mask] - result.span_start[mask], result.span_start[mask]
+
+
+def test_same_seed_gives_identical_spans():
+    topology = chain_topology()
+    first = simulate(topology, [], 2, 7)
+    second = simulate(topology, [], 2, 7)
+    other = simulate(topology, [], 2, 8)
+    assert _tables(topology, first).spans.equals(_tables(topology, second).spans)
+    assert not np.array_equal(first.span_end, other.span_end)
+
+
+def test_spans_look_like_rpc_traces():
+    topology = chain_topology()
+    spans = _tables(topology, simulate(topology, [], 2, 1)).spans
+    assert spans.schema.equals(SPAN_SCHEMA)
+    rows = spans.to_pylist()
+    by_id = {row["span_id"]: row for row in rows}
+    for row in rows:
+        if row["kind"] == "server" and row["parent_id"] is not None:
+            parent = by_id[row["parent_id"]]
+            # server spans hang under the caller's client span: work_server under work_client
+            assert parent["kind"] == "client" and parent["trace_id"] == row["trace_id"]
+            stem = row["operation"].removesuffix("_server")
+            assert parent["operation"] == f"{stem}_client"
+            assert parent["start_ns"] <= row["start_ns"]
+        if row["peer_service"] is not None:
+            assert row["kind"] == "client" and row["db_system"] in ("memcached", "mongodb")
+    assert {row["peer_service"] for row in rows} >= {"cache", "db", None}
+    assert all(len(row["span_id"]) == 16 and len(row["trace_id"]) == 32 for row in rows)
+
+
+def test_saturated_leaf_slows_its_callers_back_pressure():
+    topology = chain_topology()
+    saturated = [Fault("leaf", "saturation", "single", 3.0, 6.0, {"capacity": 0.3})]
+    result = simulate(topology, saturated, 6, 3)
+    for operation in ("work_server", "get"):
+        durations, starts = _durations(result, operation)
+        before = np.median(durations[starts < 3e9])
+        during = np.median(durations[(starts > 4e9) & (starts < 6e9)])
+        assert during > 5 * before, operation
+    # mid's worker pool is held while the leaf is slow: mid's callers queue for it
+    mid = result.op_keys.index("mid:work_server")
+    local = result.visit_local[result.visit_key == mid]
+    assert np.percentile(local, 99) > 20 * np.median(local)
+    # ... but only the leaf is labelled the bottleneck
+    labels = label_episode(result, calibrate(topology, 0, duration_s=5))
+    bottleneck_services = {result.services[s] for s in result.span_service[labels.span_bottleneck]}
+    assert bottleneck_services == {"leaf"}
+
+
+def test_timeout_ends_client_span_with_error():
+    spec = chain_spec(rate=100)
+    spec["services"]["front"]["operations"]["get"]["calls"][0]["timeout_ms"] = 5
+    result = simulate(parse_topology(spec), [Fault("leaf", "interference", "single", 1.0, 2.0, {"factor": 20})], 2, 1)
+    durations, starts = _durations(result, "work_client")
+    index = result.operations.index("work_client")
+    errors = result.span_error[result.span_operation == index]
+    assert errors.any() and (durations[errors] == pytest.approx(5e6))
+    assert not errors[starts < 1e9].any()
+
+
+def test_small_cache_sends_lookups_to_the_database():
+    topology = chain_topology()
+    result = simulate(topology, [Fault("cache", "misconfiguration", "single", 1.0, 2.0, {"hit_ratio": 0.0})], 2, 1)
+    find = result.operations.index("find_client")
+    starts = result.span_start[result.span_operation == find]
+    during = ((starts > 1e9) & (starts < 2e9)).sum()
+    outside = (starts < 1e9).sum()
+    assert during > 5 * outside
+    assert result.visit_cache_fault.sum() > 0
+
+
+def test_gc_pauses_move_the_tail_not_the_median():
+    topology = chain_topology()
+    fault = Fault("leaf", "background", "single", 0.0, 10.0, {"pause_ms": 30, "every_ms": 1000})
+    calm, paused = simulate(topology, [], 10, 4), simulate(topology, [fault], 10, 4)
+    calm_d, _ = _durations(calm, "compute_client")
+    paused_d, _ = _durations(paused, "compute_client")
+    assert np.median(paused_d) < 1.5 * np.median(calm_d)
+    assert np.percentile(paused_d, 99.9) > 3 * np.percentile(calm_d, 99.9)
+
+
+steps = st.recursive(
+    st.sampled_from(["leaf", "db"]).map(lambda target: {"call": f"{target}:{'compute' if target == 'leaf' else 'find'}"}),
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=1, max_size=3).map(lambda children: {"parallel": children}),
+        st.lists(inner, min_size=1, max_size=3).map(lambda children: {"sequence": children}),
+        st.lists(inner, min_size=2, max_size=2).map(lambda c: {"branch": [{"p": 0.5, "steps": [c[0]]}, {"p": 0.5, "steps": [c[1]]}]}),
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls=st.lists(steps, min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_any_call_tree_gives_well_formed_traces(calls, seed):
+    spec = chain_spec(rate=50)
+    spec["services"]["mid"]["operations"]["work_server"]["calls"] = calls
+    result = simulate(parse_topology(spec), [], 1, seed)
+    roots = result.span_parent < 0
+    assert roots.sum() == len(result.trace_start)
+    parents = result.span_parent[~roots]
+    assert (result.span_trace[parents] == result.span_trace[~roots]).all()
+    assert (result.span_start[~roots] >= result.span_start[parents]).all()
+    assert (result.span_end >= result.span_start).all()
+    # without faults or timeouts, every child ends before its parent
+    assert (result.span_end[~roots] <= result.span_end[parents] + 1e-6).all()
