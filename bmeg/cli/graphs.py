@@ -9,19 +9,18 @@ import click
 from bmeg.cli.output import json_option, print_json, print_table
 from bmeg.graphs import assemble, trace_paths
 from bmeg.traces import TraceInputError
+from bmeg.traces.io import FORMATS, read_spans
 
 
 @click.command("critical-path")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--format", "input_format", default=None, help="Input format (default: guessed from the file).")
+@click.option("--format", "input_format", type=click.Choice(FORMATS), help="Input format (default: guessed from the file).")
 @json_option
 def critical_path(file: Path, input_format: str | None, as_json: bool) -> None:
     """Print the critical path (CRISP) of each trace in FILE, with exclusive times in us.
 
     Repairs made to the traces (orphans, clock skew, ...) are printed to stderr.
     """
-    from bmeg.traces.io import read_spans  # the readers pull in protobuf; only load them here
-
     try:
         forest = assemble(read_spans(file, format=input_format))
     except TraceInputError as error:

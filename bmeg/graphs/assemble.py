@@ -110,9 +110,9 @@ def assemble(table: pa.Table, *, on_bad_trace: Literal["raise", "drop"] = "raise
     trace_offsets = np.searchsorted(trace_index, np.arange(len(trace_ids) + 1)).astype(np.int64)
     names = _SpanNames(trace_ids, trace_index, spans["span_id"])
 
-    parent, orphan = _link_parents(key, parent_key, names, warnings)
-    _break_cycles(parent, orphan, start, names, warnings)
-    root, adopted = _choose_roots(parent, orphan, trace_index, len(trace_ids), start, duration, names, warnings)
+    parent, orphans = _link_parents(key, parent_key)
+    _break_cycles(parent, orphans, start, names)
+    root, adopted = _choose_roots(parent, orphans, trace_index, len(trace_ids), start, duration, names, warnings)
     depth = _depth(parent)
     start = _repair_clock_skew(spans, parent, adopted, depth, trace_offsets, start, duration, names, warnings)
     return SpanForest(
@@ -234,23 +234,18 @@ def _report_duplicates(table, by_key, first_copy, dropped, warnings) -> None:
         )
 
 
-def _link_parents(
-    key: np.ndarray, parent_key: np.ndarray, names: _SpanNames, warnings: list[str]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Parent row of each row (-1: none), and which rows are orphans (parent id not found)."""
+def _link_parents(key: np.ndarray, parent_key: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+    """Parent row of each row (-1: none), and the orphans: row -> why its parent link is gone."""
     by_key = np.argsort(key, kind="stable")
     sorted_keys = key[by_key]
     position = np.minimum(np.searchsorted(sorted_keys, parent_key), len(key) - 1)
     found = (parent_key >= 0) & (sorted_keys[position] == parent_key)
     parent = np.where(found, by_key[position], -1).astype(np.int64)
-    orphan = (parent_key != -1) & ~found
-    for row in np.flatnonzero(orphan):
-        warnings.append(f"{names.span(row)}: its parent is not in the trace; attached it to the root")
+    orphans = dict.fromkeys(np.flatnonzero((parent_key != -1) & ~found).tolist(), "its parent is not in the trace")
     self_parent = parent == np.arange(len(parent))
-    for row in np.flatnonzero(self_parent):
-        warnings.append(f"{names.span(row)}: is its own parent; treated it as an orphan")
+    orphans.update(dict.fromkeys(np.flatnonzero(self_parent).tolist(), "it is its own parent"))
     parent[self_parent] = -1
-    return parent, orphan | self_parent
+    return parent, orphans
 
 
 def _top_ancestor(parent: np.ndarray) -> np.ndarray:
@@ -265,7 +260,7 @@ def _top_ancestor(parent: np.ndarray) -> np.ndarray:
 
 
 def _break_cycles(
-    parent: np.ndarray, orphan: np.ndarray, start: np.ndarray, names: _SpanNames, warnings: list[str]
+    parent: np.ndarray, orphans: dict[int, str], start: np.ndarray, names: _SpanNames
 ) -> None:
     """Cut each parent cycle at the edge whose child starts furthest before its parent."""
     stuck = np.flatnonzero(parent[_top_ancestor(parent)] >= 0)  # never reach a parentless row
@@ -279,18 +274,16 @@ def _break_cycles(
         if row in walk:  # closed a new cycle
             cycle = list(walk)[walk[row]:]
             child = max(cycle, key=lambda r: (start[parent[r]] - start[r], -r))
-            warnings.append(
-                f"{names.span(child)}: parent links form a cycle of {len(cycle)} span(s); "
-                f"cut the link to its parent {names.span_id(parent[child])} and treated it as an orphan"
+            orphans[child] = (
+                f"its link to its parent {names.span_id(parent[child])} closed a cycle of {len(cycle)} spans, so was cut"
             )
             parent[child] = -1
-            orphan[child] = True
         visited.update(walk)
 
 
 def _choose_roots(
     parent: np.ndarray,
-    orphan: np.ndarray,
+    orphans: dict[int, str],
     trace_index: np.ndarray,
     num_traces: int,
     start: np.ndarray,
@@ -302,6 +295,8 @@ def _choose_roots(
 
     Returns the root row of each trace and a mask of the attached ("adopted") rows.
     """
+    orphan = np.zeros(len(parent), dtype=bool)
+    orphan[list(orphans)] = True
     candidates = np.flatnonzero(parent < 0)
     # Prefer real roots over orphans, then the earliest, then the longest.
     preference = candidates[
@@ -314,12 +309,11 @@ def _choose_roots(
     others = preference[~first_of_trace]
     adopted[others] = True
     parent[others] = root[trace_index[others]]
-    for row in others[~orphan[others]].tolist():
-        warnings.append(
-            f"{names.span(row)}: a second root span; attached it to the root {names.span_id(parent[row])}"
-        )
+    for row in others.tolist():
+        why = orphans.get(row, "a second root span")
+        warnings.append(f"{names.span(row)}: {why}; attached it to the root {names.span_id(parent[row])}")
     for row in root[orphan[root]].tolist():
-        warnings.append(f"{names.span(row)}: the trace has no root span; made this, its earliest orphan, the root")
+        warnings.append(f"{names.span(row)}: {orphans[row]}; the trace has no root span, so made it (the earliest) the root")
     return root, adopted
 
 
