@@ -22,6 +22,8 @@ controller_port=$((port + 1))
 run_dir=${BMEG_KAFKA_RUN_DIR:-${TMPDIR:-/tmp}/bmeg-kafka-${USER:-$(id -un)}}
 python=${BMEG_PYTHON:-$here/../.venv/bin/python}
 [ -x "$python" ] || python=python3
+java_opts=(-Xmx512m -Xms128m -Djava.awt.headless=true
+    "-Dlog4j2.configurationFile=$run_dir/log4j2.properties")
 
 log() { echo "kafka.sh: $*" >&2; }
 
@@ -82,11 +84,6 @@ rootLogger.appenderRef.console.ref=console
 EOF
 }
 
-java_opts() {
-    echo -Xmx512m -Xms128m -Djava.awt.headless=true \
-        "-Dlog4j2.configurationFile=$run_dir/log4j2.properties"
-}
-
 ready() {
     "$python" - "127.0.0.1:$port" <<'EOF' >/dev/null 2>&1
 import sys
@@ -108,33 +105,34 @@ start() {
     write_config
     local cluster_id
     cluster_id=$(openssl rand -base64 16 | tr '+/' '-_' | tr -d '=\n')
-    # shellcheck disable=SC2046  # java_opts is a list of words
-    java $(java_opts) -cp "$libs/*" kafka.tools.StorageTool format \
+    java "${java_opts[@]}" -cp "$libs/*" kafka.tools.StorageTool format \
         -t "$cluster_id" -c "$run_dir/server.properties" >"$run_dir/format.log" 2>&1 \
         || { cat "$run_dir/format.log" >&2; exit 1; }
-    # shellcheck disable=SC2046
-    java $(java_opts) -cp "$libs/*" kafka.Kafka "$run_dir/server.properties" \
+    java "${java_opts[@]}" -cp "$libs/*" kafka.Kafka "$run_dir/server.properties" \
         >"$run_dir/kafka.log" 2>&1 &
     echo $! >"$run_dir/kafka.pid"
     for _ in $(seq 90); do
         if ready; then log "ready on 127.0.0.1:$port"; return; fi
-        if ! alive; then
-            log "the broker exited; last lines of $run_dir/kafka.log:"; tail -20 "$run_dir/kafka.log" >&2
-            exit 1
-        fi
+        if ! alive; then break; fi
         sleep 1
     done
-    log "not answering after 90 s; last lines of $run_dir/kafka.log:"; tail -20 "$run_dir/kafka.log" >&2
+    log "the broker did not get ready; last lines of $run_dir/kafka.log:"
+    tail -20 "$run_dir/kafka.log" >&2
+    stop_broker
     exit 1
 }
 
-stop() {
+stop_broker() {
     if alive; then
         local pid; pid=$(cat "$run_dir/kafka.pid")
         kill "$pid"
         for _ in $(seq 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
         kill -9 "$pid" 2>/dev/null || true
     fi
+}
+
+stop() {
+    stop_broker
     rm -rf "$run_dir"
 }
 

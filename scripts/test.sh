@@ -3,6 +3,25 @@
 set -euo pipefail
 venv=${1:-.venv}
 export PATH="$PWD/$venv/bin:$PATH"
+export BMEG_PYTHON="$PWD/$venv/bin/python"
+
+# The real Kafka broker and Kubernetes API server (DESIGN.md section 6), and Chromium for the
+# browser tests. Parts already running are reused and left running; what starts here stops on
+# exit. The exported settings are what tests/conftest_infra.py reads.
+started=()
+stop_started() {
+    local service
+    for service in "${started[@]}"; do bash "scripts/$service.sh" stop || true; done
+}
+trap stop_started EXIT
+for service in kafka kube-apiserver; do
+    eval "$(bash "scripts/$service.sh" env)"
+    if ! bash "scripts/$service.sh" status >/dev/null; then
+        started+=("$service")
+        bash "scripts/$service.sh" start
+    fi
+done
+bash scripts/chromium.sh
 
 status=0
 python -m pytest -m "integration or not integration" -p no:cacheprovider || status=$?
