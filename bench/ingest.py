@@ -31,9 +31,13 @@ from bmeg.graphs.batch import to_batch
 from bmeg.traces import span_table
 from bmeg.traces.otlp import read_otlp_proto, to_otlp_proto_bytes
 
-SERVICES = [f"{name}-service" for name in ("compose-post", "text", "user", "media", "unique-id", "url-shorten",
-                                           "user-mention", "post-storage", "user-timeline", "home-timeline",
-                                           "social-graph")]
+SERVICES = [
+    f"{name}-service"
+    for name in (
+        "compose-post", "text", "user", "media", "unique-id", "url-shorten", "user-mention",
+        "post-storage", "user-timeline", "home-timeline", "social-graph",
+    )
+]
 STORE_CALLS = ["mongo_insert_client", "redis_get_client", "mmc_mget_client"]
 
 
@@ -63,7 +67,8 @@ def random_traces(num_traces: int, spans_per_trace: int, seed: int = 0) -> pa.Ta
     )
     ids = rng.integers(0, 2**63, size=shape, dtype=np.int64)
     span_ids = np.array([f"{value:016x}" for value in ids.ravel()]).reshape(shape)
-    trace_ids = np.array([f"{value:032x}" for value in rng.integers(0, 2**63, size=num_traces, dtype=np.int64)])
+    trace_numbers = rng.integers(0, 2**63, size=num_traces, dtype=np.int64)
+    trace_ids = np.array([f"{value:032x}" for value in trace_numbers])
     parent_ids = np.where(parent >= 0, span_ids[rows[:, None], np.maximum(parent, 0)], None)
     parent_ids[:, 0] = None
     return span_table(
@@ -114,7 +119,8 @@ def main() -> None:
     table = random_traces(args.traces, args.spans_per_trace)
     payload = to_otlp_proto_bytes(table)
     spans = table.num_rows
-    print(f"{args.traces} traces x {args.spans_per_trace} spans = {spans} spans, {len(payload) / 2**20:.1f} MiB OTLP protobuf")
+    size = len(payload) / 2**20
+    print(f"{args.traces} traces x {args.spans_per_trace} spans = {spans} spans, {size:.1f} MiB OTLP protobuf")
 
     steps = {
         "protobuf decode alone": lambda: ExportTraceServiceRequest.FromString(payload),
@@ -127,7 +133,7 @@ def main() -> None:
         print(f"{name:34s} {took:7.3f} s  {spans / took:12,.0f} spans/s")
     decode, batch = seconds["protobuf decode alone"], seconds["decode -> call-graph batch (PyG)"]
     floor = seconds["decode + touch each span in Python"]
-    print(f"batch / decode time ratio: {batch / decode:.1f}x  (target <= 3x; batch target >= 150,000 spans/s)")
+    print(f"batch / decode time ratio: {batch / decode:.1f}x  (target <= 3x; batch >= 150,000 spans/s)")
     print(f"batch / (decode + touch each span) ratio: {batch / floor:.1f}x")
 
 

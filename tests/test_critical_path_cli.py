@@ -14,7 +14,8 @@ from bmeg.traces.io import write_spans
 
 def trace(rows, trace_id: str):
     """One trace with hex ids and times after the epoch (what the readers accept)."""
-    return spans([(span, parent, 10**15 + start, duration) for span, parent, start, duration in rows], trace_id)
+    after_epoch = [(span, parent, 10**15 + start, duration) for span, parent, start, duration in rows]
+    return spans(after_epoch, trace_id)
 
 
 def run(*args: str):

@@ -31,7 +31,7 @@ def socialnet_store_post():
             "trace_id": ["p"] * 4,
             "span_id": ["1", "2", "3", "4"],
             "parent_id": [None, "1", "2", "2"],
-            "service": ["compose-post-service", "post-storage-service", "post-storage-service", "post-storage-service"],
+            "service": ["compose-post-service"] + ["post-storage-service"] * 3,
             "operation": [
                 "compose_post_server",
                 "store_post_server",
@@ -65,8 +65,10 @@ def test_storage_calls_become_store_nodes():
 @pytest.mark.parametrize(
     ("call", "expected"),
     [
-        (("user-mention-service", "compose_user_mentions_mongo_find_client", "client", None, None), "user-mention-mongodb"),
-        (("social-graph-service", "social_graph_redis_get_client", "client", None, None), "social-graph-redis"),
+        (("user-mention-service", "compose_user_mentions_mongo_find_client", "client", None, None),
+         "user-mention-mongodb"),
+        (("social-graph-service", "social_graph_redis_get_client", "client", None, None),
+         "social-graph-redis"),
         (("svc", "query", "client", "orders-db", "postgresql"), "orders-db"),  # peer.service first
         (("svc", "query", "client", None, "postgresql"), "svc-postgresql"),
         (("svc", "get_mongo_thing", "server", None, None), None),  # only client spans call stores
@@ -105,7 +107,9 @@ def test_base_columns_worked_by_hand():
 
 
 def test_self_time_counts_overlapping_children_once():
-    forest = assemble(spans([("a", None, 0, 100), ("b", "a", 10, 40), ("c", "a", 20, 10), ("d", "a", 30, 40)]))
+    forest = assemble(
+        spans([("a", None, 0, 100), ("b", "a", 10, 40), ("c", "a", 20, 10), ("d", "a", 30, 40)])
+    )
     assert self_time_ns(forest).tolist() == [40, 40, 10, 40]  # union of children is [10, 70]
 
 
@@ -124,7 +128,8 @@ def test_feature_spec_and_baseline_hook():
 def two_traces():
     one = spans([("a", None, 0, 100), ("b", "a", 10, 50), ("c", "b", 20, 10)], trace_id="one")
     two = spans([("x", None, 5, 7)], trace_id="two")
-    return assemble(span_table({name: one[name].to_pylist() + two[name].to_pylist() for name in one.column_names}))
+    both = {name: one[name].to_pylist() + two[name].to_pylist() for name in one.column_names}
+    return assemble(span_table(both))
 
 
 def test_batch_equals_collating_its_graphs():

@@ -14,7 +14,9 @@ from bmeg.traces.io import FORMATS, read_spans
 
 @click.command("critical-path")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--format", "input_format", type=click.Choice(FORMATS), help="Input format (default: guessed from the file).")
+@click.option(
+    "--format", "input_format", type=click.Choice(FORMATS), help="Input format (default: guessed from the file)."
+)
 @json_option
 def critical_path(file: Path, input_format: str | None, as_json: bool) -> None:
     """Print the critical path (CRISP) of each trace in FILE, with exclusive times in us.

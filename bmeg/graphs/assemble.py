@@ -104,19 +104,20 @@ def assemble(table: pa.Table, *, on_bad_trace: Literal["raise", "drop"] = "raise
     if kept is not None:
         table, key, parent_key = table.take(pa.array(kept)), key[kept], parent_key[kept]
         start, duration, trace_code = start[kept], duration[kept], trace_code[kept]
-    spans = table
     # Traces are numbered in order of first appearance, so trace codes are now sorted.
     trace_index = trace_code.astype(np.int64)
     trace_offsets = np.searchsorted(trace_index, np.arange(len(trace_ids) + 1)).astype(np.int64)
-    names = _SpanNames(trace_ids, trace_index, spans["span_id"])
+    names = _SpanNames(trace_ids, trace_index, table["span_id"])
 
     parent, orphans = _link_parents(key, parent_key)
     _break_cycles(parent, orphans, start, names)
-    root, adopted = _choose_roots(parent, orphans, trace_index, len(trace_ids), start, duration, names, warnings)
+    root, adopted = _choose_roots(
+        parent, orphans, trace_index, len(trace_ids), start, duration, names, warnings
+    )
     depth = _depth(parent)
-    start = _repair_clock_skew(spans, parent, adopted, depth, trace_offsets, start, duration, names, warnings)
+    start = _repair_clock_skew(table, parent, adopted, depth, trace_offsets, start, duration, names, warnings)
     return SpanForest(
-        spans=spans,
+        spans=table,
         trace_ids=list(trace_ids),
         trace_offsets=trace_offsets,
         trace_index=trace_index,
@@ -241,7 +242,8 @@ def _link_parents(key: np.ndarray, parent_key: np.ndarray) -> tuple[np.ndarray, 
     position = np.minimum(np.searchsorted(sorted_keys, parent_key), len(key) - 1)
     found = (parent_key >= 0) & (sorted_keys[position] == parent_key)
     parent = np.where(found, by_key[position], -1).astype(np.int64)
-    orphans = dict.fromkeys(np.flatnonzero((parent_key != -1) & ~found).tolist(), "its parent is not in the trace")
+    missing = np.flatnonzero((parent_key != -1) & ~found).tolist()
+    orphans = dict.fromkeys(missing, "its parent is not in the trace")
     self_parent = parent == np.arange(len(parent))
     orphans.update(dict.fromkeys(np.flatnonzero(self_parent).tolist(), "it is its own parent"))
     parent[self_parent] = -1
@@ -275,7 +277,8 @@ def _break_cycles(
             cycle = list(walk)[walk[row]:]
             child = max(cycle, key=lambda r: (start[parent[r]] - start[r], -r))
             orphans[child] = (
-                f"its link to its parent {names.span_id(parent[child])} closed a cycle of {len(cycle)} spans, so was cut"
+                f"its link to its parent {names.span_id(parent[child])} closed a cycle "
+                f"of {len(cycle)} spans, so was cut"
             )
             parent[child] = -1
         visited.update(walk)
@@ -313,7 +316,9 @@ def _choose_roots(
         why = orphans.get(row, "a second root span")
         warnings.append(f"{names.span(row)}: {why}; attached it to the root {names.span_id(parent[row])}")
     for row in root[orphan[root]].tolist():
-        warnings.append(f"{names.span(row)}: {orphans[row]}; the trace has no root span, so made it (the earliest) the root")
+        warnings.append(
+            f"{names.span(row)}: {orphans[row]}; the trace has no root span, so made it (the earliest) the root"
+        )
     return root, adopted
 
 

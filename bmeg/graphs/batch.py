@@ -86,7 +86,8 @@ def to_batch(
         batch.y = torch.as_tensor(_check_length(y, num_traces, "y (one label per trace)"), dtype=torch.long)
         slices["y"], increments["y"] = graph_slices, no_increment
     if node_y is not None:
-        batch.node_y = torch.as_tensor(_check_length(node_y, forest.num_spans, "node_y (one label per span)"), dtype=torch.long)
+        node_labels = _check_length(node_y, forest.num_spans, "node_y (one label per span)")
+        batch.node_y = torch.as_tensor(node_labels, dtype=torch.long)
         slices["node_y"], increments["node_y"] = ptr, no_increment
     batch.batch = torch.from_numpy(forest.trace_index)
     batch.ptr = ptr

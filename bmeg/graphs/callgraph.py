@@ -28,7 +28,13 @@ import pyarrow.compute as pc
 from bmeg.graphs.assemble import SpanForest
 
 #: word in an operation name -> store name used in node names.
-STORE_WORDS = {"mongo": "mongodb", "redis": "redis", "memcached": "memcached", "mmc": "memcached", "rabbitmq": "rabbitmq"}
+STORE_WORDS = {
+    "mongo": "mongodb",
+    "redis": "redis",
+    "memcached": "memcached",
+    "mmc": "memcached",
+    "rabbitmq": "rabbitmq",
+}
 _STORE_WORD = re.compile(r"(?:^|_)(" + "|".join(STORE_WORDS) + r")(?:_|$)")
 _NORMAL_DB_SYSTEMS = {"mongo": "mongodb", "mongodb": "mongodb", "redis": "redis", "memcached": "memcached"}
 
@@ -74,7 +80,8 @@ def node_services(
     renamed = []
     for combination in encoded.dictionary.to_pylist():
         service, operation, kind, peer, db = combination.split("\x1f")
-        renamed.append(storage_service(service, operation, kind, peer or None, db or None, store_owners) or service)
+        store = storage_service(service, operation, kind, peer or None, db or None, store_owners)
+        renamed.append(store or service)
     return pa.array(renamed, pa.string()).take(encoded.indices)
 
 

@@ -175,7 +175,8 @@ def operation_baseline_ratio(
         known = pc.is_valid(where).to_numpy(zero_copy_only=False)
         index = pc.fill_null(where, 0).to_numpy(zero_copy_only=False)[known]
         ratio = np.zeros(forest.num_spans)
-        ratio[known] = np.log(np.maximum(base["duration_us"][known], 1e-3) / np.maximum(baselines[index], 1e-3))
+        duration = np.maximum(base["duration_us"][known], 1e-3)
+        ratio[known] = np.log(duration / np.maximum(baselines[index], 1e-3))
         return {name: ratio}
 
     return column
