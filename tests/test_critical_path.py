@@ -146,7 +146,7 @@ def random_traces(draw, max_spans: int = 30):
     return span_table({**columns, "service": ["s"] * count, "operation": ["o"] * count})
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(random_traces())
 def test_path_properties(table):
     forest = assemble(table)

@@ -58,3 +58,11 @@ def test_repairs_go_to_stderr_and_bad_input_is_an_error(tmp_path):
     write_spans(trace([("a", None, 0, 100), ("b", "a", 10, -10)], "01"), file, "parquet")
     result = run(str(file), "--json")
     assert result.exit_code == 1 and "span b" in result.stderr
+
+
+def test_jaeger_fixture_with_duplicate_span_ids(shared_dir):
+    result = run(str(shared_dir / "fixtures" / "jaeger" / "ui_01.json"), "--json")
+    assert result.exit_code == 0, result.output
+    assert "duplicate span id" in result.stderr
+    path = json.loads(result.stdout)
+    assert sum(step["exclusive_us"] for step in path["path"]) == path["total_us"]

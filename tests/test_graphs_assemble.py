@@ -244,7 +244,7 @@ def messy_traces(draw):
     return span_table({**columns, "service": ["s"] * count, "operation": ["o"] * count})
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(messy_traces())
 def test_repair_never_loses_a_span_silently(table):
     forest = assemble(table)
