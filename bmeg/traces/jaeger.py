@@ -61,10 +61,10 @@ def _add_trace(trace: object, columns: dict[str, list], where: str) -> None:
         raise TraceInputError(f"a Jaeger trace must be an object with a 'spans' list (in {where})")
     processes = trace.get("processes") or {}
     if not isinstance(processes, dict):
-        raise TraceInputError(f"'processes' must be an object (in {where})", trace_id=str(trace.get("traceID")))
+        raise TraceInputError(f"'processes' must be an object (in {where})", trace_id=_trace_id(trace.get("traceID")))
     for span in trace["spans"]:
         if not isinstance(span, dict):
-            raise TraceInputError(f"a Jaeger span must be an object (in {where})", trace_id=str(trace.get("traceID")))
+            raise TraceInputError(f"a Jaeger span must be an object (in {where})", trace_id=_trace_id(trace.get("traceID")))
         try:
             row = _span_row(span, trace.get("traceID"), processes, where)
         except TraceInputError:
@@ -72,8 +72,8 @@ def _add_trace(trace: object, columns: dict[str, list], where: str) -> None:
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise TraceInputError(
                 f"malformed Jaeger span: {error!r} (in {where})",
-                trace_id=str(span.get("traceID", trace.get("traceID"))),
-                span_id=str(span.get("spanID")),
+                trace_id=_trace_id(span.get("traceID", trace.get("traceID"))) or None,
+                span_id=_span_id(span.get("spanID")) or None,
             ) from None
         for name in RAW_COLUMNS:
             columns[name].append(row[name])

@@ -13,7 +13,7 @@ pass over the spans, with ids via `bytes.hex()` and no per-span dicts.
 from __future__ import annotations
 
 import base64
-import binascii
+import copy
 
 import numpy as np
 import pyarrow as pa
@@ -267,6 +267,7 @@ def otlp_json_to_table(documents: list, source: str = "<json>") -> pa.Table:
         where = source if len(documents) == 1 else f"{source}, document {number + 1}"
         if not isinstance(document, dict) or "resourceSpans" not in document:
             raise TraceInputError(f"OTLP/JSON needs an object with 'resourceSpans' (in {where})")
+        document = copy.deepcopy(document)  # the id rewrite must not change the caller's data
         _hex_ids_to_base64(document, where)
         try:
             part = json_format.ParseDict(document, ExportTraceServiceRequest())
@@ -279,6 +280,7 @@ def otlp_json_to_table(documents: list, source: str = "<json>") -> pa.Table:
 def table_to_otlp_json(table: pa.Table) -> dict:
     """A span table as an OTLP/JSON document (hex ids, integer enums, string nanoseconds)."""
     document = json_format.MessageToDict(table_to_request(table), use_integers_for_enums=True)
+    document.setdefault("resourceSpans", [])  # an empty table is still an OTLP document
     for span in _json_spans(document):
         for field in _ID_FIELDS:
             if field in span:

@@ -120,7 +120,7 @@ def read_csv(data: bytes, source: str, mapping: ColumnMapping | str | None = Non
                 strings_can_be_null=True,  # empty cells are nulls: no parent, no peer service
             ),
         )
-    except pa.ArrowInvalid as error:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as error:
         raise TraceInputError(f"cannot read span CSV: {error} (in {source})") from None
     return map_columns(table, chosen, source)
 
@@ -128,7 +128,7 @@ def read_csv(data: bytes, source: str, mapping: ColumnMapping | str | None = Non
 def read_parquet(data: bytes, source: str, mapping: ColumnMapping | str | None = None) -> pa.Table:
     try:
         table = pq.read_table(pa.BufferReader(data))
-    except (pa.ArrowInvalid, OSError) as error:
+    except (pa.ArrowException, OSError) as error:
         raise TraceInputError(f"cannot read span Parquet: {error} (in {source})") from None
     return map_columns(table, resolve_mapping(mapping, table.column_names, source), source)
 

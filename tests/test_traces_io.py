@@ -1,0 +1,183 @@
+import io
+import json
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bmeg.traces import (
+    SPAN_SCHEMA,
+    TraceInputError,
+    read_spans,
+    read_spans_bytes,
+    to_otlp_proto_bytes,
+    write_spans,
+)
+from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
+
+WRITABLE = ("otlp-proto", "otlp-json", "jaeger-json", "parquet")
+MAX_START = 2**62  # start + duration stays within int64
+
+
+def hex_ids(size: int):
+    return st.binary(min_size=size, max_size=size).map(bytes.hex)
+
+
+names = st.text(st.characters(codec="utf-8"), max_size=12)
+
+
+@st.composite
+def span_tables(draw, time_step: int = 1) -> pa.Table:
+    """Random span tables: a few traces, random hex ids, unicode names, optional nulls.
+    `time_step` makes times multiples of it (1000 for Jaeger's microseconds)."""
+    trace_ids = draw(st.lists(hex_ids(16), min_size=1, max_size=3))
+    rows = draw(
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "trace_id": st.sampled_from(trace_ids),
+                    "span_id": hex_ids(8),
+                    "parent_id": st.none() | hex_ids(8),
+                    "service": names,
+                    "operation": names,
+                    "start_ns": st.integers(1, MAX_START // time_step).map(lambda t: t * time_step),
+                    "duration_ns": st.integers(0, MAX_START // time_step).map(lambda t: t * time_step),
+                    "kind": st.sampled_from(SPAN_KINDS),
+                    "status": st.sampled_from(STATUS_CODES),
+                    "peer_service": st.none() | names,
+                    "db_system": st.none() | names,
+                    "instance": st.none() | names,
+                }
+            ),
+            max_size=12,
+        )
+    )
+    return pa.Table.from_pylist(rows, schema=SPAN_SCHEMA)
+
+
+def in_order(table: pa.Table) -> pa.Table:
+    """Writers group spans (by service, by trace): compare tables as sets of rows."""
+    return table.sort_by([(name, "ascending") for name in SPAN_SCHEMA.names])
+
+
+@pytest.mark.parametrize("format", WRITABLE)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_writer_round_trips_every_field(format, data):
+    table = data.draw(span_tables(time_step=1000 if format == "jaeger-json" else 1))
+    buffer = io.BytesIO()
+    write_spans(table, buffer, format)
+    assert in_order(read_spans(buffer.getvalue())).equals(in_order(table))
+    assert in_order(read_spans(buffer.getvalue(), format)).equals(in_order(table))
+
+
+def test_files_and_directories(tmp_path):
+    table = pa.Table.from_pylist(
+        [dict(trace_id="0a" * 16, span_id="0b" * 8, parent_id=None, service="web", operation="GET /",
+              start_ns=1_000_000, duration_ns=7_000, kind="server", status="ok", peer_service=None,
+              db_system=None, instance="web-0")],
+        schema=SPAN_SCHEMA,
+    )  # fmt: skip
+    for format, name in zip(WRITABLE, ("a.pb", "b.json", "c.json", "d.parquet")):
+        write_spans(table, tmp_path / name, format)
+    (tmp_path / "README.md").write_text("not a trace")
+    assert read_spans(tmp_path).equals(pa.concat_tables([table] * 4))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TraceInputError, match="no trace files"):
+        read_spans(tmp_path / "empty")
+    with pytest.raises(TraceInputError, match="cannot read"):
+        read_spans(tmp_path / "missing.json")
+
+
+def test_read_spans_bytes_by_content_type(shared_dir):
+    document = (shared_dir / "fixtures/otlp/trace.json").read_bytes()
+    from_json = read_spans_bytes(document, "application/json; charset=utf-8")
+    assert from_json.num_rows == 1
+    assert read_spans_bytes(to_otlp_proto_bytes(from_json), "application/x-protobuf").equals(from_json)
+    jaeger = (shared_dir / "fixtures/jaeger/ui_01.json").read_bytes()
+    assert read_spans_bytes(jaeger, "application/json").num_rows == 5
+    with pytest.raises(TraceInputError, match="unsupported content type"):
+        read_spans_bytes(document, "text/plain")
+    with pytest.raises(TraceInputError, match="invalid JSON"):
+        read_spans_bytes(b"{\"resourceSpans\": ", "application/json")
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b'{"resourceSpans": [', "invalid JSON"),
+        (b'{"hello": "world"}', "neither OTLP"),
+        (b"[1, 2, 3]", "neither OTLP"),
+        (b"\x1f\x8b\x08garbage", "corrupt gzip"),
+        (b"PAR1 not really parquet", "cannot read span Parquet"),
+    ],
+)
+def test_bad_input_is_a_trace_input_error(data, message):
+    with pytest.raises(TraceInputError, match=message):
+        read_spans(data)
+
+
+def test_unknown_format_is_named():
+    with pytest.raises(TraceInputError, match="unknown trace format 'zipkin'"):
+        read_spans(b"{}", "zipkin")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+id_like = st.text("0123456789abcdefABCDEFxz", max_size=34)
+otlp_like = st.fixed_dictionaries(
+    {
+        "resourceSpans": st.lists(
+            st.fixed_dictionaries(
+                {"scopeSpans": st.lists(st.fixed_dictionaries({"spans": st.lists(st.dictionaries(
+                    st.sampled_from(["traceId", "spanId", "parentSpanId", "name", "kind", "startTimeUnixNano",
+                                     "endTimeUnixNano", "status", "attributes"]),
+                    id_like | json_values, max_size=9), max_size=3)}), max_size=2)}  # fmt: skip
+            ),
+            max_size=2,
+        )
+    }
+)
+jaeger_like = st.fixed_dictionaries(
+    {
+        "traceID": id_like,
+        "processes": st.dictionaries(st.sampled_from(["p1", "p2"]), json_values, max_size=2),
+        "spans": st.lists(st.dictionaries(
+            st.sampled_from(["traceID", "spanID", "references", "startTime", "duration", "tags", "processID"]),
+            id_like | json_values, max_size=7), max_size=3),  # fmt: skip
+    }
+)
+
+
+def read_or_reject(data: bytes, format: str | None = None) -> None:
+    """Any input either reads into a span table or raises TraceInputError: nothing else."""
+    try:
+        table = read_spans(data, format)
+    except TraceInputError:
+        return
+    assert table.schema == SPAN_SCHEMA
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.binary(max_size=200), format=st.sampled_from([None, *WRITABLE, "csv"]))
+def test_random_bytes_never_crash(data, format):
+    read_or_reject(data, format)
+
+
+@settings(max_examples=150, deadline=None)
+@given(document=json_values | otlp_like | jaeger_like, format=st.sampled_from([None, "otlp-json", "jaeger-json"]))
+def test_random_json_never_crashes(document, format):
+    read_or_reject(json.dumps(document).encode(), format)
+
+
+@settings(max_examples=100, deadline=None)
+@given(table=span_tables(), cut=st.integers(0, 400), flip=st.integers(0, 400))
+def test_damaged_protobuf_never_crashes(table, cut, flip):
+    data = bytearray(to_otlp_proto_bytes(table))
+    if data:
+        data[flip % len(data)] ^= 0x5A
+    read_or_reject(bytes(data[: max(cut, 1)]), "otlp-proto")
