@@ -1,0 +1,122 @@
+"""The mitigation controller: diagnosis in, safe actions out, each one verified.
+
+`Controller.handle` plans from a diagnosis, asks the guard, and (unless dry-run) applies the
+action through the executor; `Controller.verify` looks at actions whose verification window
+has passed and rolls back those that did not improve the p95 latencies. Everything it
+decides or does goes to the audit log. Time is passed in (`now`, seconds), so the same code
+runs against wall-clock time on a cluster and simulated time on the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bmeg.diagnosis import Diagnosis
+from bmeg.mitigation.audit import AuditLog
+from bmeg.mitigation.catalogue import Catalogue
+from bmeg.mitigation.executor import ActionError, ActionForbidden, Applied, Executor
+from bmeg.mitigation.planner import Decision, PlannerPolicy, ServiceTelemetry, plan
+from bmeg.mitigation.safety import Guard, Latencies, SafetyPolicy, improved
+
+
+@dataclass
+class Outcome:
+    """What became of one decision: applied, dry-run, refused (why) or failed (why)."""
+
+    decision: Decision
+    status: str  # "applied", "dry-run", "refused", "failed"
+    detail: str
+    applied: Applied | None = None
+
+
+@dataclass
+class Pending:
+    applied: Applied
+    before: Latencies
+    due: float
+
+
+class Controller:
+    def __init__(self, executor: Executor, catalogue: Catalogue, policy: SafetyPolicy, audit: AuditLog,
+                 planner_policy: PlannerPolicy = PlannerPolicy()):
+        self.executor = executor
+        self.catalogue = catalogue
+        self.policy = policy
+        self.audit = audit
+        self.planner_policy = planner_policy
+        self.guard = Guard(policy)
+        self.pending: list[Pending] = []
+
+    def handle(self, diagnosis: Diagnosis, now: float, latencies: Latencies | None = None,
+               telemetry: dict[str, ServiceTelemetry] | None = None) -> list[Outcome]:
+        """Plan from the diagnosis and act on each decision the guard allows."""
+        decisions = plan(diagnosis, self.catalogue, telemetry, self.planner_policy)
+        return [self._act(decision, now, latencies) for decision in decisions]
+
+    def _act(self, decision: Decision, now: float, latencies: Latencies | None) -> Outcome:
+        dry = self.policy.dry_run
+        self.audit.append("decision", decision.service, decision.action, decision.source, dry_run=dry, at=now,
+                          details={"confidence": decision.confidence, "reason": decision.reason, "target": decision.target})
+        refusal = self.guard.refusal(decision, now)
+        if refusal is None and decision.service in {p.applied.service for p in self.pending}:
+            refusal = "an earlier action on it is still being verified"
+        if refusal is not None:
+            self.audit.append("refused", decision.service, decision.action, refusal, dry_run=dry, at=now)
+            return Outcome(decision, "refused", refusal)
+        target = self.guard.clamp(decision)
+        if dry:
+            detail = f"dry run: would {decision.action} {decision.service} to {target}"
+            self.audit.append("action", decision.service, decision.action, "dry-run", dry_run=True, at=now, details={"target": target})
+            self.guard.record(decision.service, now)
+            return Outcome(decision, "dry-run", detail)
+        try:
+            applied = self._apply(decision, target)
+        except ActionError as error:
+            reason = f"{'forbidden' if isinstance(error, ActionForbidden) else 'failed'}: {error}"
+            self.audit.append("error", decision.service, decision.action, reason, dry_run=False, at=now, details={"target": target})
+            return Outcome(decision, "failed", reason)
+        self.guard.record(decision.service, now)
+        self.audit.append("action", decision.service, decision.action, "applied", dry_run=False, at=now,
+                          details={"previous": applied.previous, "new": applied.new})
+        if latencies is not None:
+            self.pending.append(Pending(applied, latencies, now + self.policy.verify_after_s))
+        return Outcome(decision, "applied", f"{applied.previous} -> {applied.new}", applied)
+
+    def _apply(self, decision: Decision, target: dict) -> Applied:
+        service, executor = decision.service, self.executor
+        if decision.action == "scale_out":
+            return executor.scale(service, int(target["replicas"]))
+        if decision.action == "scale_up":
+            return executor.set_resources(service, cpu_cores=target.get("cpu_cores"), memory_mb=target.get("memory_mb"))
+        if decision.action == "retune":
+            (name, value), = target.items()
+            return executor.set_parameter(service, self.catalogue.parameter(service, name), value)
+        if decision.action == "migrate":
+            return executor.migrate(service)
+        raise ActionError(f"no executor supports {decision.action!r}: it is advice for an operator")
+
+    def verify(self, now: float, latencies: Latencies) -> list[tuple[Applied, bool, str]]:
+        """Judge every action whose window has passed; roll back those that did not help."""
+        results, still = [], []
+        for pending in self.pending:
+            if now < pending.due:
+                still.append(pending)
+                continue
+            service = pending.applied.service
+            good, words = improved(service, pending.before, latencies, self.policy.min_improvement)
+            self.audit.append("verification", service, pending.applied.action, "improved" if good else "no improvement",
+                              dry_run=False, at=now, details={"detail": words})
+            if not good:
+                self._rollback(pending.applied, now, words)
+            results.append((pending.applied, good, words))
+        self.pending = still
+        return results
+
+    def _rollback(self, applied: Applied, now: float, why: str) -> None:
+        try:
+            undone = self.executor.rollback(applied)
+        except ActionError as error:
+            self.audit.append("error", applied.service, f"rollback {applied.action}", str(error), dry_run=False, at=now)
+            return
+        self.audit.append("rollback", applied.service, applied.action, "rolled back", dry_run=False, at=now,
+                          details={"restored": undone.new, "why": why})
