@@ -47,17 +47,12 @@ def critical_paths(forest: SpanForest) -> CriticalPaths:
     end = forest.end_ns.tolist()
     first = first_child.tolist()
     following = next_sibling.tolist()
-    exclusive = [0] * n
-    window_start = [0] * n
-    on_path = np.zeros(n, dtype=bool)
     # Two stacks of ints rather than one of tuples: no allocations that wake the GC up.
     stack_rows = forest.root.tolist()
     stack_lows = forest.start_ns[forest.root].tolist()
-    visited = []
+    visited, lows, exclusive = [], [], []  # per path span, in visiting order
     while stack_rows:
         row, low = stack_rows.pop(), stack_lows.pop()
-        visited.append(row)
-        window_start[row] = low
         covered = 0
         child = first[row]
         while child >= 0 and end[child] > low:
@@ -68,13 +63,18 @@ def critical_paths(forest: SpanForest) -> CriticalPaths:
             if start[child] <= low:
                 break
             child = following[child]
-        exclusive[row] = end[row] - low - covered
-    on_path[visited] = True
-    return CriticalPaths(
-        on_path=on_path,
-        exclusive_ns=np.array(exclusive, dtype=np.int64),
-        window_start_ns=np.array(window_start, dtype=np.int64),
+        visited.append(row)
+        lows.append(low)
+        exclusive.append(end[row] - low - covered)
+    paths = CriticalPaths(
+        on_path=np.zeros(n, dtype=bool),
+        exclusive_ns=np.zeros(n, dtype=np.int64),
+        window_start_ns=np.zeros(n, dtype=np.int64),
     )
+    paths.on_path[visited] = True
+    paths.exclusive_ns[visited] = exclusive
+    paths.window_start_ns[visited] = lows
+    return paths
 
 
 def _path_pointers(forest: SpanForest) -> tuple[np.ndarray, np.ndarray]:
