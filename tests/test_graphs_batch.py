@@ -21,7 +21,7 @@ from bmeg.graphs import (
 )
 from bmeg.graphs.batch import ServiceVocabulary, to_batch
 from bmeg.graphs.features import self_time_ns
-from bmeg.traces import span_table
+from bmeg.traces import empty_span_table, span_table
 
 
 def socialnet_store_post():
@@ -156,3 +156,8 @@ def test_unknown_services_map_to_index_zero():
 def test_label_lengths_are_checked():
     with pytest.raises(ValueError, match="one label per trace"):
         to_batch(two_traces(), y=[1])
+
+
+def test_empty_table_gives_an_empty_batch():
+    batch = to_batch(assemble(empty_span_table()))
+    assert batch.num_graphs == 0 and batch.x.shape == (0, 7) and batch.edge_index.shape == (2, 0)
