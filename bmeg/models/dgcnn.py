@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch_geometric.nn import GCNConv
+from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.nn.aggr import SortAggregation
 
 
@@ -27,11 +28,12 @@ class DGCNN(nn.Module):
         widths = [hidden_channels, hidden_channels, hidden_channels, 1]
         self.convs = nn.ModuleList()
         for width_in, width_out in zip([in_channels, *widths[:-1]], widths):
-            self.convs.append(GCNConv(width_in, width_out))
+            self.convs.append(GCNConv(width_in, width_out, normalize=False))
         total = sum(widths)
         self.sort_pool = SortAggregation(k)
-        # The first Conv1D reads one node's concatenated features at a time.
-        self.conv1 = nn.Conv1d(1, 16, kernel_size=total, stride=total)
+        # The first Conv1D has kernel = stride = one node's width: it is a per-node linear map,
+        # written as one (CPU backends are slow at the backward of such a Conv1D).
+        self.conv1 = nn.Linear(total, 16)
         self.pool = nn.MaxPool1d(2, 2)
         self.conv2 = nn.Conv1d(16, 32, kernel_size=5, stride=1)
         conv2_len = (k // 2) - 5 + 1
@@ -44,15 +46,18 @@ class DGCNN(nn.Module):
 
     def forward(self, x: Tensor, edge_index: Tensor, batch: Tensor) -> Tensor:
         """x [num_nodes, in_channels] -> logits [num_graphs, 2]."""
+        # Normalise the adjacency once for all layers (self-loops, symmetric degree scaling).
+        edge_index, edge_weight = gcn_norm(edge_index, None, x.size(0), add_self_loops=True)
         layers = []
         h = x
         for conv in self.convs:
-            h = torch.tanh(conv(h, edge_index))
+            h = torch.tanh(conv(h, edge_index, edge_weight))
             layers.append(h)
         h = torch.cat(layers, dim=-1)  # [num_nodes, total]
         h = self.sort_pool(h, batch)  # [num_graphs, k * total]
-        h = h.unsqueeze(1)  # [num_graphs, 1, k * total]
-        h = self.pool(torch.relu(self.conv1(h)))  # [num_graphs, 16, k // 2]
+        h = h.view(h.size(0), self.k, -1)  # [num_graphs, k, total]
+        h = torch.relu(self.conv1(h)).transpose(1, 2)  # [num_graphs, 16, k]
+        h = self.pool(h)  # [num_graphs, 16, k // 2]
         h = torch.relu(self.conv2(h))  # [num_graphs, 32, k // 2 - 4]
         h = self.dropout(torch.relu(self.dense(h.flatten(1))))
         return self.out(h)

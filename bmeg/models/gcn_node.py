@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch_geometric.nn import GCNConv
+from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
 
 class GCNNodeClassifier(nn.Module):
@@ -16,9 +17,9 @@ class GCNNodeClassifier(nn.Module):
         super().__init__()
         self.convs = nn.ModuleList(
             [
-                GCNConv(in_channels, hidden_channels),
-                GCNConv(hidden_channels, hidden_channels),
-                GCNConv(hidden_channels, hidden_channels),
+                GCNConv(in_channels, hidden_channels, normalize=False),
+                GCNConv(hidden_channels, hidden_channels, normalize=False),
+                GCNConv(hidden_channels, hidden_channels, normalize=False),
             ]
         )
         # The node's own input features skip past the convolutions: a bottleneck is mostly a
@@ -32,7 +33,9 @@ class GCNNodeClassifier(nn.Module):
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
         """x [num_nodes, in_channels] -> logits [num_nodes, 2]."""
+        # Normalise the adjacency once for all layers (self-loops, symmetric degree scaling).
+        edge_index, edge_weight = gcn_norm(edge_index, None, x.size(0), add_self_loops=True)
         h = x
         for conv in self.convs:
-            h = torch.relu(conv(h, edge_index))
+            h = torch.relu(conv(h, edge_index, edge_weight))
         return self.feed_forward(torch.cat([h, x], dim=-1))

@@ -9,8 +9,6 @@ An SVM classifies (RI, CI) as bottleneck or not (Qiu et al., FIRM, OSDI'20).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
 from sklearn.base import BaseEstimator, ClassifierMixin
@@ -18,41 +16,52 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.svm import SVC
 
+from bmeg.graphs import SpanForest
+from bmeg.graphs.critical_path import CriticalPaths
 
-@dataclass(frozen=True)
-class ServiceFrame:
-    """Per trace and service: critical-path latency (µs), NaN where the service is off the path.
+PATH, START = "__path__", "__start__"
 
-    Rows are traces in time order; `path_us` is each trace's critical-path total.
+
+def critical_path_frame(forest: SpanForest, services: np.ndarray, paths: CriticalPaths) -> pd.DataFrame:
+    """Per trace (rows, forest order) and service (columns): critical-path time in µs, NaN off the path.
+
+    The column `__path__` holds each trace's critical-path total; `__start__` its start time.
     """
+    codes, names = pd.factorize(services)
+    latency = np.zeros((forest.num_traces, len(names)))
+    on_path = np.zeros_like(latency, dtype=bool)
+    rows = np.flatnonzero(paths.on_path)
+    np.add.at(latency, (forest.trace_index[rows], codes[rows]), paths.exclusive_ns[rows] / 1e3)
+    on_path[forest.trace_index[rows], codes[rows]] = True
+    frame = pd.DataFrame(np.where(on_path, latency, np.nan), columns=names)
+    frame[PATH] = latency.sum(axis=1)
+    frame[START] = forest.start_ns[forest.root]
+    return frame
 
-    latency_us: np.ndarray  # [num_traces, num_services]
-    path_us: np.ndarray  # [num_traces]
-    services: list[str]
 
-    def __post_init__(self) -> None:
-        if self.latency_us.shape != (len(self.path_us), len(self.services)):
-            raise ValueError(
-                f"latency_us has shape {self.latency_us.shape}; expected "
-                f"({len(self.path_us)}, {len(self.services)})"
-            )
+def firm_features(frame: pd.DataFrame, window: int = 100, history: pd.DataFrame | None = None) -> np.ndarray:
+    """(RI, CI) per trace and service of `frame`, over the trailing `window` traces in time order.
 
-
-def firm_features(frame: ServiceFrame, window: int = 100) -> np.ndarray:
-    """(RI, CI) over the trailing `window` traces: [num_traces, num_services, 2]."""
-    latency = pd.DataFrame(frame.latency_us)
-    path = pd.Series(frame.path_us)
-    min_periods = max(3, window // 10)
-    rolling = latency.rolling(window, min_periods=min_periods)
-    relative_importance = rolling.corr(path).to_numpy()
-    p50 = rolling.quantile(0.5).to_numpy()
-    p99 = rolling.quantile(0.99).to_numpy()
+    `history` (earlier traces, same layout) fills the window for the first traces of `frame`.
+    Returns [num_traces, num_services, 2], services in the column order of `frame`.
+    """
+    services = [name for name in frame.columns if name not in (PATH, START)]
+    earlier = history if history is not None else frame.iloc[:0]
+    timeline = pd.concat([earlier, frame], ignore_index=True).sort_values(START, kind="stable")
+    latency = timeline.reindex(columns=services)
+    rolling = latency.rolling(window, min_periods=max(3, window // 10))
+    relative_importance = rolling.corr(timeline[PATH])
     with np.errstate(divide="ignore", invalid="ignore"):
-        congestion = p99 / p50
-    features = np.stack([relative_importance, congestion], axis=-1)
+        congestion = rolling.quantile(0.99) / rolling.quantile(0.5)
+    # Back to the rows of `frame`, in its own order.
+    mine = timeline.index.to_numpy() >= len(earlier)
+    order = np.argsort(timeline.index.to_numpy()[mine] - len(earlier))
+    features = np.stack(
+        [relative_importance.to_numpy()[mine][order], congestion.to_numpy()[mine][order]], axis=-1
+    )
     # A service too rarely on the path (or of constant latency) has no correlation: neutral 0 / 1.
-    features[..., 0] = np.nan_to_num(features[..., 0], nan=0.0)
-    features[..., 1] = np.nan_to_num(features[..., 1], nan=1.0, posinf=1.0)
+    features[..., 0] = np.nan_to_num(features[..., 0], nan=0.0, posinf=0.0, neginf=0.0)
+    features[..., 1] = np.nan_to_num(features[..., 1], nan=1.0, posinf=1.0, neginf=1.0)
     return features
 
 
@@ -62,7 +71,7 @@ class FirmSVM(ClassifierMixin, BaseEstimator):
     `fit(X, y)` takes X [num_pairs, 2] from `firm_features` and y [num_pairs] in {0, 1}.
     """
 
-    def __init__(self, C: float = 1.0, gamma: str | float = "scale", max_samples: int = 20_000, seed: int = 0):
+    def __init__(self, C: float = 1.0, gamma: str | float = "scale", max_samples: int = 4_000, seed: int = 0):
         self.C = C
         self.gamma = gamma
         self.max_samples = max_samples
@@ -74,7 +83,8 @@ class FirmSVM(ClassifierMixin, BaseEstimator):
             raise ValueError(f"expected X [n, 2] and y [n]; got {X.shape} and {y.shape}")
         if len(np.unique(y)) < 2:
             raise ValueError("FirmSVM needs both bottleneck and non-bottleneck examples")
-        # An RBF SVM is quadratic in samples: fit on a stratified subsample.
+        # An RBF SVM is quadratic in samples to fit and linear in support vectors to apply:
+        # fit on a stratified subsample.
         index = _stratified_subsample(y, self.max_samples, np.random.default_rng(self.seed))
         self.pipeline_ = make_pipeline(
             StandardScaler(), SVC(C=self.C, gamma=self.gamma, class_weight="balanced")

@@ -1,0 +1,220 @@
+"""The two-stage detector with its SVM fallback, and the `Diagnosis` it produces.
+
+`Detector.score(forest)` runs every model over a forest of traces and returns arrays (used by
+evaluation and by `diagnose`); `Detector.diagnose(spans)` turns them into the typed
+`Diagnosis` with its evidence. Small or simple traces (few distinct services) go to the SVM,
+the others to the GNN stages; the cut is chosen on validation data at training time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import torch
+
+import bmeg
+from bmeg.diagnosis import CriticalPathStep, Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
+from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, trace_paths
+from bmeg.graphs.critical_path import CriticalPaths
+from bmeg.graphs.features import self_time_ns
+from bmeg.models.checkpoint import load_checkpoint, save_checkpoint
+from bmeg.models.dgcnn import DGCNN
+from bmeg.models.features import FeatureEncoder
+from bmeg.models.gcn_node import GCNNodeClassifier
+from bmeg.models.svm import PATH, START, FirmSVM, critical_path_frame, firm_features
+from bmeg.training.graphset import GraphSet
+from bmeg.training.trainer import predict_proba, resolve_device
+
+#: How many ranked services a trace's diagnosis lists.
+TOP_SERVICES = 5
+
+
+@dataclass
+class Scores:
+    """Every model's output over a forest (trace order = forest order)."""
+
+    services: list[str]  # columns of the [T, S] matrices
+    gnn_anomaly: np.ndarray  # [T] DGCNN P(anomalous)
+    gnn_service: np.ndarray  # [T, S] max GCN node score per service (0 where absent)
+    svm_service: np.ndarray  # [T, S] SVM score per service on the critical path (0 off it)
+    present: np.ndarray  # bool [T, S]
+    to_svm: np.ndarray  # bool [T]: routed to the SVM
+    anomaly: np.ndarray  # [T] routed anomaly score
+    anomalous: np.ndarray  # bool [T]
+    service: np.ndarray  # [T, S] routed service scores
+
+    @property
+    def svm_anomaly(self) -> np.ndarray:
+        return self.svm_service.max(axis=1, initial=0.0)
+
+    def ranking(self, trace: int) -> list[str]:
+        row = np.where(self.present[trace], self.service[trace], -1.0)
+        return [self.services[i] for i in np.argsort(-row, kind="stable") if self.present[trace, i]]
+
+
+@dataclass
+class Detector:
+    application: str
+    encoder: FeatureEncoder
+    dgcnn: DGCNN
+    gcn: GCNNodeClassifier
+    svm: FirmSVM
+    thresholds: dict[str, float]  # graph (DGCNN), node (GCN), svm
+    svm_max_services: int  # traces with at most this many services go to the SVM (-1: none)
+    svm_window: int
+    services: list[str]  # the training vocabulary
+    service_baseline_us: dict[str, float]  # median self time per trace in normal traces
+    hparams: dict
+    metrics: dict
+    device: torch.device = torch.device("cpu")
+    run_dir: Path | None = None
+    recent: pd.DataFrame | None = None  # the SVM window's earlier traces
+
+    @property
+    def version(self) -> str:
+        return f"bmeg-{bmeg.__version__}/{self.application}/{self.encoder.variant}"
+
+    # -- scoring -----------------------------------------------------------------------------
+    def score(self, forest: SpanForest, paths: CriticalPaths | None = None, remember: bool = False) -> Scores:
+        paths = paths or critical_paths(forest)
+        graphs = GraphSet.from_forest(forest, self.encoder.transform(forest, paths))
+        everything = np.arange(forest.num_traces)
+        gnn_anomaly = predict_proba(self.dgcnn, graphs, everything, "graph", self.device)
+        node_scores = predict_proba(self.gcn, graphs, everything, "node", self.device)
+        services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+        codes, names = pd.factorize(services)
+        gnn_service = np.zeros((forest.num_traces, len(names)))
+        np.maximum.at(gnn_service, (forest.trace_index, codes), node_scores)
+        present = np.zeros_like(gnn_service, dtype=bool)
+        present[forest.trace_index, codes] = True
+        svm_service = self._svm_scores(forest, services, paths, list(names), remember)
+        raw = Scores(
+            services=list(names), gnn_anomaly=gnn_anomaly, gnn_service=gnn_service, svm_service=svm_service,
+            present=present, to_svm=np.zeros(forest.num_traces, bool), anomaly=gnn_anomaly,
+            anomalous=np.zeros(forest.num_traces, bool), service=gnn_service,
+        )
+        return self.route(raw)
+
+    def route(self, scores: Scores) -> Scores:
+        """Apply the router and the thresholds to raw model scores."""
+        to_svm = scores.present.sum(axis=1) <= self.svm_max_services
+        anomaly = np.where(to_svm, scores.svm_anomaly, scores.gnn_anomaly)
+        threshold = np.where(to_svm, self.thresholds["svm"], self.thresholds["graph"])
+        service = np.where(to_svm[:, None], scores.svm_service, scores.gnn_service)
+        return replace(scores, to_svm=to_svm, anomaly=anomaly, anomalous=anomaly >= threshold, service=service)
+
+    def _svm_scores(self, forest, services, paths, names: list[str], remember: bool) -> np.ndarray:
+        frame = critical_path_frame(forest, services, paths)
+        features = firm_features(frame, self.svm_window, self.recent)  # [T, S, 2]
+        on_path = frame[names].notna().to_numpy()
+        scores = np.zeros(on_path.shape)
+        if on_path.any():
+            scores[on_path] = self.svm.score_samples(features[on_path])
+        if remember:
+            recent = frame if self.recent is None else pd.concat([self.recent, frame], ignore_index=True)
+            self.recent = recent.sort_values(START, kind="stable").tail(self.svm_window).reset_index(drop=True)
+        return scores
+
+    # -- diagnosis ---------------------------------------------------------------------------
+    def diagnose(self, spans: pa.Table | SpanForest, window: bool = False) -> Diagnosis:
+        """Diagnose every trace of a span table (or an assembled forest)."""
+        forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="raise")
+        paths = critical_paths(forest)
+        scores = self.score(forest, paths, remember=True)
+        self_time = self_time_ns(forest) / 1e3
+        services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+        latency = pd.DataFrame({"trace": forest.trace_index, "service": services, "us": self_time})
+        latency = latency.groupby(["trace", "service"], sort=False)["us"].sum()
+        warnings = _warnings_by_trace(forest)
+        traces = [
+            self._trace_diagnosis(forest, scores, t, path, latency, warnings.get(forest.trace_ids[t], []))
+            for t, path in enumerate(trace_paths(forest, paths))
+        ]
+        return Diagnosis(
+            model_version=self.version, application=self.application, traces=traces,
+            ranking=self._window_ranking(scores) if window else None,
+        )
+
+    def _trace_diagnosis(self, forest, scores: Scores, t: int, path, latency: pd.Series, warnings) -> TraceDiagnosis:
+        node_threshold = self.thresholds["svm" if scores.to_svm[t] else "node"]
+        ranked = scores.ranking(t)[:TOP_SERVICES]
+        column = {name: i for i, name in enumerate(scores.services)}
+        bottlenecks = [
+            ServiceScore(service=name, score=float(scores.service[t, column[name]]),
+                         bottleneck=bool(scores.anomalous[t] and scores.service[t, column[name]] >= node_threshold))
+            for name in ranked
+        ]
+        unknown = sorted(set(latency.loc[t].index) - set(self.services))
+        if unknown:
+            warnings = [*warnings, f"services unknown to the model (scored without a baseline): {', '.join(unknown)}"]
+        return TraceDiagnosis(
+            trace_id=forest.trace_ids[t], spans=int(forest.trace_offsets[t + 1] - forest.trace_offsets[t]),
+            total_us=path.total_ns / 1e3, anomalous=bool(scores.anomalous[t]),
+            anomaly_score=float(scores.anomaly[t]),
+            threshold=self.thresholds["svm" if scores.to_svm[t] else "graph"],
+            model="svm" if scores.to_svm[t] else "gnn", bottlenecks=bottlenecks,
+            critical_path=[CriticalPathStep(service=s.service, operation=s.operation, exclusive_us=s.exclusive_ns / 1e3)
+                           for s in path.steps],
+            latencies=[self._latency(service, us) for service, us in latency.loc[t].sort_values(ascending=False).items()],
+            warnings=warnings,
+        )
+
+    def _latency(self, service: str, latency_us: float) -> ServiceLatency:
+        baseline = self.service_baseline_us.get(service)
+        ratio = latency_us / baseline if baseline else None
+        return ServiceLatency(service=service, latency_us=float(latency_us), baseline_us=baseline, ratio=ratio)
+
+    def _window_ranking(self, scores: Scores) -> list[ServiceScore]:
+        """Services over the window: mean score over the anomalous traces (all, weighted, if none)."""
+        weights = scores.anomalous.astype(float) if scores.anomalous.any() else scores.anomaly
+        seen = np.maximum((weights[:, None] * scores.present).sum(axis=0), 1e-12)
+        mean = (weights[:, None] * scores.service).sum(axis=0) / seen
+        order = np.argsort(-mean, kind="stable")
+        threshold = self.thresholds["node"]
+        return [ServiceScore(service=scores.services[i], score=float(mean[i]), bottleneck=bool(mean[i] >= threshold))
+                for i in order if scores.present[:, i].any()]
+
+    # -- persistence -------------------------------------------------------------------------
+    def save(self, run_dir: Path) -> None:
+        state = {
+            "application": self.application, "encoder": self.encoder.to_state(),
+            "dgcnn": self.dgcnn.state_dict(), "gcn": self.gcn.state_dict(), "thresholds": self.thresholds,
+            "svm_max_services": self.svm_max_services, "svm_window": self.svm_window,
+            "services": self.services, "service_baseline_us": self.service_baseline_us,
+            "hparams": self.hparams, "metrics": self.metrics,
+        }
+        save_checkpoint(Path(run_dir), state, self.svm)
+        self.run_dir = Path(run_dir)
+
+    @classmethod
+    def load(cls, run_dir: str | Path, device: str = "auto", application: str | None = None) -> Detector:
+        state, svm = load_checkpoint(Path(run_dir), application=application)
+        encoder = FeatureEncoder.from_state(state["encoder"])
+        hparams = state["hparams"]
+        dgcnn = DGCNN(encoder.num_features, **hparams["dgcnn"])
+        gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
+        dgcnn.load_state_dict(state["dgcnn"])
+        gcn.load_state_dict(state["gcn"])
+        target = resolve_device(device)
+        return cls(
+            application=state["application"], encoder=encoder, dgcnn=dgcnn.to(target).eval(),
+            gcn=gcn.to(target).eval(), svm=svm, thresholds=state["thresholds"],
+            svm_max_services=state["svm_max_services"], svm_window=state["svm_window"],
+            services=state["services"], service_baseline_us=state["service_baseline_us"],
+            hparams=hparams, metrics=state["metrics"], device=target, run_dir=Path(run_dir),
+        )
+
+
+def _warnings_by_trace(forest: SpanForest) -> dict[str, list[str]]:
+    """Repair warnings name their trace; group them by it."""
+    by_trace: dict[str, list[str]] = {}
+    for message in forest.warnings:
+        for trace_id in forest.trace_ids:
+            if trace_id in message:
+                by_trace.setdefault(trace_id, []).append(message)
+                break
+    return by_trace

@@ -1,0 +1,119 @@
+"""Node features for the models: the graph stage's columns, plus what the thesis did not have.
+
+- `thesis`: only the service time of each node (log duration), as in the B-MEG thesis.
+- `full` (default): the call-graph columns (`bmeg.graphs.DEFAULT_FEATURES`), plus per-operation
+  baselines (how far a node's self time and duration sit from the normal distribution of its
+  (service, operation), in robust z-scores) and temporal context (the same z-score of the
+  node's service, averaged over its recent visits in earlier traces).
+
+`FeatureEncoder` is fitted on normal training traces, like a scikit-learn transformer, and is
+saved in the checkpoint as plain lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import pyarrow.compute as pc
+
+from bmeg.graphs import DEFAULT_FEATURES, SERVICE_TIME_ONLY, SpanForest, base_columns, node_services
+from bmeg.graphs.critical_path import CriticalPaths
+
+VARIANTS = ("thesis", "full")
+BASELINE_COLUMNS = ("log_self_time_us", "log_duration_us")
+#: Where a z-score is capped: a node 50 robust deviations off is as off as it matters.
+Z_LIMIT = 50.0
+#: The smallest spread of a baseline, in log units (~5%), so constant operations don't explode.
+MIN_SPREAD = 0.05
+
+
+@dataclass
+class FeatureEncoder:
+    variant: str = "full"
+    history: int = 50  # visits of a service that make its temporal context
+    keys: list[str] = field(default_factory=list)  # "service\x1foperation"
+    medians: list[list[float]] = field(default_factory=list)  # [key][baseline column]
+    spreads: list[list[float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown feature variant {self.variant!r}; choose from {VARIANTS}")
+
+    @property
+    def names(self) -> list[str]:
+        if self.variant == "thesis":
+            return list(SERVICE_TIME_ONLY.columns)
+        z_names = [f"z_{name}" for name in BASELINE_COLUMNS]
+        return [*DEFAULT_FEATURES.columns, *z_names, "unknown_operation", "recent_z_self_time"]
+
+    @property
+    def num_features(self) -> int:
+        return len(self.names)
+
+    def fit(self, forest: SpanForest, paths: CriticalPaths | None = None) -> FeatureEncoder:
+        """Per-operation baselines from (normal) traces: median and p90 - median of log times."""
+        columns = base_columns(forest, paths)
+        frame = pd.DataFrame({name: columns[name] for name in BASELINE_COLUMNS})
+        frame["key"] = _operation_keys(forest)
+        grouped = frame.groupby("key", sort=True)
+        median = grouped.median()
+        spread = (grouped.quantile(0.9) - median).clip(lower=MIN_SPREAD)
+        self.keys = median.index.tolist()
+        self.medians = median[list(BASELINE_COLUMNS)].to_numpy().tolist()
+        self.spreads = spread[list(BASELINE_COLUMNS)].to_numpy().tolist()
+        return self
+
+    def transform(self, forest: SpanForest, paths: CriticalPaths | None = None) -> np.ndarray:
+        """float32 [num_spans, num_features], in `names` order."""
+        columns = base_columns(forest, paths)
+        if self.variant == "thesis":
+            return _stack(columns, SERVICE_TIME_ONLY.columns)
+        if not self.keys:
+            raise ValueError("FeatureEncoder is not fitted: call fit() on normal traces first")
+        z, known = self._z_scores(forest, columns)
+        columns.update({f"z_{name}": z[:, i] for i, name in enumerate(BASELINE_COLUMNS)})
+        columns["unknown_operation"] = (~known).astype(np.float64)
+        columns["recent_z_self_time"] = self._recent(forest, z[:, 0])
+        return _stack(columns, self.names)
+
+    def to_state(self) -> dict:
+        return {"variant": self.variant, "history": self.history, "keys": self.keys,
+                "medians": self.medians, "spreads": self.spreads}
+
+    @classmethod
+    def from_state(cls, state: dict) -> FeatureEncoder:
+        return cls(**state)
+
+    def _z_scores(self, forest: SpanForest, columns: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        position = pd.Index(self.keys).get_indexer(_operation_keys(forest))
+        known = position >= 0
+        values = np.stack([columns[name] for name in BASELINE_COLUMNS], axis=1)
+        median = np.asarray(self.medians)[position[known]]
+        spread = np.asarray(self.spreads)[position[known]]
+        z = np.zeros_like(values)
+        z[known] = np.clip((values[known] - median) / spread, -Z_LIMIT, Z_LIMIT)
+        return z, known
+
+    def _recent(self, forest: SpanForest, z_self: np.ndarray) -> np.ndarray:
+        """Mean z-score of the node's service over its last `history` visits, in time order."""
+        frame = pd.DataFrame({
+            "service": node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False),
+            "trace_start": forest.start_ns[forest.root][forest.trace_index],
+            "z": z_self,
+        })
+        ordered = frame.sort_values("trace_start", kind="stable")
+        rolling = ordered.groupby("service", sort=False)["z"].rolling(self.history, min_periods=1).mean()
+        recent = np.zeros(len(frame))
+        recent[rolling.index.get_level_values(-1).to_numpy()] = rolling.to_numpy()
+        return recent
+
+
+def _operation_keys(forest: SpanForest) -> np.ndarray:
+    keys = pc.binary_join_element_wise(forest.spans["service"], forest.spans["operation"], "\x1f")
+    return keys.to_numpy(zero_copy_only=False)
+
+
+def _stack(columns: dict[str, np.ndarray], names) -> np.ndarray:
+    return np.stack([columns[name] for name in names], axis=1).astype(np.float32)

@@ -1,0 +1,185 @@
+"""`bmeg train`: fit both GNN stages and the SVM, choose thresholds and the router, evaluate.
+
+The dataset is split 80/20 per class (the thesis's protocol); a fifth of the training part,
+again per class, is held out for validation: best epochs, thresholds and the router's cut are
+chosen there, never on the test part.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from bmeg.datasets.loader import DEFAULT_IMBALANCE, DEFAULT_TRACES, Dataset, load_dataset
+from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
+from bmeg.graphs.features import self_time_ns
+from bmeg.models.detector import Detector, Scores
+from bmeg.models.dgcnn import DGCNN
+from bmeg.models.features import FeatureEncoder
+from bmeg.models.gcn_node import GCNNodeClassifier
+from bmeg.models.svm import FirmSVM, critical_path_frame, firm_features
+from bmeg.training.evaluate import evaluate, true_services
+from bmeg.training.graphset import GraphSet
+from bmeg.training.trainer import FitConfig, fit, resolve_device
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    dataset: str = "socialnet"
+    traces: int = DEFAULT_TRACES
+    imbalance: float = DEFAULT_IMBALANCE
+    scenario: str = "single"
+    seed: int = 0
+    features: str = "full"  # or "thesis": service time only
+    min_precision: float = 0.8  # stage-1 threshold: best recall at this precision
+    svm_window: int = 100
+    svm_max_services: int | None = None  # None: chosen on validation
+    fit: FitConfig = field(default_factory=FitConfig)
+
+
+@dataclass
+class Labelled:
+    """A dataset assembled into a forest, with labels in forest order and the split."""
+
+    forest: SpanForest
+    y: np.ndarray  # [T]
+    node_y: np.ndarray  # [N]
+    train: np.ndarray
+    val: np.ndarray
+    test: np.ndarray
+    traces: pa.Table  # trace labels in forest order
+
+
+def train(config: TrainConfig, out: Path | None = None) -> tuple[Detector, dict]:
+    """Train on `config.dataset`; returns the detector and the metrics (also written to `out`)."""
+    dataset = load_dataset(config.dataset, config.traces, config.imbalance, config.seed, config.scenario,
+                           progress=config.fit.progress)
+    data = label(dataset, config.seed)
+    detector, histories = fit_detector(data, config, application=dataset.card["topology"]["name"])
+    metrics = evaluate(detector, data)
+    metrics["config"] = {**asdict(config), "dataset_path": str(dataset.path)}
+    metrics["history"] = {name: asdict(history) for name, history in histories.items()}
+    detector.metrics = metrics
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        detector.save(out)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return detector, metrics
+
+
+def label(dataset: Dataset, seed: int) -> Labelled:
+    forest = assemble(dataset.spans, on_bad_trace="drop")
+    positions = pd.Index(forest.trace_ids)
+    traces = dataset.traces.take(pa.array(np.argsort(positions.get_indexer(dataset.traces["trace_id"].to_pylist()))))
+    y = traces["anomalous"].to_numpy(zero_copy_only=False).astype(np.int64)
+    keys = pc.binary_join_element_wise(dataset.nodes["trace_id"], dataset.nodes["span_id"], "/")
+    bottleneck = pd.Series(dataset.nodes["bottleneck"].to_numpy(zero_copy_only=False),
+                           index=keys.to_numpy(zero_copy_only=False))
+    span_keys = pc.binary_join_element_wise(forest.spans["trace_id"], forest.spans["span_id"], "/")
+    node_y = bottleneck.reindex(span_keys.to_numpy(zero_copy_only=False)).fillna(False).to_numpy().astype(np.int64)
+    split = dataset.split(seed)
+    test = np.flatnonzero(positions.isin(list(split.test)))
+    train_all = np.flatnonzero(positions.isin(list(split.train)))
+    rng = np.random.default_rng(seed + 1)
+    val = np.concatenate([rng.permutation(part)[: round(len(part) * 0.2)]
+                          for part in (train_all[y[train_all] == 1], train_all[y[train_all] == 0])])
+    train_part = np.setdiff1d(train_all, val)
+    return Labelled(forest, y, node_y, train_part, np.sort(val), test, traces)
+
+
+def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple[Detector, dict]:
+    forest, fit_config = data.forest, config.fit
+    paths = critical_paths(forest)
+    normal_train = data.train[data.y[data.train] == 0]
+    encoder = FeatureEncoder(config.features).fit(_subforest(forest, normal_train))
+    graphs = GraphSet.from_forest(forest, encoder.transform(forest, paths), data.y, data.node_y)
+
+    torch.manual_seed(config.seed)
+    sizes = np.diff(forest.trace_offsets)
+    hparams = {"dgcnn": {"k": int(max(10, np.percentile(sizes, 60)))}, "gcn": {}}
+    dgcnn = DGCNN(encoder.num_features, **hparams["dgcnn"])
+    gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
+    histories = {"dgcnn": fit(dgcnn, graphs, data.train, data.val, "graph", fit_config, "stage 1 (DGCNN)")}
+    anomalous = lambda part: part[data.y[part] == 1]  # noqa: E731
+    histories["gcn"] = fit(gcn, graphs, anomalous(data.train), anomalous(data.val), "node", fit_config, "stage 2 (GCN)")
+
+    services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+    svm = _fit_svm(forest, paths, services, data, config)
+    detector = Detector(
+        application=application, encoder=encoder, dgcnn=dgcnn.eval(), gcn=gcn.eval(), svm=svm,
+        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5}, svm_max_services=-1,
+        svm_window=config.svm_window, services=sorted(set(services)),
+        service_baseline_us=_service_baselines(forest, services, normal_train), hparams=hparams, metrics={},
+        device=resolve_device(fit_config.device),
+    )
+    detector.dgcnn.to(detector.device)
+    detector.gcn.to(detector.device)
+    choose_operating_point(detector, detector.score(forest, paths), data, config)
+    return detector, histories
+
+
+def choose_operating_point(detector: Detector, raw: Scores, data: Labelled, config: TrainConfig) -> None:
+    """Thresholds and the router's cut, on validation traces only."""
+    from bmeg.training.metrics import threshold_for_precision
+
+    val, y = data.val, data.y[data.val]
+    truth = true_services(data, raw)
+    anomalous_val = val[y == 1]
+    node_truth = truth[anomalous_val][raw.present[anomalous_val]]
+    detector.thresholds = {
+        "graph": threshold_for_precision(y, raw.gnn_anomaly[val], config.min_precision),
+        "node": threshold_for_precision(node_truth, raw.gnn_service[anomalous_val][raw.present[anomalous_val]], 0.5),
+        "svm": threshold_for_precision(y, raw.svm_anomaly[val], config.min_precision),
+    }
+    if config.svm_max_services is not None:
+        detector.svm_max_services = config.svm_max_services
+        return
+    complexity = raw.present[val].sum(axis=1)
+    best = (-1.0, -1)
+    for cut in [-1, *np.unique(complexity).tolist()]:
+        detector.svm_max_services = cut
+        predicted = detector.route(raw).anomalous[val]
+        f1 = _f1(y, predicted)
+        if f1 > best[0] + 1e-9:  # ties keep the smaller cut: the GNN unless the SVM is better
+            best = (f1, cut)
+    detector.svm_max_services = best[1]
+
+
+def _fit_svm(forest: SpanForest, paths, services: np.ndarray, data: Labelled, config: TrainConfig) -> FirmSVM:
+    frame = critical_path_frame(forest, services, paths)
+    features = firm_features(frame, config.svm_window)
+    names = [name for name in frame.columns if not name.startswith("__")]
+    on_path = frame[names].notna().to_numpy()
+    truth = np.zeros(on_path.shape, dtype=bool)
+    column = pd.Index(names).get_indexer(services)
+    rows = np.flatnonzero(data.node_y == 1)
+    truth[forest.trace_index[rows], column[rows]] = True
+    mask = np.zeros(forest.num_traces, dtype=bool)
+    mask[data.train] = True
+    pairs = on_path & mask[:, None]
+    return FirmSVM(seed=config.seed).fit(features[pairs], truth[pairs].astype(np.int64))
+
+
+def _service_baselines(forest: SpanForest, services: np.ndarray, normal: np.ndarray) -> dict[str, float]:
+    """Median per-trace self time (µs) of each service over normal traces."""
+    frame = pd.DataFrame({"trace": forest.trace_index, "service": services, "us": self_time_ns(forest) / 1e3})
+    frame = frame[np.isin(forest.trace_index, normal)]
+    per_trace = frame.groupby(["trace", "service"])["us"].sum()
+    return {service: float(value) for service, value in per_trace.groupby(level="service").median().items()}
+
+
+def _subforest(forest: SpanForest, traces: np.ndarray) -> SpanForest:
+    rows = np.flatnonzero(np.isin(forest.trace_index, traces))
+    return assemble(forest.spans.take(pa.array(rows)))
+
+
+def _f1(y: np.ndarray, predicted: np.ndarray) -> float:
+    tp = float(np.sum(predicted & (y == 1)))
+    return 2 * tp / max(float(np.sum(predicted) + np.sum(y == 1)), 1.0)
