@@ -126,3 +126,20 @@ def test_scenario_must_fit_the_topology(fault, message):
     scenario = parse_scenario(_scenario(faults=[fault]))
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
         check_against(scenario, chain_topology())
+
+
+def test_spec_written_from_code_round_trips_through_yaml(tmp_path):
+    from bmeg.faultinject.spec import CallStep, Latency, Operation, Request, Service, TopologySpec, Workload
+
+    spec = TopologySpec(
+        name="two",
+        workload=Workload(rate=10),
+        requests={"r": Request(entry="a:op", weight=1)},
+        services={
+            "a": Service(operations={"op": Operation(self_time=Latency(median_us=100, sigma=0.3), calls=[CallStep(call="b:op")])}),
+            "b": Service(operations={"op": Operation(self_time=Latency(median_us=50, p99_us=200))}),
+        },
+    )
+    path = tmp_path / "two.yaml"
+    path.write_text(spec.to_yaml())
+    assert load_topology(path) == spec

@@ -8,7 +8,8 @@ episodes and fault rounds; it stops as soon as both totals are met. A sparse sce
 high R therefore cost more simulated traces than kept ones (the card says how many).
 
 Episodes are independent, so `workers` processes run them in parallel; results are consumed
-in episode order, so the output does not depend on the number of workers.
+in episode order, so the output does not depend on the number of workers. Worker processes are
+spawned, so a script calling this with workers > 1 needs the usual `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
