@@ -276,7 +276,7 @@ def parse_topology(data: Any, source: str = "topology spec") -> TopologySpec:
     try:
         return TopologySpec.model_validate(data)
     except ValidationError as error:
-        raise SpecError.from_validation(error, source) from None
+        raise SpecError.from_validation(error, source, _STEP_KEYS) from None
 
 
 def read_yaml(path: Path) -> Any:
