@@ -5,3 +5,15 @@ Data flows one way: readers (`bmeg.traces`) -> span table -> call graphs (`bmeg.
 """
 
 __version__ = "0.1.0"
+
+
+def diagnose(spans, model=None, window: bool = False):
+    """Diagnose a span table (see `bmeg.traces.read_spans`) with a trained model.
+
+    `model` is a `bmeg.models.detector.Detector` or a run directory (default: the run that
+    `bmeg train` writes by default). Returns a `bmeg.diagnosis.Diagnosis`.
+    """
+    from bmeg.models.detector import Detector, default_run_dir
+
+    detector = model if isinstance(model, Detector) else Detector.load(model or default_run_dir())
+    return detector.diagnose(spans, window=window)

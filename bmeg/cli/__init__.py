@@ -12,6 +12,9 @@ import click
 
 #: command name -> "module:attribute" of a click command or group.
 COMMANDS = {
+    "demo": "bmeg.cli.models:demo",
+    "diagnose": "bmeg.cli.models:diagnose",
+    "train": "bmeg.cli.models:train",
     "critical-path": "bmeg.cli.graphs:critical_path",
     "generate": "bmeg.cli.generate:generate",
 }

@@ -25,9 +25,15 @@ from bmeg.models.checkpoint import load_checkpoint, save_checkpoint
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
+from bmeg.paths import cache_dir
 from bmeg.models.svm import PATH, START, FirmSVM, critical_path_frame, firm_features
 from bmeg.training.graphset import GraphSet
 from bmeg.training.trainer import predict_proba, resolve_device
+
+def default_run_dir(application: str = "socialnet") -> Path:
+    """Where `bmeg train` writes and `bmeg diagnose` reads by default."""
+    return cache_dir() / "runs" / application
+
 
 #: How many ranked services a trace's diagnosis lists.
 TOP_SERVICES = 5

@@ -27,6 +27,7 @@ from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.svm import FirmSVM, critical_path_frame, firm_features
 from bmeg.training.evaluate import evaluate, true_services
 from bmeg.training.graphset import GraphSet
+from bmeg.training.plots import plot_run
 from bmeg.training.trainer import FitConfig, fit, resolve_device
 
 
@@ -57,13 +58,13 @@ class Labelled:
     traces: pa.Table  # trace labels in forest order
 
 
-def train(config: TrainConfig, out: Path | None = None) -> tuple[Detector, dict]:
+def run(config: TrainConfig, out: Path | None = None) -> tuple[Detector, dict]:
     """Train on `config.dataset`; returns the detector and the metrics (also written to `out`)."""
     dataset = load_dataset(config.dataset, config.traces, config.imbalance, config.seed, config.scenario,
                            progress=config.fit.progress)
     data = label(dataset, config.seed)
-    detector, histories = fit_detector(data, config, application=dataset.card["topology"]["name"])
-    metrics = evaluate(detector, data)
+    detector, histories, raw = fit_detector(data, config, application=dataset.card["topology"]["name"])
+    metrics = evaluate(detector, data, raw)
     metrics["config"] = {**asdict(config), "dataset_path": str(dataset.path)}
     metrics["history"] = {name: asdict(history) for name, history in histories.items()}
     detector.metrics = metrics
@@ -71,7 +72,15 @@ def train(config: TrainConfig, out: Path | None = None) -> tuple[Detector, dict]
         out.mkdir(parents=True, exist_ok=True)
         detector.save(out)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        _plot(out, detector, raw, data, histories)
     return detector, metrics
+
+
+def _plot(out: Path, detector: Detector, raw: Scores, data: Labelled, histories: dict) -> None:
+    routed, test = detector.route(raw), data.test
+    scores = {"B-MEG": routed.anomaly[test], "SVM": raw.svm_anomaly[test]}
+    verdicts = {"B-MEG": routed.anomalous[test], "SVM": raw.svm_anomaly[test] >= detector.thresholds["svm"]}
+    plot_run(out, histories, data.y[test], scores, verdicts)
 
 
 def label(dataset: Dataset, seed: int) -> Labelled:
@@ -94,7 +103,8 @@ def label(dataset: Dataset, seed: int) -> Labelled:
     return Labelled(forest, y, node_y, train_part, np.sort(val), test, traces)
 
 
-def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple[Detector, dict]:
+def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple[Detector, dict, Scores]:
+    """Fit every model; returns the detector, the learning histories and its raw scores on all traces."""
     forest, fit_config = data.forest, config.fit
     paths = critical_paths(forest)
     normal_train = data.train[data.y[data.train] == 0]
@@ -121,8 +131,9 @@ def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple
     )
     detector.dgcnn.to(detector.device)
     detector.gcn.to(detector.device)
-    choose_operating_point(detector, detector.score(forest, paths), data, config)
-    return detector, histories
+    raw = detector.score(forest, paths)
+    choose_operating_point(detector, raw, data, config)
+    return detector, histories, raw
 
 
 def choose_operating_point(detector: Detector, raw: Scores, data: Labelled, config: TrainConfig) -> None:

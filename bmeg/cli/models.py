@@ -1,0 +1,109 @@
+"""`bmeg train`, `bmeg diagnose`, `bmeg experiment` and `bmeg demo` (the main job)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from bmeg.cli.output import json_option, print_json, print_table
+
+TABLE_COLUMNS = ("accuracy", "nbp", "bp", "nbr", "br", "ac1", "ac3")
+
+
+def metrics_rows(metrics: dict, models=("bmeg", "svm")) -> list[dict]:
+    """The thesis's table: one row per model."""
+    names = {"bmeg": "B-MEG", "svm": "SVM (FIRM)", "gnn": "GNN only"}
+    return [{"model": names[m], **{c.upper(): metrics[m][c] for c in TABLE_COLUMNS}} for m in models]
+
+
+@click.command("train")
+@click.option("--dataset", default="socialnet", show_default=True, help="Topology name or dataset folder.")
+@click.option("--traces", type=int, default=None, help="Traces to generate (default: the dataset default).")
+@click.option("--imbalance", type=float, default=None, help="Bottlenecked : normal traces.")
+@click.option("--scenario", default="single", show_default=True, help="Scenario name or YAML file.")
+@click.option("--epochs", type=int, default=15, show_default=True)
+@click.option("--features", type=click.Choice(["full", "thesis"]), default="full", show_default=True)
+@click.option("--loss", type=click.Choice(["weighted", "focal", "sampling", "plain"]), default="weighted", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
+@click.option("--nproc", type=int, default=1, show_default=True, help="Processes for distributed training.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory (default: the cache).")
+@json_option
+def train(dataset, traces, imbalance, scenario, epochs, features, loss, device, nproc, seed, out, as_json) -> None:
+    """Train both GNN stages and the SVM, evaluate on the held-out 20%, save the run."""
+    from bmeg.models.detector import default_run_dir
+    from bmeg.training import train as run_training
+
+    options = {k: v for k, v in {"traces": traces, "imbalance": imbalance}.items() if v is not None}
+    out = out or default_run_dir(Path(dataset).name)
+    _, metrics = run_training(dataset, out=out, epochs=epochs, device=device, nproc=nproc, loss=loss,
+                              features=features, scenario=scenario, seed=seed, progress=not as_json, **options)
+    if as_json:
+        print_json(metrics)
+        return
+    print_table(metrics_rows(metrics), title=f"Held-out test ({metrics['test_traces']} traces, "
+                                             f"{metrics['test_anomalous']} bottlenecked)")
+    click.echo(f"run saved to {out} (model.pt, svm.joblib, metrics.json, plots)")
+
+
+@click.command("diagnose")
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.option("--model", "run_dir", type=click.Path(path_type=Path), default=None, help="Run directory of `bmeg train`.")
+@click.option("--format", "input_format", default=None, help="Input format (default: detected).")
+@click.option("--window", is_flag=True, help="Also rank services over all the traces given.")
+@json_option
+def diagnose(source: Path, run_dir: Path | None, input_format: str | None, window: bool, as_json: bool) -> None:
+    """Diagnose the traces in SOURCE (a file or a folder of trace files)."""
+    from bmeg.models.checkpoint import CheckpointError
+    from bmeg.models.detector import Detector, default_run_dir
+    from bmeg.traces import TraceInputError
+    from bmeg.traces.io import read_spans
+
+    try:
+        detector = Detector.load(run_dir or default_run_dir())
+        diagnosis = detector.diagnose(read_spans(source, format=input_format), window=window)
+    except (CheckpointError, TraceInputError) as error:
+        raise click.ClickException(str(error)) from error
+    if as_json:
+        print_json(diagnosis.model_dump())
+        return
+    print_diagnosis(diagnosis)
+
+
+def print_diagnosis(diagnosis) -> None:
+    rows = [
+        {
+            "trace": trace.trace_id[:16], "spans": trace.spans, "total_ms": trace.total_us / 1e3,
+            "anomalous": "yes" if trace.anomalous else "no", "score": trace.anomaly_score, "model": trace.model,
+            "top services": ", ".join(f"{s.service} ({s.score:.2f})" for s in trace.bottlenecks[:3]),
+        }
+        for trace in diagnosis.traces
+    ]
+    print_table(rows, title=f"Diagnosis by {diagnosis.model_version}")
+    if diagnosis.ranking:
+        print_table([s.model_dump() for s in diagnosis.ranking[:10]], title="Services over the window")
+
+
+@click.command("demo")
+@click.option("--traces", type=int, default=None, help="Training traces (default: the dataset default).")
+@click.option("--epochs", type=int, default=15, show_default=True)
+def demo(traces: int | None, epochs: int) -> None:
+    """The main job: simulate socialnet, train, evaluate, and diagnose fresh faulty traces."""
+    from bmeg.datasets.loader import load_dataset
+    from bmeg.models.detector import default_run_dir
+    from bmeg.training import train as run_training
+
+    out = default_run_dir("socialnet")
+    options = {"traces": traces} if traces else {}
+    detector, metrics = run_training("socialnet", out=out, epochs=epochs, **options)
+    print_table(metrics_rows(metrics), title="socialnet: held-out test")
+    click.echo(f"run saved to {out}")
+    fresh = load_dataset("socialnet", traces=400, imbalance=0.3, seed=12345)
+    anomalous = fresh.traces.filter(fresh.traces["anomalous"])["trace_id"].to_pylist()[:5]
+    normal = fresh.traces.filter(~fresh.traces["anomalous"].cast("bool"))["trace_id"].to_pylist()[:3]
+    import pyarrow.compute as pc
+
+    sample = fresh.spans.filter(pc.is_in(fresh.spans["trace_id"], value_set=__import__("pyarrow").array(anomalous + normal)))
+    click.echo(f"diagnosing {len(anomalous)} freshly simulated faulty and {len(normal)} normal traces:")
+    print_diagnosis(detector.diagnose(sample, window=True))
