@@ -42,7 +42,7 @@ def span_tables(draw, time_step: int = 1) -> pa.Table:
                     "service": names,
                     "operation": names,
                     "start_ns": st.integers(1, MAX_START // time_step).map(lambda t: t * time_step),
-                    "duration_ns": st.integers(0, MAX_START // time_step).map(lambda t: t * time_step),
+                    "duration_ns": st.integers(0, (MAX_START - 1) // time_step).map(lambda t: t * time_step),
                     "kind": st.sampled_from(SPAN_KINDS),
                     "status": st.sampled_from(STATUS_CODES),
                     "peer_service": st.none() | names,
@@ -116,6 +116,15 @@ def test_read_spans_bytes_by_content_type(shared_dir):
 def test_bad_input_is_a_trace_input_error(data, message):
     with pytest.raises(TraceInputError, match=message):
         read_spans(data)
+
+
+def test_protobuf_whose_length_byte_reads_as_a_brace_is_not_taken_for_json():
+    table = pa.Table.from_pylist([dict(trace_id="aa", span_id="bb", parent_id=None, service="s" * 24, operation="o",
+                                       start_ns=1, duration_ns=1, kind="server", status="ok", peer_service=None,
+                                       db_system=None, instance=None)], schema=SPAN_SCHEMA)  # fmt: skip
+    data = to_otlp_proto_bytes(table)
+    assert data[:2] == b"\n["  # 91 bytes long
+    assert read_spans(data).equals(table)
 
 
 def test_unknown_format_is_named():

@@ -33,6 +33,7 @@ CONTENT_TYPES = {
 }
 _GZIP_MAGIC = b"\x1f\x8b"
 _ANY_JSON = "json"  # detected as JSON; the flavour is told by the keys
+_PROTOBUF_FIRST_TAG = b"\n"  # field 1 (resource_spans), length-delimited
 
 
 def read_spans(
@@ -88,7 +89,8 @@ def write_spans(table: pa.Table, path_or_buffer: str | Path | BinaryIO, format: 
 def _read_bytes(data: bytes, format: str | None, source: str, mapping) -> pa.Table:
     if data[:2] == _GZIP_MAGIC and format != "csv":  # pyarrow reads gzipped CSV itself
         data = _gunzip(data, source)
-    format = format or _sniff(data, source)
+    if format is None:
+        return _read_sniffed(data, source, mapping)
     if format == "otlp-proto":
         return read_otlp_proto(data, source)
     if format == "parquet":
@@ -96,24 +98,38 @@ def _read_bytes(data: bytes, format: str | None, source: str, mapping) -> pa.Tab
     if format == "csv":
         return read_csv(data, source, mapping)
     if format in ("otlp-json", "jaeger-json", _ANY_JSON):
-        documents = _json_documents(data, source)
-        if not documents:
-            return empty_span_table()
-        if format == _ANY_JSON:
-            format = _json_format(documents, source)
-        reader = otlp_json_to_table if format == "otlp-json" else jaeger_json_to_table
-        return reader(documents, source)
+        return _read_json(data, format, source)
     raise TraceInputError(f"unknown trace format {format!r}; expected one of {FORMATS}")
 
 
-def _sniff(data: bytes, source: str) -> str:
+def _read_sniffed(data: bytes, source: str, mapping) -> pa.Table:
     if data[:4] == b"PAR1":
-        return "parquet"
+        return read_parquet(data, source, mapping)
     if data.lstrip()[:1] in (b"{", b"["):
-        return _ANY_JSON
+        try:
+            return _read_json(data, _ANY_JSON, source)
+        except TraceInputError as json_error:
+            # A protobuf message starts with a newline byte (its first field's tag); the
+            # length byte after it may read as "{" or "[". Such input gets a second chance.
+            if data[:1] != _PROTOBUF_FIRST_TAG:
+                raise
+            try:
+                return read_otlp_proto(data, source)
+            except TraceInputError:
+                raise json_error from None
     if _looks_like_csv_header(data):
-        return "csv"
-    return "otlp-proto"
+        return read_csv(data, source, mapping)
+    return read_otlp_proto(data, source)
+
+
+def _read_json(data: bytes, format: str, source: str) -> pa.Table:
+    documents = _json_documents(data, source)
+    if not documents:
+        return empty_span_table()
+    if format == _ANY_JSON:
+        format = _json_format(documents, source)
+    reader = otlp_json_to_table if format == "otlp-json" else jaeger_json_to_table
+    return reader(documents, source)
 
 
 def _format_from_suffix(path: Path) -> str | None:
