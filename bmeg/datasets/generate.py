@@ -20,7 +20,6 @@ import math
 import multiprocessing
 import time
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,26 +196,23 @@ def _take_needed(tables: EpisodeTables, need: dict[str, int], job: EpisodeJob) -
 
 
 def _episodes(jobs, workers: int):
-    """(job, tables) in episode order; with workers > 1, up to `workers` episodes run ahead."""
+    """(job, tables) in episode order; with workers > 1, up to `workers` episodes run ahead.
+
+    Episodes still running when the caller stops are killed, not waited for."""
     if workers == 1:
         for job in jobs:
             yield job, run_episode(job)
         return
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        running = deque()
-        try:
-            for job in jobs:
-                running.append((job, pool.submit(run_episode, job)))
-                if len(running) >= workers:
-                    done_job, future = running.popleft()
-                    yield done_job, future.result()
-            while running:
-                done_job, future = running.popleft()
-                yield done_job, future.result()
-        finally:
-            for _, future in running:
-                future.cancel()
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:  # leaving it terminates workers
+        running: deque = deque()
+        for job in jobs:
+            running.append((job, pool.apply_async(run_episode, (job,))))
+            if len(running) >= workers:
+                done_job, pending = running.popleft()
+                yield done_job, pending.get()
+        while running:
+            done_job, pending = running.popleft()
+            yield done_job, pending.get()
 
 
 class _Writers:
