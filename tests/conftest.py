@@ -23,3 +23,23 @@ def output_dir(request) -> Path:
     path = Path(__file__).resolve().parents[1] / "test-output" / request.node.name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """A small socialnet model trained once per test session (real training, small data)."""
+    import os
+
+    from bmeg.training import train
+
+    root = tmp_path_factory.mktemp("trained")
+    previous = os.environ.get("BMEG_CACHE")
+    os.environ["BMEG_CACHE"] = str(root / "cache")
+    try:
+        train("socialnet", out=root / "run", traces=3000, imbalance=0.1, epochs=8, seed=3, progress=False)
+    finally:
+        if previous is None:
+            os.environ.pop("BMEG_CACHE")
+        else:
+            os.environ["BMEG_CACHE"] = previous
+    return root / "run"

@@ -1,0 +1,155 @@
+"""Models, features, checkpoints and metrics on small hand-made and generated inputs."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch_geometric.data import Batch, Data
+
+from bmeg.graphs import assemble
+from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from bmeg.models.dgcnn import DGCNN
+from bmeg.models.features import FeatureEncoder
+from bmeg.models.gcn_node import GCNNodeClassifier
+from bmeg.models.svm import PATH, START, FirmSVM, firm_features
+from bmeg.training.graphset import GraphSet
+from bmeg.training.metrics import accuracy_at_k, average_at_k, classification_table, threshold_for_precision
+from bmeg.traces import span_table
+
+
+def star_trace(trace_id: str, leaf_us: list[int], operation: str = "op") -> dict[str, list]:
+    """A root with one child per entry of `leaf_us`, run one after the other."""
+    spans = {"trace_id": [], "span_id": [], "parent_id": [], "service": [], "operation": [], "start_ns": [], "duration_ns": []}
+    total = sum(leaf_us) + 10
+    rows = [("r", None, "front", "GET /", 0, total * 1000)]
+    start = 5
+    for i, us in enumerate(leaf_us):
+        rows.append((f"c{i}", "r", f"svc{i}", operation, start * 1000, us * 1000))
+        start += us
+    for span_id, parent, service, op, begin, duration in rows:
+        for key, value in zip(spans, (trace_id, f"{trace_id}-{span_id}", parent and f"{trace_id}-{parent}", service, op, begin, duration)):
+            spans[key].append(value)
+    return spans
+
+
+def many_traces(n: int, slow: int | None = None) -> dict[str, list]:
+    merged: dict[str, list] = {}
+    for t in range(n):
+        leaf = [100 + t % 7, 200 + t % 5, 50]
+        if slow is not None and t == slow:
+            leaf[1] = 5000
+        for key, values in star_trace(f"t{t:04d}", leaf).items():
+            merged.setdefault(key, []).extend(values)
+    return merged
+
+
+def test_dgcnn_and_gcn_shapes():
+    graphs = [Data(x=torch.randn(n, 6), edge_index=torch.tensor([[0] * (n - 1), list(range(1, n))])) for n in (2, 12, 40)]
+    batch = Batch.from_data_list(graphs)
+    assert DGCNN(6, k=10)(batch.x, batch.edge_index, batch.batch).shape == (3, 2)
+    assert GCNNodeClassifier(6)(batch.x, batch.edge_index).shape == (54, 2)
+    with pytest.raises(ValueError, match="too small"):
+        DGCNN(6, k=4)
+
+
+def test_minibatch_matches_the_forest_graphs():
+    forest = assemble(span_table(many_traces(5)))
+    x = np.arange(forest.num_spans, dtype=np.float32)[:, None]
+    graphs = GraphSet.from_forest(forest, x, y=[0, 1, 0, 1, 0], node_y=np.arange(forest.num_spans) % 2)
+    batch = graphs.minibatch(np.array([3, 1]))
+    rows = np.r_[np.arange(*forest.trace_slice(3).indices(forest.num_spans)), np.arange(*forest.trace_slice(1).indices(forest.num_spans))]
+    assert batch.x[:, 0].tolist() == rows.tolist()
+    assert batch.y.tolist() == [1, 1]
+    assert batch.batch.tolist() == [0] * 4 + [1] * 4
+    # 3 parent-child edges per trace, both directions, renumbered within the batch
+    assert batch.edge_index.shape == (2, 12)
+    assert set(batch.edge_index[:, :6].flatten().tolist()) == {0, 1, 2, 3}
+    assert set(batch.edge_index[:, 6:].flatten().tolist()) == {4, 5, 6, 7}
+
+
+def test_feature_encoder_baselines_flag_the_slow_span():
+    normal = assemble(span_table(many_traces(40)))
+    encoder = FeatureEncoder().fit(normal)
+    test = assemble(span_table(many_traces(3, slow=1)))
+    x = encoder.transform(test)
+    assert x.shape == (test.num_spans, encoder.num_features)
+    z_self = x[:, encoder.names.index("z_log_self_time_us")]
+    slow_row = int(np.argmax(z_self))
+    assert test.spans["service"][slow_row].as_py() == "svc1" and test.trace_index[slow_row] == 1
+    assert z_self[slow_row] > 10
+    assert np.abs(np.delete(z_self, slow_row)).max() < 5
+
+
+def test_feature_encoder_flags_unknown_operations_and_needs_fit():
+    encoder = FeatureEncoder().fit(assemble(span_table(many_traces(5))))
+    other = assemble(span_table(star_trace("x", [10], operation="never-seen")))
+    x = encoder.transform(other)
+    assert x[:, encoder.names.index("unknown_operation")].tolist() == [0.0, 1.0]
+    with pytest.raises(ValueError, match="not fitted"):
+        FeatureEncoder().transform(other)
+    assert FeatureEncoder("thesis").transform(other).shape == (2, 1)
+    with pytest.raises(ValueError, match="unknown feature variant"):
+        FeatureEncoder("fancy")
+
+
+def test_firm_features_relative_importance_and_congestion():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(100, 200, 300)
+    b = np.full(300, 50.0)
+    frame = pd.DataFrame({"a": a, "b": b, PATH: a + b, START: np.arange(300)})
+    features = firm_features(frame, window=100)
+    assert features.shape == (300, 2, 2)
+    assert features[-1, 0, 0] == pytest.approx(1.0)  # a drives the path
+    assert features[-1, 1, 0] == 0.0  # constant b: no correlation, neutral
+    assert features[-1, 1, 1] == pytest.approx(1.0)  # p99 / p50 of a constant
+    assert features[-1, 0, 1] > 1.0
+
+
+def test_firm_svm_learns_separable_pairs_and_validates_input():
+    rng = np.random.default_rng(1)
+    X = np.r_[rng.normal([0.1, 1.2], 0.05, (200, 2)), rng.normal([0.9, 4.0], 0.05, (20, 2))]
+    y = np.r_[np.zeros(200), np.ones(20)]
+    svm = FirmSVM().fit(X, y)
+    assert (svm.predict(X) == y).mean() > 0.98
+    assert np.all((svm.score_samples(X) > 0) & (svm.score_samples(X) < 1))
+    with pytest.raises(ValueError, match="both"):
+        FirmSVM().fit(X, np.zeros(len(X)))
+    with pytest.raises(ValueError, match="expected X"):
+        FirmSVM().fit(X[:, :1], y)
+
+
+def test_checkpoint_errors_are_clear(tmp_path):
+    with pytest.raises(CheckpointError, match="no model"):
+        load_checkpoint(tmp_path / "missing")
+    (tmp_path / "model.pt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="not a bmeg checkpoint"):
+        load_checkpoint(tmp_path)
+    save_checkpoint(tmp_path, {"application": "socialnet"}, svm={"fake": True})
+    state, svm = load_checkpoint(tmp_path, application="socialnet")
+    assert state["application"] == "socialnet" and svm == {"fake": True}
+    with pytest.raises(CheckpointError, match="trained on 'socialnet', not 'hotelreservation'"):
+        load_checkpoint(tmp_path, application="hotelreservation")
+    stale = torch.load(tmp_path / "model.pt", weights_only=True)
+    stale["format_version"] = 0
+    torch.save(stale, tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match="format 0.*retrain"):
+        load_checkpoint(tmp_path)
+
+
+def test_thesis_table_and_rankings():
+    table = classification_table(np.array([0, 0, 1, 1]), np.array([0, 1, 1, 1]))
+    assert table == {"accuracy": 0.75, "nbp": 1.0, "bp": pytest.approx(2 / 3), "nbr": 0.5, "br": 1.0}
+    rankings = [["a", "b", "c"], ["b", "a", "c"], ["c", "b", "a"]]
+    truths = [{"a"}, {"a"}, {"a"}]
+    assert accuracy_at_k(rankings, truths, 1) == pytest.approx(1 / 3)
+    assert accuracy_at_k(rankings, truths, 2) == pytest.approx(2 / 3)
+    assert average_at_k(rankings, truths, 3) == pytest.approx((1 / 3 + 2 / 3 + 1) / 3)
+
+
+def test_threshold_for_precision_prefers_recall_at_the_precision():
+    y = np.array([0, 0, 0, 1, 1, 0, 1])
+    scores = np.array([0.1, 0.2, 0.3, 0.4, 0.6, 0.65, 0.9])
+    threshold = threshold_for_precision(y, scores, 0.6)
+    predicted = scores >= threshold
+    assert (y[predicted] == 1).mean() >= 0.6
+    assert predicted[y == 1].all()

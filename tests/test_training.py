@@ -1,0 +1,67 @@
+"""Training to a stated minimum on small generated data, the saved run, and the CLI (integration)."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from bmeg.cli import main
+from bmeg.datasets.loader import load_dataset
+from bmeg.models.detector import Detector
+from bmeg.traces.io import write_spans
+from bmeg.training import train
+
+pytestmark = pytest.mark.integration
+
+#: What a small run (3,000 traces, 8 epochs) must reach on its held-out 20% (55 bottlenecked traces).
+MIN_BR, MIN_BP = 0.6, 0.6
+
+
+def test_small_run_reaches_the_stated_minimum(trained_run):
+    metrics = json.loads((trained_run / "metrics.json").read_text())
+    assert metrics["bmeg"]["br"] >= MIN_BR
+    assert metrics["bmeg"]["bp"] >= MIN_BP
+    assert metrics["bmeg"]["ac3"] >= 0.7
+    for name in ("training_curves.png", "confusion_matrices.png", "precision_recall.png"):
+        assert (trained_run / name).stat().st_size > 1000
+
+
+def test_saved_run_diagnoses_fresh_faulty_traces(trained_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("BMEG_CACHE", str(tmp_path))
+    fresh = load_dataset("socialnet", traces=300, imbalance=0.3, seed=99, progress=False)
+    detector = Detector.load(trained_run)
+    diagnosis = detector.diagnose(fresh.spans, window=True)
+    truth = dict(zip(fresh.traces["trace_id"].to_pylist(), fresh.traces["anomalous"].to_pylist()))
+    flagged = np.array([trace.anomalous for trace in diagnosis.traces])
+    actual = np.array([truth[trace.trace_id] for trace in diagnosis.traces])
+    assert (flagged & actual).sum() / actual.sum() >= 0.5  # recall on fresh traces
+    assert diagnosis.ranking and diagnosis.ranking[0].score >= diagnosis.ranking[-1].score
+    trace = diagnosis.traces[0]
+    assert trace.critical_path and trace.latencies and trace.model in ("gnn", "svm")
+
+
+def test_diagnose_cli_prints_json(trained_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("BMEG_CACHE", str(tmp_path))
+    fresh = load_dataset("socialnet", traces=50, imbalance=0.3, seed=7, progress=False)
+    write_spans(fresh.spans, tmp_path / "traces.json", "otlp-json")
+    result = CliRunner().invoke(main, ["diagnose", str(tmp_path / "traces.json"), "--model", str(trained_run), "--window", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output[result.output.index("{"):])
+    assert len(payload["traces"]) == 50 and payload["ranking"]
+
+
+def test_diagnose_cli_rejects_a_stale_model(tmp_path):
+    (tmp_path / "model.pt").write_bytes(b"\x00garbage")
+    (tmp_path / "t.json").write_text('{"resourceSpans": []}')
+    result = CliRunner().invoke(main, ["diagnose", str(tmp_path / "t.json"), "--model", str(tmp_path)])
+    assert result.exit_code != 0 and "not a bmeg checkpoint" in result.output
+
+
+def test_two_processes_train_as_well_as_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("BMEG_CACHE", str(tmp_path))
+    options = dict(traces=2000, imbalance=0.2, epochs=4, seed=5, progress=False)
+    _, one = train("socialnet", nproc=1, **options)
+    _, two = train("socialnet", nproc=2, **options)
+    assert two["bmeg"]["br"] >= one["bmeg"]["br"] - 0.15
+    assert two["bmeg"]["accuracy"] >= one["bmeg"]["accuracy"] - 0.05
