@@ -15,7 +15,8 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 version=4.1.1
-home=${XDG_CACHE_HOME:-$HOME/.cache}/bmeg/kafka/$version
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/bmeg
+home=$cache/kafka/$version
 libs=$home/libs
 port=${BMEG_KAFKA_PORT:-19092}
 controller_port=$((port + 1))
@@ -43,8 +44,10 @@ fetch() {
   </dependencies>
 </project>
 EOF
-    mvn -q -B -Dstyle.color=never -f "$work/pom.xml" dependency:copy-dependencies \
-        -DincludeScope=runtime -DoutputDirectory="$work/libs"
+    mvn -q -B -Dstyle.color=never -Dmaven.repo.local="$cache/m2" -f "$work/pom.xml" \
+        dependency:copy-dependencies \
+        -DincludeScope=runtime -DoutputDirectory="$work/libs" >"$work/mvn.log" 2>&1 \
+        || { cat "$work/mvn.log" >&2; exit 1; }
     mkdir -p "$home"
     rm -rf "$libs"
     mv "$work/libs" "$libs"

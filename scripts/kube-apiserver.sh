@@ -41,10 +41,10 @@ build() {
         cd "$here/kube"
         export GOPATH=$cache/go GOMODCACHE=$cache/go/mod GOCACHE=$cache/go/build \
             GOFLAGS="-mod=readonly -modcacherw -buildvcs=false"
-        go build -trimpath -o "$binary.partial" \
+        go build -trimpath -o "$binary.partial.$$" \
             -ldflags "-s -w -X $pkg.gitVersion=$version -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor" .
     )
-    mv "$binary.partial" "$binary"
+    mv "$binary.partial.$$" "$binary"
 }
 
 ensure_etcd() {
