@@ -29,7 +29,7 @@ def generate(topology, traces, imbalance, seed, out, scenario, shard, workers, a
     try:
         card = generate_dataset(out, topology, traces, imbalance, seed, scenario, Shard.parse(shard), workers,
                                 progress=not as_json)
-    except (SpecError, ValueError) as error:
+    except (SpecError, ValueError, RuntimeError) as error:  # bad input, or a scenario too sparse
         raise click.ClickException(str(error)) from None
     if as_json:
         print_json(card)

@@ -150,19 +150,19 @@ def generate_dataset(
     thresholds = calibrate(spec, seed)
 
     total = shard.share(traces)
-    anomalous_target = round(total * imbalance / (1 + imbalance))
-    normal_target = total - anomalous_target
-    per_episode = spec.workload.rate * (plan.duration_s - plan.warmup_s)
-    planned = max(1, math.ceil(total / per_episode))
-    quotas = (math.ceil(anomalous_target / planned), math.ceil(normal_target / planned))
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    need = {"anomalous": round(total * imbalance / (1 + imbalance))}
+    need["normal"] = total - need["anomalous"]
+    anomalous_target = need["anomalous"]
+    # spread the kept traces evenly over the episodes a full yield would need
+    planned = max(1, math.ceil(total / (spec.workload.rate * (plan.duration_s - plan.warmup_s))))
+    quotas = (math.ceil(need["anomalous"] / planned), math.ceil(need["normal"] / planned))
     jobs = (
         EpisodeJob(spec, plan, thresholds, seed, shard, episode, *quotas)
         for episode in range(planned * MAX_EPISODE_FACTOR)
     )
-    need = {"anomalous": anomalous_target, "normal": normal_target}
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     counts = _Counts()
     with _Writers(out) as writers, tqdm(total=total, unit="trace", disable=not progress, desc=spec.name) as bar:
         for job, tables in _episodes(jobs, workers):
