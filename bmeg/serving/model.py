@@ -1,0 +1,94 @@
+"""The model the server uses: loaded in the background, swapped on reload, used one call at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import pyarrow as pa
+from pydantic import BaseModel
+
+from bmeg.diagnosis import Diagnosis
+
+
+@runtime_checkable
+class DiagnosisModel(Protocol):
+    """What the server needs of `bmeg.models.detector.Detector`."""
+
+    application: str
+    run_dir: Path | None
+
+    @property
+    def version(self) -> str: ...
+
+    def diagnose(self, spans: pa.Table, window: bool = False) -> Diagnosis: ...
+
+
+Loader = Callable[[], DiagnosisModel]
+
+
+class ModelInfo(BaseModel):
+    application: str
+    version: str
+    run_dir: str | None
+    loaded_at: float
+
+
+class ModelState(BaseModel):
+    ready: bool
+    model: ModelInfo | None
+    error: str | None = None
+
+
+class ModelSlot:
+    """Holds the detector. The detector keeps the SVM's window of recent traces, so calls are serialised."""
+
+    def __init__(self, model_or_loader: DiagnosisModel | Loader):
+        if isinstance(model_or_loader, DiagnosisModel):
+            self._loader: Loader | None = None
+            self._set(model_or_loader)
+        else:
+            self._loader = model_or_loader
+            self._model: DiagnosisModel | None = None
+            self._info: ModelInfo | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        return self._model is not None
+
+    @property
+    def can_reload(self) -> bool:
+        return self._loader is not None
+
+    def state(self) -> ModelState:
+        return ModelState(ready=self.ready, model=self._info, error=self.error)
+
+    def load(self) -> None:
+        """Load (or reload) through the loader; on failure the model in use, if any, stays."""
+        if self._loader is None:
+            raise RuntimeError("this server was given a model object, not a loader: nothing to reload from")
+        try:
+            model = self._loader()
+        except Exception as error:  # noqa: BLE001 - kept for /readyz and /models; the old model stays
+            self.error = f"{type(error).__name__}: {error}"
+            raise
+        with self._lock:
+            self._set(model)
+            self.error = None
+
+    def diagnose(self, spans: pa.Table, window: bool) -> Diagnosis:
+        with self._lock:
+            if self._model is None:
+                raise RuntimeError("no model loaded")
+            return self._model.diagnose(spans, window=window)
+
+    def _set(self, model: DiagnosisModel) -> None:
+        self._model = model
+        run_dir = getattr(model, "run_dir", None)
+        self._info = ModelInfo(application=model.application, version=model.version,
+                               run_dir=None if run_dir is None else str(run_dir), loaded_at=time.time())
