@@ -117,7 +117,7 @@ def _peer_and_db_system(
     data: bytes, ids: dict[str, list], source: str
 ) -> tuple[list[str | None], list[str | None]]:
     """`peer.service` and `db.system` per span. Byte searches find the spans that may hold
-    either key; only those spans' attributes are decoded."""
+    either key; only those spans' attributes are decoded, as a map."""
     peers: list[str | None] = [None] * len(ids["span_id"])
     db_systems: list[str | None] = [None] * len(ids["span_id"])
     if _PEER_SERVICE_BYTES not in data and _DB_SYSTEM_BYTES not in data:
@@ -133,11 +133,10 @@ def _peer_and_db_system(
             attributes = SpanAttributesView.FromString(raw_spans[row]).attributes
         except DecodeError as error:
             _fail_at(row, f"malformed span attributes: {error}", ids, source)
-        for attribute in attributes:
-            if attribute.key == PEER_SERVICE:
-                peers[row] = any_value_text(attribute.value)
-            elif attribute.key == DB_SYSTEM:
-                db_systems[row] = any_value_text(attribute.value)
+        if PEER_SERVICE in attributes:
+            peers[row] = any_value_text(attributes[PEER_SERVICE])
+        if DB_SYSTEM in attributes:
+            db_systems[row] = any_value_text(attributes[DB_SYSTEM])
     return peers, db_systems
 
 
@@ -152,7 +151,7 @@ def _rows_mentioning(raw_spans: list[bytes], needles: tuple[bytes, ...]) -> list
             positions.append(at)
             at = joined.find(needle, at + 1)
     span_ends = np.cumsum(np.fromiter(map(len, raw_spans), dtype=np.int64, count=len(raw_spans)))
-    return np.unique(np.searchsorted(span_ends, positions, side="right")).tolist()
+    return sorted(set(np.searchsorted(span_ends, positions, side="right").tolist()))
 
 
 def _status_codes(statuses: list[bytes], ids: dict[str, list], source: str) -> list[int]:
