@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bmeg.faultinject import Fault, calibrate, episode_tables, label_episode, parse_topology, simulate
+from bmeg.faultinject import Fault, calibrate, episode_tables, label_episode, parse_topology, simulate, spans_of
 from bmeg.traces.schema import SPAN_SCHEMA
 
 
@@ -56,8 +56,9 @@ def test_same_seed_gives_identical_spans():
     first = simulate(topology, [], 2, 7)
     second = simulate(topology, [], 2, 7)
     other = simulate(topology, [], 2, 8)
-    assert _tables(topology, first).spans.equals(_tables(topology, second).spans)
-    assert not np.array_equal(first.span_end, other.span_end)
+    assert spans_of(first).equals(spans_of(second))
+    assert _tables(topology, first).spans.equals(spans_of(first))
+    assert not spans_of(first).equals(spans_of(other))
 
 
 def test_spans_look_like_rpc_traces():

@@ -9,7 +9,7 @@ from bmeg.faultinject.labels import LABEL_RULE, Thresholds, calibrate, label_epi
 from bmeg.faultinject.scenario import Fault, Scenario, load_scenario, parse_scenario, plan_faults
 from bmeg.faultinject.simulator import SimulationResult, simulate
 from bmeg.faultinject.spec import TopologySpec, load_topology, parse_topology
-from bmeg.faultinject.tables import EpisodeTables, episode_tables
+from bmeg.faultinject.tables import EpisodeTables, episode_tables, spans_of
 
 __all__ = [
     "LABEL_RULE",
@@ -29,4 +29,5 @@ __all__ = [
     "parse_topology",
     "plan_faults",
     "simulate",
+    "spans_of",
 ]

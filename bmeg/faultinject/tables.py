@@ -126,6 +126,13 @@ def episode_tables(
     return EpisodeTables(spans, traces, nodes)
 
 
+def spans_of(result: SimulationResult, epoch_ns: int = 0, seed: int = 0) -> pa.Table:
+    """Every trace of an episode as a span table, without labels (e.g. to compare with real traces)."""
+    traces, spans = len(result.trace_start), len(result.span_trace)
+    unlabelled = EpisodeLabels(np.zeros(spans, dtype=bool), np.zeros(traces, dtype=bool), [()] * traces)
+    return episode_tables(result, unlabelled, np.arange(traces), 0, epoch_ns, np.random.default_rng(seed)).spans
+
+
 def _root_errors(result: SimulationResult) -> np.ndarray:
     roots = np.flatnonzero(result.span_parent < 0)
     errors = np.zeros(len(result.trace_start), dtype=bool)
