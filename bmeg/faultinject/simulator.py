@@ -53,12 +53,13 @@ def _uniform_stream(rng: np.random.Generator):
 
 
 class Replica:
-    __slots__ = ("index", "cores", "slowdown", "interference", "pool", "busy", "queue", "fault",
+    __slots__ = ("index", "cpu", "cores", "slowdown", "interference", "pool", "busy", "queue", "fault",
                  "pause_starts", "pause_ends", "link_free")
 
     def __init__(self, index: int, cores: float, workers: int):
         self.index = index  # global instance number
-        self.cores = [0.0]  # heap of the cores' next-free times
+        self.cpu = cores  # the CPU limit, possibly fractional
+        self.cores = [0.0]  # heap of the whole cores' next-free times
         self.interference = 1.0  # slowdown factor from a noisy neighbour
         self.slowdown = 1.0  # what one unit of work costs here: fractional cores and interference
         _resize_cores(self, cores, 0.0)
@@ -617,13 +618,14 @@ def _resize_cores(replica: Replica, cores: float, t: float) -> None:
         kept = current + [t] * (whole - len(current))
     heapify(kept)
     replica.cores = kept
-    replica.slowdown = whole / cores * replica.interference
+    replica.cpu = cores
+    _interfere(replica, replica.interference)
 
 
 def _interfere(replica: Replica, factor: float) -> None:
-    cores = len(replica.cores) / (replica.slowdown / replica.interference)
+    """Set the noisy-neighbour slowdown; work also runs slower on a fraction of a core."""
     replica.interference = factor
-    replica.slowdown = len(replica.cores) / cores * factor
+    replica.slowdown = len(replica.cores) / replica.cpu * factor
 
 
 def simulate(topology: TopologySpec, faults: list[Fault], duration_s: float, seed: int | np.random.SeedSequence) -> SimulationResult:
