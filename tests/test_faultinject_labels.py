@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.compute as pc
 import pytest
-from test_faultinject_simulator import chain_topology
+from test_faultinject_simulator import chain_spec
 
 from bmeg.faultinject import (
     Fault,
@@ -14,34 +14,45 @@ from bmeg.faultinject import (
     episode_tables,
     label_episode,
     load_scenario,
+    parse_topology,
     plan_faults,
     simulate,
 )
 
-SOURCES = {
-    "interference": ("leaf", {"factor": 4}),
-    "saturation": ("leaf", {"capacity": 0.3}),
-    "network": ("mid", {"delay_ms": 10}),
-    "misconfiguration": ("cache", {"hit_ratio": 0.0}),
-    "background": ("leaf", {"pause_ms": 40, "every_ms": 300}),
+SOURCES = {  # case: (source, service, parameters)
+    "interference": ("interference", "leaf", {"factor": 4}),
+    "saturation-cpu": ("saturation", "leaf", {"capacity": 0.3}),
+    "saturation-replicas": ("saturation", "leaf", {"replicas": 1}),
+    "network-delay": ("network", "mid", {"delay_ms": 10}),
+    "network-bandwidth": ("network", "mid", {"bandwidth_kbit": 1024}),
+    "misconfiguration-cache": ("misconfiguration", "cache", {"hit_ratio": 0.0}),
+    "misconfiguration-pool": ("misconfiguration", "mid", {"pool_size": 1}),
+    "background": ("background", "leaf", {"pause_ms": 40, "every_ms": 300}),
 }
+
+
+def two_leaves():
+    """The chain with two leaf replicas, so that replica-level faults have something to cut."""
+    spec = chain_spec()
+    spec["services"]["leaf"]["replicas"] = 2
+    return parse_topology(spec)
 
 
 @pytest.fixture(scope="module")
 def thresholds():
-    return calibrate(chain_topology(), 0, duration_s=5)
+    return calibrate(two_leaves(), 0, duration_s=5)
 
 
 def _episode(faults, thresholds, duration=4, seed=1):
-    result = simulate(chain_topology(), faults, duration, seed)
+    result = simulate(two_leaves(), faults, duration, seed)
     labels = label_episode(result, thresholds)
     keep = np.arange(len(result.trace_start))
     return result, episode_tables(result, labels, keep, 0, 0, np.random.default_rng(seed))
 
 
-@pytest.mark.parametrize("source", sorted(SOURCES))
-def test_every_source_makes_anomalous_traces_labelled_with_it(source, thresholds):
-    service, parameters = SOURCES[source]
+@pytest.mark.parametrize("case", sorted(SOURCES))
+def test_every_source_makes_anomalous_traces_labelled_with_it(case, thresholds):
+    source, service, parameters = SOURCES[case]
     _, tables = _episode([Fault(service, source, "single", 1.0, 3.0, parameters)], thresholds)
     traces = tables.traces.to_pylist()
     anomalous = [t for t in traces if t["anomalous"]]
@@ -51,11 +62,6 @@ def test_every_source_makes_anomalous_traces_labelled_with_it(source, thresholds
     assert all(t["fault_kind"] == "none" and not t["fault_services"] for t in traces if not t["anomalous"])
     # nothing is anomalous before the fault starts (start_ns counts from the episode start)
     assert not any(t["anomalous"] for t in traces if t["start_ns"] + t["duration_ns"] < 1e9)
-
-
-def test_pool_of_one_is_a_bottleneck_too(thresholds):
-    _, tables = _episode([Fault("mid", "misconfiguration", "single", 1.0, 3.0, {"pool_size": 1})], thresholds)
-    assert pc.sum(tables.traces["anomalous"]).as_py() > 20
 
 
 def test_bottleneck_nodes_only_on_injected_services(thresholds):
@@ -84,7 +90,7 @@ def test_mild_fault_that_does_not_show_leaves_traces_normal(thresholds):
 @pytest.mark.parametrize("kind", ["single", "multiple", "cascading"])
 def test_every_kind_makes_anomalous_traces(kind, thresholds):
     scenario = load_scenario(kind)
-    faults = plan_faults(scenario, chain_topology(), np.random.default_rng(2))
+    faults = plan_faults(scenario, two_leaves(), np.random.default_rng(2))
     result, tables = _episode(faults, thresholds, duration=scenario.duration_s, seed=2)
     kinds = set(pc.unique(tables.traces["fault_kind"]).to_pylist())
     assert kind in kinds and kinds <= {kind, "none"}

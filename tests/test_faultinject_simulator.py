@@ -157,3 +157,14 @@ def test_any_call_tree_gives_well_formed_traces(calls, seed):
     assert (result.span_end >= result.span_start).all()
     # without faults or timeouts, every child ends before its parent
     assert (result.span_end[~roots] <= result.span_end[parents] + 1e-6).all()
+
+
+def test_constant_arrivals_are_evenly_spaced_and_the_mix_is_kept():
+    spec = chain_spec(rate=200)
+    spec["workload"]["arrivals"] = "constant"
+    spec["services"]["front"]["operations"]["put"] = {"self_time": {"median_us": 100, "sigma": 0.1}}
+    spec["requests"] = {"get": {"entry": "front:get", "weight": 3}, "put": {"entry": "front:put", "weight": 1}}
+    result = simulate(parse_topology(spec), [], 5, 2)
+    assert len(result.trace_start) == 1000
+    assert np.allclose(np.diff(result.trace_start), 5e6)
+    assert abs((result.trace_request == 1).mean() - 0.25) < 0.05
