@@ -17,6 +17,8 @@ COMMANDS = {
     "train": "bmeg.cli.models:train",
     "critical-path": "bmeg.cli.graphs:critical_path",
     "generate": "bmeg.cli.generate:generate",
+    "serve": "bmeg.cli.serving:serve",
+    "consume": "bmeg.cli.serving:consume",
 }
 
 

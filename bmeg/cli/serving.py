@@ -1,0 +1,94 @@
+"""`bmeg serve` (the REST API and web page) and `bmeg consume` (the Kafka streaming consumer)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from functools import partial
+from pathlib import Path
+
+import click
+
+model_option = click.option("--model", "run_dir", type=click.Path(path_type=Path), default=None,
+                            help="Run directory of `bmeg train` (default: the cache's socialnet run).")
+device_option = click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
+
+
+def _limit_torch_threads() -> None:
+    """Small graphs run fastest single-threaded; BMEG_TORCH_THREADS overrides."""
+    import torch
+
+    from bmeg.serving.settings import ServingSettings
+
+    torch.set_num_threads(ServingSettings().torch_threads)
+
+
+@click.command("serve")
+@model_option
+@device_option
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--log-level", default="info", show_default=True)
+def serve(run_dir: Path | None, device: str, host: str, port: int, log_level: str) -> None:
+    """Serve POST /diagnose, the web page (/), /metrics, /healthz and /readyz.
+
+    Limits and the API key come from the environment: BMEG_MAX_BODY_BYTES, BMEG_MAX_SPANS,
+    BMEG_REQUEST_TIMEOUT_S, BMEG_API_KEY, BMEG_RECENT_DIAGNOSES, BMEG_MAX_BATCH_SPANS.
+    """
+    import uvicorn
+
+    from bmeg.models.detector import Detector, default_run_dir
+    from bmeg.serving.app import create_app
+
+    _limit_torch_threads()
+    app = create_app(partial(Detector.load, run_dir or default_run_dir(), device=device))
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+@click.command("consume")
+@model_option
+@device_option
+@click.option("--bootstrap", required=True, help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT].")
+@click.option("--topic", default="otlp_spans", show_default=True, help="Topic of the spans.")
+@click.option("--group", "group_id", default="bmeg-diagnoser", show_default=True, help="Consumer group.")
+@click.option("--encoding", type=click.Choice(["otlp_proto", "otlp_json"]), default="otlp_proto", show_default=True,
+              help="Encoding of messages without a content-type header.")
+@click.option("--diagnoses-topic", default="bmeg.diagnoses", show_default=True)
+@click.option("--mitigations-topic", default="bmeg.mitigations", show_default=True)
+@click.option("--dead-letter-topic", default="otlp_spans.dlq", show_default=True)
+@click.option("--idle-timeout", "idle_timeout_s", type=float, default=2.0, show_default=True,
+              help="Seconds without a new span after which a trace is finished.")
+@click.option("--max-trace-spans", type=int, default=10_000, show_default=True, help="A trace is finished at this size.")
+@click.option("--batch-traces", type=int, default=512, show_default=True, help="Traces diagnosed per model call.")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+def consume(run_dir: Path | None, device: str, bootstrap: str, topic: str, group_id: str, encoding: str,
+            diagnoses_topic: str, mitigations_topic: str, dead_letter_topic: str, idle_timeout_s: float,
+            max_trace_spans: int, batch_traces: int, metrics_port: int | None) -> None:
+    """Diagnose every trace on a Kafka topic; publish diagnoses, forward bottlenecks. Stops on SIGTERM."""
+    from prometheus_client import start_http_server
+
+    from bmeg.models.checkpoint import CheckpointError
+    from bmeg.models.detector import Detector, default_run_dir
+    from bmeg.serving.consumer import ConsumerConfig, StreamConsumer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _limit_torch_threads()
+    try:
+        detector = Detector.load(run_dir or default_run_dir(), device=device)
+    except CheckpointError as error:
+        raise click.ClickException(str(error)) from error
+    config = ConsumerConfig(
+        bootstrap=bootstrap, topic=topic, group_id=group_id, encoding=encoding, diagnoses_topic=diagnoses_topic,
+        mitigations_topic=mitigations_topic, dead_letter_topic=dead_letter_topic, idle_timeout_s=idle_timeout_s,
+        max_trace_spans=max_trace_spans, batch_traces=batch_traces,
+    )
+    consumer = StreamConsumer(detector, config)
+    if metrics_port is not None:
+        start_http_server(metrics_port, registry=consumer.metrics.registry)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    click.echo(f"consuming {topic} on {bootstrap} as group {group_id} with {detector.version}", err=True)
+    consumer.run(stop)
+    click.echo("stopped: pending traces published, offsets committed", err=True)

@@ -1,0 +1,233 @@
+"""The streaming consumer: spans from Kafka in, one diagnosis per trace out (`bmeg consume`).
+
+Reads the topic the OpenTelemetry Collector's Kafka exporter writes (`otlp_spans`, OTLP
+protobuf by default), assembles spans into traces (`TraceAssembler`), diagnoses finished
+traces in batches, publishes each trace's `Diagnosis` as JSON (key: trace id) and forwards
+anomalous traces with bottlenecks to the mitigation controller's topic.
+
+No loss: offsets are committed only up to the lowest message with a trace still unpublished
+(`OffsetTracker`), and only after the producer has flushed. A message that cannot be read,
+or a trace the detector rejects, goes to the dead-letter topic with the reason in the
+`bmeg-error` header. Consumers in one group share the partitions; a trace is assembled
+whole only by the consumer that gets all its spans, so producers should key by trace id (the
+collector's `partition_traces_by_id: true`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pyarrow as pa
+from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.structs import OffsetAndMetadata
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from bmeg.diagnosis import Diagnosis, TraceDiagnosis
+from bmeg.serving.assembler import PendingTrace, TraceAssembler
+from bmeg.serving.model import DiagnosisModel
+from bmeg.serving.offsets import OffsetTracker
+from bmeg.traces import TraceInputError, read_spans_bytes, to_otlp_proto_bytes
+
+log = logging.getLogger(__name__)
+
+ENCODINGS = {"otlp_proto": "application/x-protobuf", "otlp_json": "application/json"}
+ERROR_HEADER = "bmeg-error"
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    bootstrap: str
+    topic: str = "otlp_spans"
+    group_id: str = "bmeg-diagnoser"
+    diagnoses_topic: str = "bmeg.diagnoses"
+    mitigations_topic: str = "bmeg.mitigations"
+    dead_letter_topic: str = "otlp_spans.dlq"
+    encoding: str = "otlp_proto"  # when a message has no content-type header
+    idle_timeout_s: float = 2.0
+    max_trace_spans: int = 10_000
+    batch_traces: int = 512
+    commit_interval_s: float = 1.0
+    poll_timeout_ms: int = 200
+    max_poll_records: int = 2_000
+
+
+class ConsumerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.messages = Counter("bmeg_consumer_messages", "Kafka messages consumed.", registry=r)
+        self.spans = Counter("bmeg_consumer_spans", "Spans consumed.", registry=r)
+        self.traces = Counter("bmeg_consumer_traces_diagnosed", "Traces diagnosed and published.", registry=r)
+        self.anomalies = Counter("bmeg_consumer_anomalous_traces", "Anomalous traces.", registry=r)
+        self.mitigations = Counter("bmeg_consumer_mitigations", "Traces forwarded to the mitigation topic.", registry=r)
+        self.dead_letters = Counter("bmeg_consumer_dead_letters", "Messages and traces sent to the dead-letter topic.",
+                                    ["reason"], registry=r)
+        self.pending = Gauge("bmeg_consumer_pending_traces", "Traces being assembled.", registry=r)
+        self.lag = Gauge("bmeg_consumer_lag", "Messages behind the partition's end.", ["partition"], registry=r)
+        self.batch_seconds = Histogram("bmeg_consumer_batch_seconds", "Time to diagnose one batch of traces.",
+                                       registry=r)
+
+
+class StreamConsumer:
+    def __init__(self, detector: DiagnosisModel, config: ConsumerConfig, metrics: ConsumerMetrics | None = None):
+        if config.encoding not in ENCODINGS:
+            raise ValueError(f"encoding {config.encoding!r}: expected one of {sorted(ENCODINGS)}")
+        self.detector = detector
+        self.config = config
+        self.metrics = metrics or ConsumerMetrics()
+        self.assembler = TraceAssembler(config.idle_timeout_s, config.max_trace_spans)
+        self.offsets = OffsetTracker()
+        self._committed: dict[TopicPartition, int] = {}
+        self._last_commit = time.monotonic()
+        self.producer = KafkaProducer(bootstrap_servers=config.bootstrap, linger_ms=20, acks="all")
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=config.bootstrap, group_id=config.group_id, enable_auto_commit=False,
+            auto_offset_reset="earliest", max_poll_records=config.max_poll_records,
+        )
+        self.consumer.subscribe([config.topic], listener=_Rebalance(self))
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Consume until `stop` is set, then publish every pending trace, commit and close."""
+        try:
+            while not stop.is_set():
+                self.step()
+        finally:
+            self.close()
+
+    def step(self) -> None:
+        """One poll: take its messages, diagnose the traces that finished, commit when due."""
+        batches = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        for partition, messages in batches.items():
+            for message in messages:
+                self._take(partition, message)
+        self._publish(self.assembler.finished())
+        if time.monotonic() - self._last_commit >= self.config.commit_interval_s:
+            self.commit()
+
+    def close(self) -> None:
+        self.flush_all()
+        self.consumer.close(autocommit=False)
+        self.producer.close()
+
+    def flush_all(self) -> None:
+        """Diagnose and publish every trace still being assembled, then commit (shutdown, rebalance)."""
+        self._publish(self.assembler.drain())
+        self.commit()
+
+    def commit(self) -> None:
+        self.producer.flush()  # a released offset means "sent"; it must also mean "delivered"
+        points = {tp: offset for tp, offset in self.offsets.commit_points().items() if self._committed.get(tp) != offset}
+        if points:
+            self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in points.items()})
+            self._committed.update(points)
+        self._last_commit = time.monotonic()
+        self._update_lag()
+
+    # -- messages in -------------------------------------------------------------------------
+    def _take(self, partition: TopicPartition, message) -> None:
+        self.metrics.messages.inc()
+        try:
+            spans = self._decode(message)
+        except TraceInputError as error:
+            self._dead_letter(message.key, message.value or b"", f"undecodable message: {error}",
+                              origin=f"{partition.topic}/{partition.partition}@{message.offset}")
+            self.offsets.received(partition, message.offset, 0)
+            return
+        self.metrics.spans.inc(spans.num_rows)
+        traces = self.assembler.add(spans, (partition, message.offset))
+        self.offsets.received(partition, message.offset, traces)
+        self.metrics.pending.set(len(self.assembler))
+
+    def _decode(self, message) -> pa.Table:
+        if not message.value:
+            raise TraceInputError("empty message (no spans)")
+        headers = {key.lower(): value for key, value in (message.headers or [])}
+        content_type = headers.get("content-type", b"").decode("latin-1") or ENCODINGS[self.config.encoding]
+        return read_spans_bytes(message.value, content_type)
+
+    # -- diagnoses out -----------------------------------------------------------------------
+    def _publish(self, traces: list[PendingTrace]) -> None:
+        for start in range(0, len(traces), self.config.batch_traces):
+            batch = traces[start:start + self.config.batch_traces]
+            with self.metrics.batch_seconds.time():
+                results = self._diagnose(batch)
+            for trace in batch:
+                outcome = results.get(trace.trace_id)
+                if isinstance(outcome, TraceDiagnosis):
+                    self._send_diagnosis(outcome)
+                else:
+                    self._dead_letter(trace.trace_id.encode(), to_otlp_proto_bytes(trace.table()),
+                                      outcome or "the detector returned no diagnosis for this trace",
+                                      origin=f"trace {trace.trace_id}")
+                for partition, offset in trace.sources:
+                    self.offsets.release(partition, offset)
+        self.metrics.pending.set(len(self.assembler))
+
+    def _diagnose(self, batch: list[PendingTrace]) -> dict[str, TraceDiagnosis | str]:
+        """Each trace's diagnosis, or the reason it could not be diagnosed."""
+        try:
+            diagnosis = self.detector.diagnose(pa.concat_tables([part for t in batch for part in t.parts]))
+        except Exception as error:  # noqa: BLE001 - a bad trace must not stop the stream: find it
+            if len(batch) == 1:
+                return {batch[0].trace_id: _reason(error, batch[0].trace_id)}
+            results: dict[str, TraceDiagnosis | str] = {}
+            for trace in batch:
+                results.update(self._diagnose([trace]))
+            return results
+        return {trace.trace_id: trace for trace in diagnosis.traces}
+
+    def _send_diagnosis(self, trace: TraceDiagnosis) -> None:
+        value = Diagnosis(model_version=self.detector.version, application=self.detector.application,
+                          traces=[trace]).model_dump_json()
+        key = trace.trace_id.encode()
+        self.producer.send(self.config.diagnoses_topic, key=key, value=value.encode())
+        self.metrics.traces.inc()
+        if trace.anomalous:
+            self.metrics.anomalies.inc()
+            if any(score.bottleneck for score in trace.bottlenecks):
+                self.producer.send(self.config.mitigations_topic, key=key, value=value.encode())
+                self.metrics.mitigations.inc()
+
+    def _dead_letter(self, key: bytes | None, value: bytes, reason: str, origin: str) -> None:
+        log.warning("dead-lettered %s: %s", origin, reason)
+        headers = [(ERROR_HEADER, reason.encode()), ("bmeg-origin", origin.encode())]
+        self.producer.send(self.config.dead_letter_topic, key=key, value=value, headers=headers)
+        self.metrics.dead_letters.labels(reason.split(":")[0]).inc()
+
+    def _update_lag(self) -> None:
+        for tp in self.consumer.assignment():
+            end, position = self.consumer.highwater(tp), self._committed.get(tp)
+            if end is not None and position is not None:
+                self.metrics.lag.labels(str(tp.partition)).set(max(end - position, 0))
+
+    def forget(self, partitions: Iterable[TopicPartition]) -> None:
+        partitions = list(partitions)
+        self.offsets.forget(partitions)
+        for tp in partitions:
+            self._committed.pop(tp, None)
+
+
+def _reason(error: Exception, trace_id: str) -> str:
+    if isinstance(error, TraceInputError):
+        return f"invalid trace: {error}"
+    log.error("diagnosing trace %s failed", trace_id, exc_info=error)
+    return f"diagnosis failed: {type(error).__name__}: {error}"
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Before partitions move to another consumer, publish what is pending and commit."""
+
+    def __init__(self, owner: StreamConsumer):
+        self.owner = owner
+
+    def on_partitions_revoked(self, revoked) -> None:
+        self.owner.flush_all()
+        self.owner.forget(revoked)
+
+    def on_partitions_assigned(self, assigned) -> None:
+        log.info("assigned partitions %s", sorted(tp.partition for tp in assigned))
