@@ -18,7 +18,9 @@ from bmeg.cli.output import json_option, print_json, print_table
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
 @click.option("--scenario", default="single", show_default=True,
               help="Scenario file, or the name of one in faultinject/ (single, multiple, cascading).")
-@click.option("--shard", default="0/1", show_default=True, help="i/n: generate the i-th of n shares of the traces.")
+@click.option("--shard", default="0/1", show_default=True,
+              help="i/n: generate the i-th of n shares of the traces, with its own seeds. Give each shard "
+                   "its own --out under one parent folder; loading the parent reads them all.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Processes.")
 @json_option
 def generate(topology, traces, imbalance, seed, out, scenario, shard, workers, as_json) -> None:
