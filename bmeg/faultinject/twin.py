@@ -29,7 +29,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from bmeg.faultinject.labels import EpisodeLabels
 from bmeg.faultinject.simulator import simulate
 from bmeg.faultinject.spec import (
     BranchOption,
@@ -45,7 +44,7 @@ from bmeg.faultinject.spec import (
     TopologySpec,
     Workload,
 )
-from bmeg.faultinject.tables import episode_tables
+from bmeg.faultinject.tables import spans_of
 from bmeg.graphs import SpanForest, assemble
 from bmeg.graphs.features import self_time_ns
 from bmeg.traces.errors import TraceInputError
@@ -296,10 +295,7 @@ def _network(forest: SpanForest, is_client: np.ndarray) -> Network:
 # ---- simulating and comparing ----------------------------------------------------------------
 def simulated_spans(spec: TopologySpec, seconds: float, seed: int = 0, epoch_ns: int = 0) -> pa.Table:
     """Fault-free spans of `seconds` of the spec's load."""
-    result = simulate(spec, [], seconds, seed)
-    traces = len(result.trace_start)
-    labels = EpisodeLabels(np.zeros(len(result.span_trace), bool), np.zeros(traces, bool), [()] * traces)
-    return episode_tables(result, labels, np.arange(traces), 0, epoch_ns, np.random.default_rng(seed)).spans
+    return spans_of(simulate(spec, [], seconds, seed), epoch_ns, seed)
 
 
 @dataclass
@@ -332,7 +328,7 @@ def twin_fidelity(real: pa.Table, spec: TopologySpec, seconds: float = 60.0, see
     real_forest, sim_forest = rpc_view(real), rpc_view(simulated_spans(spec, seconds, seed))
     quantiles = [0.5, 0.95, 0.99]
     real_q, sim_q = _percentiles(real_forest, quantiles), _percentiles(sim_forest, quantiles)
-    joined = real_q.join(sim_q, lsuffix="_real", rsuffix="_sim", how="inner")
+    joined = real_q.add_suffix("_real").join(sim_q.add_suffix("_sim"), how="inner")
     joined = joined[joined["count_real"] >= min_spans]
     for q in ("p50", "p95", "p99"):
         joined[f"{q}_error"] = (joined[f"{q}_sim"] - joined[f"{q}_real"]).abs() / joined[f"{q}_real"]
