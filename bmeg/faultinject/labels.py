@@ -81,6 +81,6 @@ def label_episode(result: SimulationResult, thresholds: Thresholds) -> EpisodeLa
     trace_anomalous = np.zeros(len(result.trace_start), dtype=bool)
     trace_anomalous[traces] = True
     trace_faults: list[set[int]] = [set() for _ in range(len(result.trace_start))]
-    for trace, fault in zip(traces.tolist(), result.visit_fault[bottleneck_visits].tolist()):
+    for trace, fault in zip(traces.tolist(), result.visit_fault[bottleneck_visits].tolist(), strict=True):
         trace_faults[trace].add(fault)
     return EpisodeLabels(span_bottleneck, trace_anomalous, [tuple(sorted(f)) for f in trace_faults])
