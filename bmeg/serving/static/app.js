@@ -218,7 +218,7 @@ function renderGraph(graph, trace) {
   }
   const flagged = new Set(trace.bottlenecks.filter((s) => s.bottleneck).map((s) => s.service));
   const key = (service, operation) => `${service}\u0000${operation}`;
-  const nodeOf = new Map(graph.nodes.map((n) => [key(n.service, n.operation), n.id]));
+  const nodeOf = new Map(graph.nodes.map((n) => [key(n.span_service, n.operation), n.id]));
   const pathNodes = trace.critical_path.map((s) => nodeOf.get(key(s.service, s.operation))).filter((id) => id !== undefined);
   const pathEdges = new Set(pathNodes.slice(1).map((id, i) => `${pathNodes[i]}>${id}`));
   const { position, width, height } = layout(graph);
@@ -237,10 +237,11 @@ function renderGraph(graph, trace) {
     const { x, y } = position.get(n.id);
     const classes = ["node", flagged.has(n.service) ? "bottleneck" : "", onPath.has(n.id) ? "on-path" : ""].join(" ").trim();
     const g = el("svg:g", { class: classes, transform: `translate(${x},${y})`, "data-service": n.service });
-    g.append(el("svg:title", {}, `${n.service} / ${n.operation}\n${n.calls} call(s), ${ms(n.total_us)} in total`));
+    g.append(el("svg:title", {}, `${n.service} / ${n.span_service}: ${n.operation}\n${n.calls} call(s), ${ms(n.total_us)} in total`));
     g.append(el("svg:rect", { width: NODE_W, height: NODE_H, rx: 5 }));
     g.append(el("svg:text", { class: "service", x: 8, y: 17 }, clip(n.service, 26)));
-    g.append(el("svg:text", { class: "detail", x: 8, y: 34 }, clip(`${n.operation} · ${n.calls}× ${ms(n.total_us)}`, 30)));
+    const caller = n.span_service === n.service ? "" : `${n.span_service}: `;
+    g.append(el("svg:text", { class: "detail", x: 8, y: 34 }, clip(`${caller}${n.operation} · ${n.calls}× ${ms(n.total_us)}`, 30)));
     svg.append(g);
   }
   box.append(svg);

@@ -1,0 +1,103 @@
+"""Shared fixtures of the serving tests (imported by the `test_serving_*` files).
+
+`trained_run_dir` trains a small real model once (hotelreservation, 2,000 traces, 2 epochs)
+into the bmeg cache and reuses it while it still loads, so only the first run pays the
+minute of training. `StandInDetector` is a model double for behaviour a real model cannot be
+steered into (slow calls, failures on chosen traces).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+import bmeg
+from bmeg.diagnosis import Diagnosis, ServiceScore, TraceDiagnosis
+from bmeg.traces import TraceInputError
+
+APPLICATION = "hotelreservation"
+TRACES = 2000
+
+
+@pytest.fixture(scope="session")
+def trained_run_dir() -> Path:
+    import torch
+
+    from bmeg.models.checkpoint import CheckpointError
+    from bmeg.models.detector import Detector
+    from bmeg.paths import cache_dir
+    from bmeg.training import train
+
+    torch.set_num_threads(1)  # tiny graphs: threads only contend
+    run_dir = cache_dir() / "test-runs" / f"serving-{APPLICATION}-{bmeg.__version__}"
+    try:
+        Detector.load(run_dir, device="cpu")
+    except CheckpointError:
+        train(dataset=APPLICATION, traces=TRACES, epochs=2, out=run_dir, device="cpu", progress=False)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def detector(trained_run_dir: Path):
+    from bmeg.models.detector import Detector
+
+    return Detector.load(trained_run_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hotel_dataset():
+    from bmeg.datasets.loader import load_dataset
+
+    return load_dataset(APPLICATION, TRACES, progress=False)
+
+
+def traces_of(spans: pa.Table, trace_ids: list[str]) -> pa.Table:
+    return spans.filter(pc.is_in(spans["trace_id"], pa.array(trace_ids)))
+
+
+@pytest.fixture(scope="session")
+def flagged_trace(detector, hotel_dataset) -> tuple[pa.Table, list[str]]:
+    """A labelled-anomalous trace that the model, diagnosing it alone, flags with bottlenecks."""
+    labels = hotel_dataset.traces.filter(hotel_dataset.traces["anomalous"])
+    for trace_id in labels["trace_id"].to_pylist():
+        spans = traces_of(hotel_dataset.spans, [trace_id])
+        (trace,) = detector.diagnose(spans).traces
+        flagged = [score.service for score in trace.bottlenecks if score.bottleneck]
+        if trace.anomalous and flagged:
+            return spans, flagged
+    pytest.fail("the trained model flags no labelled-anomalous trace: training went wrong")
+
+
+class StandInDetector:
+    """Diagnoses each trace by its slowest span's service; `fail_on` trace ids raise; `delay_s` per call."""
+
+    application = "stand-in"
+    version = "stand-in/1"
+    run_dir = None
+
+    def __init__(self, delay_s: float = 0.0, fail_on: frozenset[str] = frozenset()):
+        self.delay_s = delay_s
+        self.fail_on = fail_on
+        self.calls: list[int] = []  # traces per call
+
+    def diagnose(self, spans: pa.Table, window: bool = False) -> Diagnosis:
+        time.sleep(self.delay_s)
+        rows = spans.select(["trace_id", "service", "duration_ns"]).to_pylist()
+        trace_ids = list(dict.fromkeys(row["trace_id"] for row in rows))
+        bad = self.fail_on.intersection(trace_ids)
+        if bad:
+            raise TraceInputError(f"trace {sorted(bad)[0]}: refused by the stand-in")
+        self.calls.append(len(trace_ids))
+        traces = []
+        for trace_id in trace_ids:
+            mine = [row for row in rows if row["trace_id"] == trace_id]
+            slowest = max(mine, key=lambda row: row["duration_ns"])["service"]
+            traces.append(TraceDiagnosis(
+                trace_id=trace_id, spans=len(mine), total_us=1.0, anomalous=True, anomaly_score=0.9, threshold=0.5,
+                model="gnn", bottlenecks=[ServiceScore(service=slowest, score=0.9, bottleneck=True)]))
+        ranking = [ServiceScore(service="window", score=1.0, bottleneck=True)] if window else None
+        return Diagnosis(model_version=self.version, application=self.application, traces=traces, ranking=ranking)
