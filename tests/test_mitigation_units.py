@@ -81,6 +81,13 @@ def test_saturation_scales_up_a_store() -> None:
     assert decision.target["cpu_cores"] == pytest.approx(1.5)
 
 
+def test_a_well_used_limit_under_one_core_is_raised() -> None:
+    telemetry = ServiceTelemetry(cpu_utilization=0.55, replicas=4, cpu_limit_cores=0.12)
+    [decision] = plan(_diagnosis("post-storage-service", SLOW), CATALOGUE, {"post-storage-service": telemetry})
+    assert (decision.source, decision.action, decision.target) == ("saturation", "scale_up", {"cpu_cores": 1.0})
+    assert "throttles" in decision.reason
+
+
 def test_idle_service_with_a_tiny_pool_is_retuned() -> None:
     telemetry = ServiceTelemetry(cpu_utilization=0.2, replicas=1, parameters={"io_threadpool_size": 1})
     [decision] = plan(_diagnosis("social-graph-service", SLOW), CATALOGUE, {"social-graph-service": telemetry})

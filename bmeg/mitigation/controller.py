@@ -32,6 +32,7 @@ class Outcome:
 @dataclass
 class Pending:
     applied: Applied
+    action: str  # the planner's action that made it
     before: Latencies
     due: float
 
@@ -46,6 +47,7 @@ class Controller:
         self.planner_policy = planner_policy
         self.guard = Guard(policy)
         self.pending: list[Pending] = []
+        self.rolled_back: set[tuple[str, str]] = set()  # (service, planner action) that did not help
 
     def handle(self, diagnosis: Diagnosis, now: float, latencies: Latencies | None = None,
                telemetry: dict[str, ServiceTelemetry] | None = None) -> list[Outcome]:
@@ -60,6 +62,8 @@ class Controller:
         refusal = self.guard.refusal(decision, now)
         if refusal is None and decision.service in {p.applied.service for p in self.pending}:
             refusal = "an earlier action on it is still being verified"
+        if refusal is None and (decision.service, decision.action) in self.rolled_back:
+            refusal = f"a {decision.action} on it was rolled back before: not repeating it"
         if refusal is not None:
             self.audit.append("refused", decision.service, decision.action, refusal, dry_run=dry, at=now)
             return Outcome(decision, "refused", refusal)
@@ -79,7 +83,7 @@ class Controller:
         self.audit.append("action", decision.service, decision.action, "applied", dry_run=False, at=now,
                           details={"previous": applied.previous, "new": applied.new})
         if latencies is not None:
-            self.pending.append(Pending(applied, latencies, now + self.policy.verify_after_s))
+            self.pending.append(Pending(applied, decision.action, latencies, now + self.policy.verify_after_s))
         return Outcome(decision, "applied", f"{applied.previous} -> {applied.new}", applied)
 
     def _apply(self, decision: Decision, target: dict) -> Applied:
@@ -108,6 +112,7 @@ class Controller:
                               dry_run=False, at=now, details={"detail": words})
             if not good:
                 self._rollback(pending.applied, now, words)
+                self.rolled_back.add((service, pending.action))
             results.append((pending.applied, good, words))
         self.pending = still
         return results

@@ -5,7 +5,8 @@ The rules, in the order they are tried (each decision says in words which one fi
 - background task: the service's tail (p99.9) moved but its median did not (GC pauses), so
   more capacity will not help: shed requests around the pauses.
 - saturation: CPU utilization near the limit: scale out a stateless service (more replicas),
-  scale up a stateful one (a store cannot simply be replicated).
+  scale up a stateful one (a store cannot simply be replicated); a limit under one core that
+  is well used throttles every request: scale up to a core.
 - misconfiguration: latency up with low utilization, and a parameter that matters sits at a
   known-bad value (far below its default in the catalogue's range): retune it.
 - interference: latency up with low utilization (or only on some replicas), nothing
@@ -48,6 +49,7 @@ class ServiceTelemetry(BaseModel):
 class PlannerPolicy:
     saturated_utilization: float = 0.8  # at or above: saturation
     idle_utilization: float = 0.6  # below: latency is not explained by load
+    throttled_utilization: float = 0.4  # at or above, with a limit under one core: throttling
     target_utilization: float = 0.6  # what a scaling action aims for
     slow_ratio: float = 1.5  # latency / baseline that counts as "up"
     tail_ratio: float = 4.0  # p99.9 / baseline that counts as a background-task tail
@@ -151,6 +153,12 @@ def _decide(evidence: Evidence, catalogue: Catalogue, telemetry: ServiceTelemetr
                       "saturation and a noisy neighbour", replicas=replicas + 1)
     if utilization >= policy.saturated_utilization:
         return _saturation(decide, telemetry, utilization, stateful, policy)
+    cores = telemetry.cpu_limit_cores
+    if cores is not None and cores < 1 and utilization >= policy.throttled_utilization:
+        return decide("saturation", "scale_up", 0.8,
+                      f"its CPU limit is {cores:g} of a core and {utilization:.0%} used: a quota under one core "
+                      "throttles every request (CFS), slowing them long before the limit is used up; "
+                      "raise it to one core", cpu_cores=1.0)
     bad = _bad_parameter(catalogue, evidence.service, telemetry, policy)
     if bad is not None:
         parameter, current = bad

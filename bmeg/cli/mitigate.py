@@ -1,0 +1,175 @@
+"""`bmeg mitigate`: the mitigation controller.
+
+  bmeg mitigate --sim socialnet --scenario FILE [--json]     closed loop on the simulator
+  bmeg mitigate --kubeconfig PATH --bootstrap HOST:PORT      on a cluster, fed by Kafka diagnoses
+  bmeg mitigate plan DIAGNOSIS.json [--telemetry FILE]       decisions for one diagnosis
+  bmeg mitigate log [--json]                                 the audit log
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+
+from bmeg.cli.output import json_option, print_json, print_table
+
+
+@click.group(invoke_without_command=True)
+@click.option("--sim", "application", help="Run the closed loop on this simulated application (e.g. socialnet).")
+@click.option("--scenario", help="Scenario file (or the name of one in mitigation/scenarios/) for --sim.")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Trained detector run directory for --sim (default: the slowest-leaf rule).")
+@click.option("--window", "window_s", default=5.0, show_default=True, help="Seconds per control window (--sim).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Act on the cluster of this kubeconfig, fed by diagnoses from Kafka.")
+@click.option("--namespace", default="socialnet", show_default=True)
+@click.option("--bootstrap", default="127.0.0.1:9092", show_default=True, help="Kafka bootstrap servers.")
+@click.option("--topic", default="bmeg.mitigations", show_default=True)
+@click.option("--max-messages", type=int, help="Stop after this many diagnoses (default: run until stopped).")
+@click.option("--apply", "apply_changes", is_flag=True, help="Really act (the default is a dry run).")
+@click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Safety policy YAML (default mitigation/policy.yaml).")
+@click.option("--audit", "audit_path", type=click.Path(dir_okay=False, path_type=Path), help="Audit log SQLite file.")
+@json_option
+@click.pass_context
+def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, seed, kubeconfig, namespace, bootstrap,
+             topic, max_messages, apply_changes, policy_path, audit_path, as_json) -> None:
+    """Scale or retune the services a diagnosis names, safely (dry run unless --apply)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if application and kubeconfig:
+        raise click.UsageError("give --sim or --kubeconfig, not both")
+    if application:
+        _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, as_json)
+    elif kubeconfig:
+        _on_cluster(kubeconfig, namespace, bootstrap, topic, max_messages, apply_changes, policy_path, audit_path, as_json)
+    else:
+        click.echo(ctx.get_help())
+
+
+def _policy(policy_path, **overrides):
+    from bmeg.mitigation import load_policy
+    from bmeg.mitigation.safety import DEFAULT_POLICY
+
+    try:
+        return load_policy(policy_path or DEFAULT_POLICY, **overrides)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, as_json) -> None:
+    from bmeg.faultinject import SpecError, load_scenario, load_topology
+    from bmeg.mitigation import load_catalogue
+    from bmeg.mitigation.closed_loop import LoopSettings, run_closed_loop
+    from bmeg.paths import PROJECT_ROOT
+
+    if not scenario:
+        raise click.UsageError("--sim needs --scenario FILE")
+    shipped = PROJECT_ROOT / "mitigation" / "scenarios" / f"{scenario}.yaml"
+    try:
+        topology = load_topology(application)
+        loaded = load_scenario(shipped if shipped.is_file() else scenario)
+    except SpecError as error:
+        raise click.ClickException(str(error)) from None
+    detector = None
+    if model_dir:
+        from bmeg.models.detector import Detector
+
+        detector = Detector.load(model_dir, application=application)
+    # the simulated minute is short: cooldown and verification are scaled to the window
+    policy = _policy(policy_path, dry_run=False, cooldown_s=2 * window_s, verify_after_s=window_s, actions_per_hour=120)
+    report = run_closed_loop(topology, loaded, load_catalogue(), policy, LoopSettings(window_s=window_s, seed=seed),
+                             detector, progress=not as_json)
+    if as_json:
+        print_json(report.__dict__)
+        return
+    rows = [{"run": name, "p95 ms": p95, "p99 ms": p99, "recovery s": recovery}
+            for name, p95, p99, recovery in [
+                ("normal", report.p95_normal_ms, report.p99_normal_ms, None),
+                ("fault, no mitigation", report.p95_fault_ms, report.p99_fault_ms, report.recovery_unmitigated_s),
+                ("fault, bmeg controller", report.p95_mitigated_ms, report.p99_mitigated_ms, report.recovery_s),
+                ("fault, HPA baseline", report.p95_hpa_ms, report.p99_hpa_ms, report.recovery_hpa_s)]]
+    print_table(rows, title=f"{application} / {report.scenario} (detector: {report.detector})")
+    acted = [a for a in report.actions if a["status"] != "refused"]
+    print_table([{k: a.get(k) for k in ("time_s", "service", "action", "status", "detail")} for a in acted],
+                title="controller actions")
+    print_table([{k: a.get(k) for k in ("time_s", "service", "action", "detail")} for a in report.hpa_actions],
+                title="HPA actions")
+
+
+def _on_cluster(kubeconfig, namespace, bootstrap, topic, max_messages, apply_changes, policy_path, audit_path, as_json) -> None:
+    from kubernetes import config
+
+    from bmeg.mitigation import AuditLog, Controller, load_catalogue
+    from bmeg.mitigation.audit import default_audit_path
+    from bmeg.mitigation.feed import consume
+    from bmeg.mitigation.kubernetes import KubernetesExecutor
+
+    catalogue = load_catalogue()
+    api = config.new_client_from_config(config_file=str(kubeconfig))
+    policy = _policy(policy_path, **({"dry_run": False} if apply_changes else {}))
+    audit = AuditLog(audit_path or default_audit_path())
+    controller = Controller(KubernetesExecutor(api, namespace, catalogue), catalogue, policy, audit)
+    for outcomes in consume(controller, bootstrap, topic, max_messages=max_messages):
+        for outcome in outcomes:
+            row = {"service": outcome.decision.service, "action": outcome.decision.action,
+                   "status": outcome.status, "detail": outcome.detail}
+            click.echo(json.dumps(row) if as_json else f"{row['service']}: {row['action']} {row['status']} ({row['detail']})")
+
+
+@mitigate.command()
+@click.argument("diagnosis_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--telemetry", "telemetry_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="JSON: service -> {replicas, cpu_utilization, cpu_limit_cores, parameters, replica_p95_ms}.")
+@json_option
+def plan(diagnosis_file: Path, telemetry_file: Path | None, as_json: bool) -> None:
+    """Decide, for one diagnosis, what each bottleneck's source is and what would fix it."""
+    from pydantic import ValidationError
+
+    from bmeg.diagnosis import Diagnosis
+    from bmeg.mitigation import ServiceTelemetry, load_catalogue
+    from bmeg.mitigation import plan as make_plan
+
+    try:
+        diagnosis = Diagnosis.model_validate_json(diagnosis_file.read_text())
+        raw = json.loads(telemetry_file.read_text()) if telemetry_file else {}
+        telemetry = {service: ServiceTelemetry.model_validate(values) for service, values in raw.items()}
+    except (ValidationError, ValueError) as error:
+        raise click.ClickException(f"bad input: {error}") from None
+    rows = [{"service": d.service, "source": d.source, "action": d.action, "confidence": d.confidence,
+             "target": d.target, "reason": d.reason} for d in make_plan(diagnosis, load_catalogue(), telemetry)]
+    print_json(rows) if as_json else print_table(rows, title="mitigation plan")
+
+
+@mitigate.command()
+@click.option("--audit", "audit_path", type=click.Path(dir_okay=False, path_type=Path), help="Audit log SQLite file.")
+@click.option("--service", help="Only this service.")
+@click.option("--kind", type=click.Choice(["decision", "action", "verification", "rollback", "refused", "error"]))
+@click.option("--limit", type=int, help="Only the newest N records.")
+@json_option
+def log(audit_path: Path | None, service: str | None, kind: str | None, limit: int | None, as_json: bool) -> None:
+    """Show the audit log: every decision, action, verification and rollback."""
+    from bmeg.mitigation import AuditLog
+    from bmeg.mitigation.audit import default_audit_path
+
+    path = audit_path or default_audit_path()
+    if not path.is_file():
+        raise click.ClickException(f"no audit log at {path}")
+    records = AuditLog(path).records(service=service, kind=kind, limit=limit)
+    if as_json:
+        print_json([record.__dict__ for record in records])
+        return
+    print_table([{"id": r.id, "time": _time(r.time), "kind": r.kind, "service": r.service, "action": r.action,
+                  "outcome": r.outcome, "dry run": r.dry_run} for r in records], title=str(path))
+
+
+def _time(seconds: float) -> str:
+    import datetime
+
+    if not math.isfinite(seconds):
+        return ""
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
