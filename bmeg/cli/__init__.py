@@ -14,11 +14,16 @@ import click
 COMMANDS = {
     "demo": "bmeg.cli.models:demo",
     "diagnose": "bmeg.cli.models:diagnose",
+    "experiment": "bmeg.cli.models:experiment",
     "train": "bmeg.cli.models:train",
     "critical-path": "bmeg.cli.graphs:critical_path",
     "generate": "bmeg.cli.generate:generate",
+    "twin": "bmeg.cli.realtraces:twin",
+    "evaluate": "bmeg.cli.realtraces:evaluate",
+    "bootstrap": "bmeg.cli.realtraces:bootstrap",
     "serve": "bmeg.cli.serving:serve",
     "consume": "bmeg.cli.serving:consume",
+    "mitigate": "bmeg.cli.mitigate:mitigate",
 }
 
 
