@@ -1,0 +1,139 @@
+"""`bmeg twin fit`, `bmeg evaluate rca` and `bmeg bootstrap`: models and scores from real traces."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import click
+
+from bmeg.cli.output import json_option, print_json, print_table
+
+format_option = click.option("--format", "input_format", default=None, help="Trace format (default: detected).")
+
+
+@click.group("twin")
+def twin() -> None:
+    """Digital twins fitted from real traces."""
+
+
+@twin.command("fit")
+@click.argument("normal_traces", type=click.Path(exists=True, path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Spec YAML to write.")
+@click.option("--name", default="twin", show_default=True, help="Name of the fitted topology.")
+@click.option("--check-seconds", type=float, default=60.0, show_default=True,
+              help="Simulate this long and compare with the traces (0: skip).")
+@format_option
+@json_option
+def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, input_format: str | None,
+             as_json: bool) -> None:
+    """Fit a topology spec from the fault-free traces in NORMAL_TRACES (a file or a folder)."""
+    from bmeg.faultinject.twin import fit_twin, twin_fidelity
+    from bmeg.traces import TraceInputError
+    from bmeg.traces.io import read_spans
+
+    try:
+        spans = read_spans(normal_traces, format=input_format)
+        spec = fit_twin(spans, name=name, description=f"twin fitted from {normal_traces}")
+    except TraceInputError as error:
+        raise click.ClickException(str(error)) from error
+    out.write_text(spec.to_yaml())
+    summary = {"spec": str(out), "services": len(spec.services), "requests": len(spec.requests),
+               "rate": spec.workload.rate}
+    if check_seconds > 0:
+        summary |= twin_fidelity(spans, spec, check_seconds).summary()
+    if as_json:
+        print_json(summary)
+    else:
+        print_table([{"measure": k, "value": v} for k, v in summary.items()], title=f"twin {name}")
+
+
+@click.command("bootstrap")
+@click.argument("normal_traces", type=click.Path(exists=True, path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Run directory to write.")
+@click.option("--traces", type=int, default=6000, show_default=True, help="Synthetic traces to train on.")
+@click.option("--epochs", type=int, default=10, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@format_option
+@json_option
+def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, input_format: str | None,
+              as_json: bool) -> None:
+    """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
+    from bmeg.cli.models import metrics_rows
+    from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
+
+    _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
+                               input_format=input_format, progress=not as_json)
+    if as_json:
+        print_json(metrics)
+        return
+    print_table(metrics_rows(metrics), title="held-out synthetic test traces (twin)")
+    click.echo(f"run saved to {out} (twin.yaml, model, metrics.json)")
+
+
+@click.group("evaluate")
+def evaluate() -> None:
+    """Score diagnosis against labelled real faults."""
+
+
+@evaluate.command("rca")
+@click.option("--traces", "traces_path", type=click.Path(exists=True, path_type=Path), required=True,
+              help="Trace file or folder covering the faults.")
+@click.option("--faults", "faults_path", type=click.Path(exists=True, path_type=Path), required=True,
+              help="Fault list (Nezha's fault_list.json layout).")
+@click.option("--normal", "normal_path", type=click.Path(exists=True, path_type=Path), required=True,
+              help="Fault-free traces (file or folder): the normal period.")
+@click.option("--model", "run_dir", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Run directory (default: bootstrap one from --normal, cached).")
+@click.option("--window-minutes", type=float, default=2.0, show_default=True, help="Window after each injection.")
+@click.option("--pod-suffix-parts", type=int, default=2, show_default=True,
+              help="Dash-separated parts a pod name has after its service name (0: the pod is the service).")
+@format_option
+@json_option
+def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path | None, window_minutes: float,
+        pod_suffix_parts: int, input_format: str | None, as_json: bool) -> None:
+    """Rank root-cause services after each injected fault; AC@k for bmeg and the baselines."""
+    from bmeg.evaluation.faults import read_fault_list
+    from bmeg.evaluation.rankers import default_rankers
+    from bmeg.evaluation.rca import report, run_rca
+    from bmeg.evaluation.windows import TraceFiles
+    from bmeg.faultinject.twin import rpc_view
+    from bmeg.models.detector import Detector
+    from bmeg.traces import TraceInputError
+    from bmeg.traces.io import read_spans
+
+    try:
+        faults = read_fault_list(faults_path, pod_suffix_parts)
+        normal = rpc_view(read_spans(normal_path, format=input_format))
+        detector = Detector.load(run_dir or _bootstrapped(normal_path, input_format, as_json))
+        rankers = default_rankers(detector, normal)
+        files = TraceFiles(traces_path, input_format, progress=not as_json)
+        results = run_rca(files, faults, normal, rankers, window_minutes, progress=not as_json)
+    except (TraceInputError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    summary = report(results, [r.name for r in rankers])
+    if as_json:
+        print_json(summary)
+        return
+    for group in ("latency_faults", "overall"):
+        rows = [{"ranker": name, **values} for name, values in summary[group].items()]
+        print_table(rows, title=f"{group.replace('_', ' ')} (window {window_minutes:g} min)")
+    rows = [{"type": kind, "ranker": name, **values}
+            for kind, groups in summary["by_type"].items() for name, values in groups.items()]
+    print_table(rows, title="by fault type")
+    for skipped in summary["skipped"]:
+        click.echo(f"skipped: {skipped['type']} on {skipped['service']} at {skipped['start_ns']}: {skipped['reason']}")
+
+
+def _bootstrapped(normal_path: Path, input_format: str | None, quiet: bool) -> Path:
+    """A bootstrapped run for these normal traces, from the cache or trained now."""
+    from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
+    from bmeg.paths import cache_dir
+
+    key = hashlib.sha256(str(normal_path.resolve()).encode()).hexdigest()[:10]
+    run_dir = cache_dir() / "runs" / f"bootstrap-{key}"
+    if not (run_dir / "metrics.json").is_file():
+        if not quiet:
+            click.echo(f"no --model: bootstrapping one from {normal_path} into {run_dir}")
+        run_bootstrap(normal_path, run_dir, input_format=input_format, progress=not quiet)
+    return run_dir

@@ -1,0 +1,59 @@
+"""Windows of traces from a file or a folder of trace files, read lazily.
+
+`TraceFiles` reads each file once to learn the time its traces span (only two numbers are
+kept), then `window(start, end)` reads just the files that overlap the window and keeps the
+traces whose root starts in it. Memory holds one window at a time, never the whole folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from tqdm import tqdm
+
+from bmeg.traces.errors import TraceInputError
+from bmeg.traces.io import read_spans
+from bmeg.traces.schema import empty_span_table
+
+
+@dataclass(frozen=True)
+class _FileSpan:
+    path: Path
+    first_ns: int  # earliest span start
+    last_ns: int  # latest span end
+
+
+class TraceFiles:
+    """The trace files under a path (a file, or a folder searched recursively)."""
+
+    def __init__(self, path: str | Path, input_format: str | None = None, progress: bool = False):
+        path = Path(path)
+        if not path.exists():
+            raise TraceInputError(f"{path} does not exist")
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise TraceInputError(f"{path} holds no trace files")
+        self.format = input_format
+        self.files = []
+        for file in tqdm(files, desc="indexing trace files", unit="file", disable=not progress):
+            table = self._read(file)
+            if table.num_rows:
+                end = pc.add(table["start_ns"], table["duration_ns"])
+                self.files.append(_FileSpan(file, pc.min(table["start_ns"]).as_py(), pc.max(end).as_py()))
+
+    def _read(self, file: Path) -> pa.Table:
+        return read_spans(file, format=self.format)
+
+    def window(self, start_ns: int, end_ns: int) -> pa.Table:
+        """Spans of the traces whose root (earliest span) starts in [start_ns, end_ns)."""
+        tables = [self._read(f.path) for f in self.files if f.first_ns < end_ns and f.last_ns >= start_ns]
+        if not tables:
+            return empty_span_table()
+        table = pa.concat_tables(tables)
+        first = table.group_by("trace_id").aggregate([("start_ns", "min")])
+        starts = first["start_ns_min"].to_numpy()
+        inside = first["trace_id"].filter(pa.array((starts >= start_ns) & (starts < end_ns)))
+        return table.filter(pc.is_in(table["trace_id"], inside))
