@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +44,10 @@ class TraceAssembler:
 
     def __len__(self) -> int:
         return len(self._pending) + len(self._full)
+
+    def __iter__(self) -> Iterator[PendingTrace]:
+        """The traces held, not yet finished."""
+        return iter([*self._full, *self._pending.values()])
 
     def add(self, spans: pa.Table, source: Source) -> int:
         """Add one message's spans; returns how many traces they belong to."""
