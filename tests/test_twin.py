@@ -3,6 +3,8 @@ fidelity on the real Online Boutique traces."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bmeg.faultinject import parse_topology
@@ -90,3 +92,23 @@ def test_twin_of_online_boutique_matches_real_latencies_and_shapes(shared_dir):
     assert fidelity.p95_error < 0.3
     assert fidelity.same_shape > 0.85
     assert fidelity.depth["max_real"] == fidelity.depth["max_sim"]
+
+
+def test_twin_fit_cli_writes_a_spec_that_generation_accepts(known_traces, tmp_path):
+    from click.testing import CliRunner
+
+    from bmeg.cli import main
+    from bmeg.datasets.generate import generate_dataset
+    from bmeg.faultinject import load_topology
+    from bmeg.traces.io import write_spans
+
+    write_spans(known_traces, tmp_path / "normal.parquet", "parquet")
+    result = CliRunner().invoke(main, ["twin", "fit", str(tmp_path / "normal.parquet"), "-o", str(tmp_path / "twin.yaml"),
+                                       "--check-seconds", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["services"] == 4 and summary["same_shape_share"] > 0.8
+    assert set(load_topology(tmp_path / "twin.yaml").services) == {"front", "left", "right", "tail"}
+    card = generate_dataset(tmp_path / "data", topology=tmp_path / "twin.yaml", traces=200, imbalance=0.2,
+                            scenario="single", progress=False)
+    assert card["traces"] == 200
