@@ -155,3 +155,14 @@ def test_otlp_json_accepts_enum_names_int_times_and_json_lines():
 def test_malformed_otlp_json(document, message):
     with pytest.raises(TraceInputError, match=message):
         otlp_json_to_table([document], "x.json")
+
+
+def test_pre_1_0_field_names_are_read():
+    document = json.loads(json.dumps(table_to_otlp_json(read_otlp_proto(two_span_request().SerializeToString()))))
+    resource_spans = document["resourceSpans"][0]
+    resource_spans["instrumentationLibrarySpans"] = resource_spans.pop("scopeSpans")
+    resource_spans["instrumentationLibrarySpans"][0]["instrumentationLibrary"] = {"name": "old"}
+    del resource_spans["instrumentationLibrarySpans"][0]["scope"]
+    before = json.dumps(document)
+    assert otlp_json_to_table([document]).num_rows == 2
+    assert json.dumps(document) == before  # the caller's document is left as it was

@@ -111,3 +111,30 @@ def test_nezha_fixture_minute(shared_dir):
     assert 0 < roots < table.num_rows
     assert roots == pc.count_distinct(table["trace_id"]).as_py()  # one root per trace in this minute
     assert pc.min(table["duration_ns"]).as_py() >= 0
+
+
+def test_parquet_columns_of_the_wrong_type_or_overflowing_sums_are_named():
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def parquet(**columns) -> bytes:
+        base = {"id": ["aa"], "parent": [None], "svc": ["web"], "op": ["GET"], "begin_ms": [1000], "took_ms": [5]}
+        buffer = io.BytesIO()
+        pq.write_table(pa.table({**base, **columns}), buffer)
+        return buffer.getvalue()
+
+    with pytest.raises(TraceInputError, match="the start column is not whole ms"):
+        read_spans(parquet(begin_ms=["soon"]), mapping=OWN_MAPPING)
+    with pytest.raises(TraceInputError, match="the duration column is not whole ms"):
+        read_spans(parquet(took_ms=[1.5]), mapping=OWN_MAPPING)
+    with pytest.raises(TraceInputError, match="start \\+ duration overflows") as caught:
+        read_spans(parquet(begin_ms=[9_000_000_000_000], took_ms=[900_000_000_000]), mapping=OWN_MAPPING)
+    assert caught.value.span_id == "aa"
+
+
+def test_empty_kind_and_status_cells_get_the_defaults():
+    csv = b"trace_id,span_id,parent_id,service,operation,start_ns,duration_ns,kind,status,peer_service,db_system,instance\n"
+    csv += b"0a,0b,,web,GET,10,5,,,,,\n0a,0c,0b,db,SELECT,11,2,CLIENT,Error,mongodb,mongodb,db-0\n"
+    rows = read_spans(csv).to_pylist()
+    assert [(row["kind"], row["status"]) for row in rows] == [("unspecified", "unset"), ("client", "error")]
+    assert (rows[0]["peer_service"], rows[1]["peer_service"], rows[1]["instance"]) == (None, "mongodb", "db-0")

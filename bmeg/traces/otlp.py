@@ -6,8 +6,11 @@ makes: ids are hex (not base64) and enums are integers (names are accepted too).
 by turning hex ids into base64 and handing the document to `json_format`, so both encodings
 share one decoder and one set of field rules.
 
-The protobuf path is the hot one (HTTP server, Kafka consumer): it builds column lists in one
-pass over the spans, with ids via `bytes.hex()` and no per-span dicts.
+The protobuf path is the hot one (HTTP server, Kafka consumer): it decodes through the lean
+views of `otlp_view` (no Python objects for the fields a span table does not use), builds
+column lists in one pass over the spans with no per-span dicts, turns ids into hex in one
+vectorised step, and decodes attributes only for the spans that may hold `peer.service` or
+`db.system`.
 """
 
 from __future__ import annotations
@@ -278,7 +281,8 @@ def otlp_json_to_table(documents: list, source: str = "<json>") -> pa.Table:
         where = source if len(documents) == 1 else f"{source}, document {number + 1}"
         if not isinstance(document, dict) or "resourceSpans" not in document:
             raise TraceInputError(f"OTLP/JSON needs an object with 'resourceSpans' (in {where})")
-        document = copy.deepcopy(document)  # the id rewrite must not change the caller's data
+        document = copy.deepcopy(document)  # the rewrites must not change the caller's data
+        _rename_pre_1_0_fields(document)
         _hex_ids_to_base64(document, where)
         try:
             part = json_format.ParseDict(document, ExportTraceServiceRequest())
@@ -310,26 +314,34 @@ def _hex_ids_to_base64(document: dict, where: str) -> None:
                 except ValueError:
                     raise TraceInputError(
                         f"{field} {value!r} is not a hex id (in {where})",
-                        trace_id=str(span.get("traceId")),
-                        span_id=str(span.get("spanId")),
+                        trace_id=_text_or_none(span.get("traceId")),
+                        span_id=_text_or_none(span.get("spanId")),
                     ) from None
+
+
+def _rename_pre_1_0_fields(document: dict) -> None:
+    """OTLP before 1.0 said `instrumentationLibrarySpans` / `instrumentationLibrary` for
+    `scopeSpans` / `scope`; old exporters still write them."""
+    for resource_spans in _dicts(document.get("resourceSpans")):
+        if "instrumentationLibrarySpans" in resource_spans:
+            resource_spans["scopeSpans"] = resource_spans.pop("instrumentationLibrarySpans")
+            for scope_spans in _dicts(resource_spans["scopeSpans"]):
+                if "instrumentationLibrary" in scope_spans:
+                    scope_spans["scope"] = scope_spans.pop("instrumentationLibrary")
 
 
 def _json_spans(document: dict):
     """The span objects of an OTLP/JSON document; parts of the wrong shape are skipped here
     (json_format reports them)."""
-    for resource_spans in _list(document.get("resourceSpans")):
-        if not isinstance(resource_spans, dict):
-            continue
-        if "instrumentationLibrarySpans" in resource_spans:  # pre-1.0 name of scopeSpans
-            resource_spans["scopeSpans"] = resource_spans.pop("instrumentationLibrarySpans")
-            for scope_spans in _list(resource_spans["scopeSpans"]):
-                if isinstance(scope_spans, dict) and "instrumentationLibrary" in scope_spans:
-                    scope_spans["scope"] = scope_spans.pop("instrumentationLibrary")
-        for scope_spans in _list(resource_spans.get("scopeSpans")):
-            if isinstance(scope_spans, dict):
-                yield from (span for span in _list(scope_spans.get("spans")) if isinstance(span, dict))
+    for resource_spans in _dicts(document.get("resourceSpans")):
+        for scope_spans in _dicts(resource_spans.get("scopeSpans")):
+            yield from _dicts(scope_spans.get("spans"))
 
 
-def _list(value) -> list:
-    return value if isinstance(value, list) else []
+def _dicts(value) -> list[dict]:
+    """The objects of a JSON list (nothing if it is not a list)."""
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def _text_or_none(value) -> str | None:
+    return value if isinstance(value, str) else None

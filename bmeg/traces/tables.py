@@ -147,8 +147,8 @@ def map_columns(table: pa.Table, mapping: ColumnMapping, source: str) -> pa.Tabl
             "parent_id": _parent_ids(column["parent_id"], mapping.root_parent),
             "operation": pc.fill_null(_text(column["operation"]), ""),
             "instance": _text(column["instance"]) if "instance" in column else _nulls(table),
-            "kind": pc.utf8_lower(_text(column["kind"])) if "kind" in column else _constant(table, "unspecified"),
-            "status": pc.utf8_lower(_text(column["status"])) if "status" in column else _constant(table, "unset"),
+            "kind": _lower_or(column.get("kind"), "unspecified", table),  # an empty cell: the default
+            "status": _lower_or(column.get("status"), "unset", table),
             "peer_service": _text(column["peer_service"]) if "peer_service" in column else _nulls(table),
             "db_system": _text(column["db_system"]) if "db_system" in column else _nulls(table),
         }
@@ -160,13 +160,11 @@ def map_columns(table: pa.Table, mapping: ColumnMapping, source: str) -> pa.Tabl
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
         raise TraceInputError(f"span table columns of the wrong type: {error} (in {source})") from None
     arrays["start_ns"] = _nanoseconds(column["start"], mapping.time_unit, "start", arrays, source)
-    arrays["end_ns"] = (
-        _nanoseconds(column["end"], mapping.time_unit, "end", arrays, source)
-        if "end" in column
-        else pc.add_checked(
-            arrays["start_ns"], _nanoseconds(column["duration"], mapping.duration_unit, "duration", arrays, source)
-        )
-    )
+    if "end" in column:
+        arrays["end_ns"] = _nanoseconds(column["end"], mapping.time_unit, "end", arrays, source)
+    else:
+        duration = _nanoseconds(column["duration"], mapping.duration_unit, "duration", arrays, source)
+        arrays["end_ns"] = _end_from_duration(arrays["start_ns"], duration, arrays, source)
     _check_values(arrays, source)
     return table_from_arrays(arrays, source)
 
@@ -206,19 +204,36 @@ def _nulls(table: pa.Table) -> pa.Array:
     return pa.nulls(table.num_rows, pa.string())
 
 
-def _constant(table: pa.Table, value: str) -> pa.Array:
-    return pa.array([value] * table.num_rows, pa.string())
+def _lower_or(array, default: str, table: pa.Table):
+    if array is None:
+        return pa.array([default] * table.num_rows, pa.string())
+    return pc.fill_null(pc.utf8_lower(_text(array)), default)
 
 
 def _nanoseconds(array, unit: str, what: str, arrays: dict, source: str):
-    times = pc.cast(array, pa.int64())
+    try:
+        times = pc.cast(array, pa.int64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+        raise TraceInputError(f"the {what} column is not whole {unit}: {error} (in {source})") from None
     try:
         return pc.multiply_checked(times, TIME_UNITS[unit])
     except pa.ArrowInvalid:
         limit = (2**63 - 1) // TIME_UNITS[unit]
         row = pc.index(pc.greater(pc.abs(times), limit), True).as_py()
-        fail(pa.table({"trace_id": arrays["trace_id"], "span_id": arrays["span_id"]}), row,
-             f"{what} {times[row].as_py()} {unit} overflows int64 ns", source)  # fmt: skip
+        _fail(arrays, row, f"{what} {times[row].as_py()} {unit} overflows int64 ns", source)
+
+
+def _end_from_duration(start, duration, arrays: dict, source: str):
+    try:
+        return pc.add_checked(start, duration)
+    except pa.ArrowInvalid:
+        pairs = enumerate(zip(start.to_pylist(), duration.to_pylist()))
+        row = next(i for i, (a, b) in pairs if a is not None and b is not None and not -(2**63) <= a + b < 2**63)
+        _fail(arrays, row, "start + duration overflows int64 ns", source)
+
+
+def _fail(arrays: dict, row: int, message: str, source: str) -> None:
+    fail(pa.table({"trace_id": arrays["trace_id"], "span_id": arrays["span_id"]}), row, message, source)
 
 
 def _check_values(arrays: dict, source: str) -> None:
@@ -226,6 +241,5 @@ def _check_values(arrays: dict, source: str) -> None:
         bad = pc.invert(pc.is_in(arrays[name], value_set=pa.array(allowed)))
         row = pc.index(pc.fill_null(bad, True), True).as_py()
         if row >= 0:
-            fail(pa.table({"trace_id": arrays["trace_id"], "span_id": arrays["span_id"]}), row,
-                 f"{name} {arrays[name][row].as_py()!r} is not one of {allowed}", source)  # fmt: skip
+            _fail(arrays, row, f"{name} {arrays[name][row].as_py()!r} is not one of {allowed}", source)
 
