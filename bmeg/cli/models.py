@@ -85,6 +85,31 @@ def print_diagnosis(diagnosis) -> None:
         print_table([s.model_dump() for s in diagnosis.ranking[:10]], title="Services over the window")
 
 
+@click.group("experiment")
+def experiment() -> None:
+    """Experiments of the thesis, reproduced."""
+
+
+@experiment.command("imbalance")
+@click.option("--dataset", "datasets", multiple=True, default=["socialnet"], show_default=True)
+@click.option("--ratios", default="0.3,0.1,0.01", show_default=True, help="Comma-separated imbalance ratios.")
+@click.option("--traces", type=int, default=40_000, show_default=True, help="Traces per dataset.")
+@click.option("--epochs", type=int, default=15, show_default=True)
+@click.option("--scenario", default="single", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@json_option
+def imbalance(datasets, ratios: str, traces: int, epochs: int, scenario: str, seed: int, as_json: bool) -> None:
+    """B-MEG vs the SVM at each imbalance ratio, next to the thesis's figures."""
+    from bmeg.training.experiment import imbalance_experiment
+
+    values = [float(value) for value in ratios.split(",")]
+    rows = imbalance_experiment(datasets, values, traces, epochs, seed=seed, progress=not as_json, scenario=scenario)
+    if as_json:
+        print_json(rows)
+    else:
+        print_table(rows, title="Imbalance experiment (held-out 20%)")
+
+
 @click.command("demo")
 @click.option("--traces", type=int, default=None, help="Training traces (default: the dataset default).")
 @click.option("--epochs", type=int, default=15, show_default=True)

@@ -8,7 +8,8 @@ the others to the GNN stages; the cut is chosen on validation data at training t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.paths import cache_dir
-from bmeg.models.svm import PATH, START, FirmSVM, critical_path_frame, firm_features
+from bmeg.models.svm import FirmSVM, critical_path_frame, firm_features
 from bmeg.training.graphset import GraphSet
 from bmeg.training.trainer import predict_proba, resolve_device
 
@@ -44,6 +45,7 @@ class Scores:
     """Every model's output over a forest (trace order = forest order)."""
 
     services: list[str]  # columns of the [T, S] matrices
+    node_services: np.ndarray  # [N] service of each node (stores split out)
     gnn_anomaly: np.ndarray  # [T] DGCNN P(anomalous)
     gnn_service: np.ndarray  # [T, S] max GCN node score per service (0 where absent)
     svm_service: np.ndarray  # [T, S] SVM score per service on the critical path (0 off it)
@@ -56,10 +58,6 @@ class Scores:
     @property
     def svm_anomaly(self) -> np.ndarray:
         return self.svm_service.max(axis=1, initial=0.0)
-
-    def ranking(self, trace: int) -> list[str]:
-        row = np.where(self.present[trace], self.service[trace], -1.0)
-        return [self.services[i] for i in np.argsort(-row, kind="stable") if self.present[trace, i]]
 
 
 @dataclass
@@ -78,28 +76,36 @@ class Detector:
     metrics: dict
     device: torch.device = torch.device("cpu")
     run_dir: Path | None = None
-    recent: pd.DataFrame | None = None  # the SVM window's earlier traces
+    recent: deque[pd.DataFrame] = field(default_factory=deque)  # earlier traces, for SVM windows
 
     @property
     def version(self) -> str:
         return f"bmeg-{bmeg.__version__}/{self.application}/{self.encoder.variant}"
 
     # -- scoring -----------------------------------------------------------------------------
-    def score(self, forest: SpanForest, paths: CriticalPaths | None = None, remember: bool = False) -> Scores:
+    def score(self, forest: SpanForest, paths: CriticalPaths | None = None, remember: bool = False,
+              all_models: bool = False) -> Scores:
+        """Scores of the traces. The SVM runs where the router sends a trace to it, or everywhere
+        with `all_models` (evaluation). `remember` keeps the traces for later SVM windows."""
         paths = paths or critical_paths(forest)
-        graphs = GraphSet.from_forest(forest, self.encoder.transform(forest, paths))
+        services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+        graphs = GraphSet.from_forest(forest, self.encoder.transform(forest, paths, services))
         everything = np.arange(forest.num_traces)
         gnn_anomaly = predict_proba(self.dgcnn, graphs, everything, "graph", self.device)
         node_scores = predict_proba(self.gcn, graphs, everything, "node", self.device)
-        services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         codes, names = pd.factorize(services)
         gnn_service = np.zeros((forest.num_traces, len(names)))
         np.maximum.at(gnn_service, (forest.trace_index, codes), node_scores)
         present = np.zeros_like(gnn_service, dtype=bool)
         present[forest.trace_index, codes] = True
-        svm_service = self._svm_scores(forest, services, paths, list(names), remember)
+        frame = critical_path_frame(forest, services, paths)
+        svm_service = np.zeros_like(gnn_service)
+        if all_models or np.any(present.sum(axis=1) <= self.svm_max_services):
+            svm_service = self._svm_scores(frame, list(names))
+        if remember:
+            self._remember(frame)
         raw = Scores(
-            services=list(names), gnn_anomaly=gnn_anomaly, gnn_service=gnn_service, svm_service=svm_service,
+            services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_service=gnn_service, svm_service=svm_service,
             present=present, to_svm=np.zeros(forest.num_traces, bool), anomaly=gnn_anomaly,
             anomalous=np.zeros(forest.num_traces, bool), service=gnn_service,
         )
@@ -113,17 +119,20 @@ class Detector:
         service = np.where(to_svm[:, None], scores.svm_service, scores.gnn_service)
         return replace(scores, to_svm=to_svm, anomaly=anomaly, anomalous=anomaly >= threshold, service=service)
 
-    def _svm_scores(self, forest, services, paths, names: list[str], remember: bool) -> np.ndarray:
-        frame = critical_path_frame(forest, services, paths)
-        features = firm_features(frame, self.svm_window, self.recent)  # [T, S, 2]
+    def _svm_scores(self, frame: pd.DataFrame, names: list[str]) -> np.ndarray:
+        history = pd.concat(list(self.recent), ignore_index=True) if self.recent else None
+        features = firm_features(frame, self.svm_window, history)  # [T, S, 2]
         on_path = frame[names].notna().to_numpy()
         scores = np.zeros(on_path.shape)
         if on_path.any():
             scores[on_path] = self.svm.score_samples(features[on_path])
-        if remember:
-            recent = frame if self.recent is None else pd.concat([self.recent, frame], ignore_index=True)
-            self.recent = recent.sort_values(START, kind="stable").tail(self.svm_window).reset_index(drop=True)
         return scores
+
+    def _remember(self, frame: pd.DataFrame) -> None:
+        """Keep the latest traces that fill the SVM's window (whole batches, oldest dropped)."""
+        self.recent.append(frame)
+        while sum(len(part) for part in self.recent) - len(self.recent[0]) >= self.svm_window:
+            self.recent.popleft()
 
     # -- diagnosis ---------------------------------------------------------------------------
     def diagnose(self, spans: pa.Table | SpanForest, window: bool = False) -> Diagnosis:
@@ -131,13 +140,13 @@ class Detector:
         forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="raise")
         paths = critical_paths(forest)
         scores = self.score(forest, paths, remember=True)
-        self_time = self_time_ns(forest) / 1e3
-        services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
-        latency = pd.DataFrame({"trace": forest.trace_index, "service": services, "us": self_time})
-        latency = latency.groupby(["trace", "service"], sort=False)["us"].sum()
+        # Each service's self time per trace, in the columns of the score matrices.
+        column = pd.Index(scores.services).get_indexer(scores.node_services)
+        latency = np.zeros(scores.present.shape)
+        np.add.at(latency, (forest.trace_index, column), self_time_ns(forest) / 1e3)
         warnings = _warnings_by_trace(forest)
         traces = [
-            self._trace_diagnosis(forest, scores, t, path, latency, warnings.get(forest.trace_ids[t], []))
+            self._trace_diagnosis(forest, scores, t, path, latency[t], warnings.get(forest.trace_ids[t], []))
             for t, path in enumerate(trace_paths(forest, paths))
         ]
         return Diagnosis(
@@ -145,18 +154,19 @@ class Detector:
             ranking=self._window_ranking(scores) if window else None,
         )
 
-    def _trace_diagnosis(self, forest, scores: Scores, t: int, path, latency: pd.Series, warnings) -> TraceDiagnosis:
+    def _trace_diagnosis(self, forest, scores: Scores, t: int, path, latency: np.ndarray, warnings) -> TraceDiagnosis:
         node_threshold = self.thresholds["svm" if scores.to_svm[t] else "node"]
-        ranked = scores.ranking(t)[:TOP_SERVICES]
-        column = {name: i for i, name in enumerate(scores.services)}
+        present = np.flatnonzero(scores.present[t])
+        ranked = present[np.argsort(-scores.service[t, present], kind="stable")][:TOP_SERVICES]
         bottlenecks = [
-            ServiceScore(service=name, score=float(scores.service[t, column[name]]),
-                         bottleneck=bool(scores.anomalous[t] and scores.service[t, column[name]] >= node_threshold))
-            for name in ranked
+            ServiceScore(service=scores.services[i], score=float(scores.service[t, i]),
+                         bottleneck=bool(scores.anomalous[t] and scores.service[t, i] >= node_threshold))
+            for i in ranked
         ]
-        unknown = sorted(set(latency.loc[t].index) - set(self.services))
+        unknown = sorted({scores.services[i] for i in present} - set(self.services))
         if unknown:
             warnings = [*warnings, f"services unknown to the model (scored without a baseline): {', '.join(unknown)}"]
+        by_latency = present[np.argsort(-latency[present], kind="stable")]
         return TraceDiagnosis(
             trace_id=forest.trace_ids[t], spans=int(forest.trace_offsets[t + 1] - forest.trace_offsets[t]),
             total_us=path.total_ns / 1e3, anomalous=bool(scores.anomalous[t]),
@@ -165,7 +175,7 @@ class Detector:
             model="svm" if scores.to_svm[t] else "gnn", bottlenecks=bottlenecks,
             critical_path=[CriticalPathStep(service=s.service, operation=s.operation, exclusive_us=s.exclusive_ns / 1e3)
                            for s in path.steps],
-            latencies=[self._latency(service, us) for service, us in latency.loc[t].sort_values(ascending=False).items()],
+            latencies=[self._latency(scores.services[i], float(latency[i])) for i in by_latency],
             warnings=warnings,
         )
 

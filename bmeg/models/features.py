@@ -65,8 +65,9 @@ class FeatureEncoder:
         self.spreads = spread[list(BASELINE_COLUMNS)].to_numpy().tolist()
         return self
 
-    def transform(self, forest: SpanForest, paths: CriticalPaths | None = None) -> np.ndarray:
-        """float32 [num_spans, num_features], in `names` order."""
+    def transform(self, forest: SpanForest, paths: CriticalPaths | None = None,
+                  services: np.ndarray | None = None) -> np.ndarray:
+        """float32 [num_spans, num_features], in `names` order (`services`: node services, if known)."""
         columns = base_columns(forest, paths)
         if self.variant == "thesis":
             return _stack(columns, SERVICE_TIME_ONLY.columns)
@@ -75,7 +76,7 @@ class FeatureEncoder:
         z, known = self._z_scores(forest, columns)
         columns.update({f"z_{name}": z[:, i] for i, name in enumerate(BASELINE_COLUMNS)})
         columns["unknown_operation"] = (~known).astype(np.float64)
-        columns["recent_z_self_time"] = self._recent(forest, z[:, 0])
+        columns["recent_z_self_time"] = self._recent(forest, z[:, 0], services)
         return _stack(columns, self.names)
 
     def to_state(self) -> dict:
@@ -96,17 +97,21 @@ class FeatureEncoder:
         z[known] = np.clip((values[known] - median) / spread, -Z_LIMIT, Z_LIMIT)
         return z, known
 
-    def _recent(self, forest: SpanForest, z_self: np.ndarray) -> np.ndarray:
+    def _recent(self, forest: SpanForest, z_self: np.ndarray, services: np.ndarray | None) -> np.ndarray:
         """Mean z-score of the node's service over its last `history` visits, in time order."""
-        frame = pd.DataFrame({
-            "service": node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False),
-            "trace_start": forest.start_ns[forest.root][forest.trace_index],
-            "z": z_self,
-        })
-        ordered = frame.sort_values("trace_start", kind="stable")
-        rolling = ordered.groupby("service", sort=False)["z"].rolling(self.history, min_periods=1).mean()
-        recent = np.zeros(len(frame))
-        recent[rolling.index.get_level_values(-1).to_numpy()] = rolling.to_numpy()
+        if services is None:
+            services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+        codes, _ = pd.factorize(services)
+        trace_start = forest.start_ns[forest.root][forest.trace_index]
+        order = np.lexsort((trace_start, codes))  # by service, then time
+        group = codes[order]
+        first = np.r_[0, np.flatnonzero(group[1:] != group[:-1]) + 1]
+        group_start = np.repeat(first, np.diff(np.r_[first, len(order)]))
+        position = np.arange(len(order))
+        window_start = np.maximum(group_start, position - self.history + 1)
+        running = np.r_[0.0, np.cumsum(z_self[order])]
+        recent = np.empty(len(order))
+        recent[order] = (running[position + 1] - running[window_start]) / (position + 1 - window_start)
         return recent
 
 

@@ -46,23 +46,56 @@ def firm_features(frame: pd.DataFrame, window: int = 100, history: pd.DataFrame 
     Returns [num_traces, num_services, 2], services in the column order of `frame`.
     """
     services = [name for name in frame.columns if name not in (PATH, START)]
-    earlier = history if history is not None else frame.iloc[:0]
-    timeline = pd.concat([earlier, frame], ignore_index=True).sort_values(START, kind="stable")
-    latency = timeline.reindex(columns=services)
-    rolling = latency.rolling(window, min_periods=max(3, window // 10))
-    relative_importance = rolling.corr(timeline[PATH])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        congestion = rolling.quantile(0.99) / rolling.quantile(0.5)
-    # Back to the rows of `frame`, in its own order.
-    mine = timeline.index.to_numpy() >= len(earlier)
-    order = np.argsort(timeline.index.to_numpy()[mine] - len(earlier))
-    features = np.stack(
-        [relative_importance.to_numpy()[mine][order], congestion.to_numpy()[mine][order]], axis=-1
-    )
-    # A service too rarely on the path (or of constant latency) has no correlation: neutral 0 / 1.
-    features[..., 0] = np.nan_to_num(features[..., 0], nan=0.0, posinf=0.0, neginf=0.0)
-    features[..., 1] = np.nan_to_num(features[..., 1], nan=1.0, posinf=1.0, neginf=1.0)
+    earlier = history.reindex(columns=frame.columns) if history is not None else frame.iloc[:0]
+    timeline = pd.concat([earlier, frame], ignore_index=True)
+    order = np.argsort(timeline[START].to_numpy(), kind="stable")
+    latency = timeline[services].to_numpy(dtype=np.float64)[order]
+    path = timeline[PATH].to_numpy(dtype=np.float64)[order]
+    # Row r of `frame` sits at position where[r] of the time-ordered timeline.
+    where = np.empty(len(order), dtype=np.int64)
+    where[order] = np.arange(len(order))
+    where = where[len(earlier):]
+    features = np.empty((len(frame), len(services), 2))
+    for chunk in np.array_split(np.arange(len(frame)), max(1, len(frame) // 512)):
+        features[chunk] = _window_features(latency, path, where[chunk], window)
     return features
+
+
+def _window_features(latency: np.ndarray, path: np.ndarray, ends: np.ndarray, window: int) -> np.ndarray:
+    """(RI, CI) over the windows that end at each row of `ends` (inclusive): [len(ends), S, 2]."""
+    offsets = np.arange(-window + 1, 1)
+    rows = ends[:, None] + offsets  # [E, W]
+    valid_row = rows >= 0
+    values = latency[np.clip(rows, 0, None)]  # [E, W, S]
+    values[~valid_row] = np.nan
+    totals = np.where(valid_row, path[np.clip(rows, 0, None)], np.nan)[:, :, None]  # [E, W, 1]
+    seen = ~np.isnan(values)
+    count = seen.sum(axis=1)  # [E, S]
+    enough = count >= max(3, window // 10)
+    # Pearson correlation over the rows where the service was on the path.
+    x = np.where(seen, values, 0.0)
+    y = np.where(seen, totals, 0.0)
+    n = np.maximum(count, 1)
+    mean_x, mean_y = x.sum(axis=1) / n, y.sum(axis=1) / n
+    dx = np.where(seen, values - mean_x[:, None], 0.0)
+    dy = np.where(seen, totals - mean_y[:, None], 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative_importance = (dx * dy).sum(axis=1) / np.sqrt((dx**2).sum(axis=1) * (dy**2).sum(axis=1))
+        congestion = _quantile(values, count, 0.99) / _quantile(values, count, 0.5)
+    # A service too rarely on the path (or of constant latency) has no correlation: neutral 0 / 1.
+    relative_importance = np.where(enough & np.isfinite(relative_importance), relative_importance, 0.0)
+    congestion = np.where(enough & np.isfinite(congestion), congestion, 1.0)
+    return np.stack([relative_importance, congestion], axis=-1)
+
+
+def _quantile(values: np.ndarray, count: np.ndarray, q: float) -> np.ndarray:
+    """Linear-interpolated quantile over axis 1, ignoring NaN (sorted last)."""
+    ordered = np.sort(values, axis=1)  # NaN sorts to the end
+    position = (np.maximum(count, 1) - 1) * q
+    low = np.floor(position).astype(np.int64)
+    high = np.minimum(low + 1, np.maximum(count - 1, 0))
+    take = lambda index: np.take_along_axis(ordered, index[:, None, :], axis=1)[:, 0, :]  # noqa: E731
+    return take(low) + (take(high) - take(low)) * (position - low)
 
 
 class FirmSVM(ClassifierMixin, BaseEstimator):

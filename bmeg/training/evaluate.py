@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from bmeg.graphs import node_services
 from bmeg.training.metrics import accuracy_at_k, classification_table
 
 if TYPE_CHECKING:
@@ -16,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def evaluate(detector: Detector, data: Labelled, raw: Scores | None = None) -> dict:
-    raw = raw if raw is not None else detector.score(data.forest)
+    raw = raw if raw is not None else detector.score(data.forest, all_models=True)
     routed = detector.route(raw)
     truth = true_services(data, raw)
     test, y = data.test, data.y[data.test]
@@ -49,7 +48,7 @@ def evaluate(detector: Detector, data: Labelled, raw: Scores | None = None) -> d
 def true_services(data: Labelled, scores: Scores) -> np.ndarray:
     """bool [T, S]: the service has a bottleneck node in the trace (columns of `scores`)."""
     forest = data.forest
-    column = pd.Index(scores.services).get_indexer(node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
+    column = pd.Index(scores.services).get_indexer(scores.node_services)
     truth = np.zeros(scores.present.shape, dtype=bool)
     rows = np.flatnonzero(data.node_y == 1)
     truth[forest.trace_index[rows], column[rows]] = True

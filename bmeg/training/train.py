@@ -131,7 +131,7 @@ def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple
     )
     detector.dgcnn.to(detector.device)
     detector.gcn.to(detector.device)
-    raw = detector.score(forest, paths)
+    raw = detector.score(forest, paths, all_models=True)
     choose_operating_point(detector, raw, data, config)
     return detector, histories, raw
 

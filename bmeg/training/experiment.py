@@ -1,0 +1,34 @@
+"""The thesis's imbalance experiment (its Figure 5.2): B-MEG vs the SVM as bottlenecks get rarer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from bmeg.training import train
+
+#: The thesis's reported figures on socialnet (DESIGN.md §2), for the side-by-side table.
+THESIS = {
+    ("socialnet", 0.1): {"bmeg": {"bp": 0.74, "br": 0.8, "nbr": 0.81}, "svm": {"br": 0.81, "nbr": 0.39}},
+    ("socialnet", 0.01): {"bmeg": {"accuracy": 0.71, "br": 0.67}, "svm": {"accuracy": 0.78, "br": 0.07}},
+}
+DEFAULT_RATIOS = (0.3, 0.1, 0.01)
+
+
+def imbalance_experiment(datasets: Iterable[str], ratios: Iterable[float], traces: int, epochs: int,
+                         seed: int = 0, progress: bool = True, **options) -> list[dict]:
+    """One row per (dataset, ratio, model) with the thesis's columns and AC@k."""
+    rows = []
+    for dataset in datasets:
+        for ratio in ratios:
+            _, metrics = train(dataset, traces=traces, imbalance=ratio, epochs=epochs, seed=seed,
+                               progress=progress, **options)
+            for model in ("bmeg", "svm"):
+                thesis = THESIS.get((dataset, ratio), {}).get(model, {})
+                rows.append({
+                    "dataset": dataset, "imbalance": ratio, "model": "B-MEG" if model == "bmeg" else "SVM",
+                    **{key: metrics[model][key] for key in ("accuracy", "nbp", "bp", "nbr", "br", "ac1", "ac3")},
+                    "test_bottlenecked": metrics["test_anomalous"],
+                    "to_svm": metrics["routing"]["share_to_svm"] if model == "bmeg" else 1.0,
+                    "thesis": ", ".join(f"{k.upper()} {v}" for k, v in thesis.items()),
+                })
+    return rows
