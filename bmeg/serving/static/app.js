@@ -4,7 +4,7 @@
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
-const NODE_W = 190, NODE_H = 46, GAP_X = 70, GAP_Y = 18, PAD = 16;
+const NODE_W = 180, NODE_H = 46, GAP_X = 44, GAP_Y = 16, PAD = 14;
 
 const $ = (id) => document.getElementById(id);
 let current = null;  // the RecentDiagnosis shown
@@ -222,7 +222,8 @@ function renderGraph(graph, trace) {
   const pathNodes = trace.critical_path.map((s) => nodeOf.get(key(s.service, s.operation))).filter((id) => id !== undefined);
   const pathEdges = new Set(pathNodes.slice(1).map((id, i) => `${pathNodes[i]}>${id}`));
   const { position, width, height } = layout(graph);
-  const svg = el("svg:svg", { width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": "call graph" });
+  // Scaled down to the panel's width when wider, never up.
+  const svg = el("svg:svg", { viewBox: `0 0 ${width} ${height}`, style: `max-width: ${width}px`, role: "img", "aria-label": "call graph" });
 
   for (const e of graph.edges) {
     const from = position.get(e.source), to = position.get(e.target);
