@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from bmeg.traces import (
     SPAN_SCHEMA,
+    WRITE_FORMATS,
     TraceInputError,
     read_spans,
     read_spans_bytes,
@@ -16,7 +17,6 @@ from bmeg.traces import (
 )
 from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
 
-WRITABLE = ("otlp-proto", "otlp-json", "jaeger-json", "parquet")
 MAX_START = 2**62  # start + duration stays within int64
 
 
@@ -61,7 +61,7 @@ def in_order(table: pa.Table) -> pa.Table:
     return table.sort_by([(name, "ascending") for name in SPAN_SCHEMA.names])
 
 
-@pytest.mark.parametrize("format", WRITABLE)
+@pytest.mark.parametrize("format", WRITE_FORMATS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_every_writer_round_trips_every_field(format, data):
@@ -79,7 +79,7 @@ def test_files_and_directories(tmp_path):
               db_system=None, instance="web-0")],
         schema=SPAN_SCHEMA,
     )  # fmt: skip
-    for format, name in zip(WRITABLE, ("a.pb", "b.json", "c.json", "d.parquet")):
+    for format, name in zip(WRITE_FORMATS, ("a.pb", "b.json", "c.json", "d.parquet"), strict=True):
         write_spans(table, tmp_path / name, format)
     (tmp_path / "README.md").write_text("not a trace")
     assert read_spans(tmp_path).equals(pa.concat_tables([table] * 4))
@@ -172,7 +172,7 @@ def read_or_reject(data: bytes, format: str | None = None) -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.binary(max_size=200), format=st.sampled_from([None, *WRITABLE, "csv"]))
+@given(data=st.binary(max_size=200), format=st.sampled_from([None, *WRITE_FORMATS, "csv"]))
 def test_random_bytes_never_crash(data, format):
     read_or_reject(data, format)
 

@@ -43,7 +43,8 @@ def test_ui_fixture(shared_dir):
     assert [row["span_id"][-1] for row in rows] == ["2", "2", "3", "4", "5"]
     assert [row["service"] for row in rows] == ["service-x"] * 2 + ["service-y"] * 3
     # span 4: a CHILD_OF to another trace is skipped for the in-trace CHILD_OF
-    assert [row["parent_id"] for row in rows] == [None, None, "0000000000000002", "0000000000000002", "0000000000000004"]
+    parents = [row["parent_id"] for row in rows]
+    assert parents == [None, None, "0000000000000002", "0000000000000002", "0000000000000004"]
     assert (rows[1]["status"], rows[1]["peer_service"]) == ("error", "service-y")
     assert {row["start_ns"] for row in rows} == {1485467191639875000}  # microseconds -> ns
     assert rows[0]["duration_ns"] == 5_000
@@ -92,7 +93,8 @@ def test_tags_give_kind_status_peer_and_db():
 
 
 def test_writer_round_trip_keeps_microsecond_spans():
-    trace = jaeger_trace(span("01", tags=[{"key": "error", "type": "bool", "value": True}]), span("02", "p2", [ref("01")]))
+    error = {"key": "error", "type": "bool", "value": True}
+    trace = jaeger_trace(span("01", tags=[error]), span("02", "p2", [ref("01")]))
     table = jaeger_json_to_table([trace])
     document = json.loads(json.dumps(table_to_jaeger_json(table)))
     assert len(document["data"]) == 1 and len(document["data"][0]["processes"]) == 2

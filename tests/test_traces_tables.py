@@ -133,7 +133,8 @@ def test_parquet_columns_of_the_wrong_type_or_overflowing_sums_are_named():
 
 
 def test_empty_kind_and_status_cells_get_the_defaults():
-    csv = b"trace_id,span_id,parent_id,service,operation,start_ns,duration_ns,kind,status,peer_service,db_system,instance\n"
+    csv = b"trace_id,span_id,parent_id,service,operation,start_ns,duration_ns,kind,status,"
+    csv += b"peer_service,db_system,instance\n"
     csv += b"0a,0b,,web,GET,10,5,,,,,\n0a,0c,0b,db,SELECT,11,2,CLIENT,Error,mongodb,mongodb,db-0\n"
     rows = read_spans(csv).to_pylist()
     assert [(row["kind"], row["status"]) for row in rows] == [("unspecified", "unset"), ("client", "error")]

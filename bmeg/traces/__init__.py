@@ -1,7 +1,7 @@
 """Spans in, span tables out: the span schema, readers and writers."""
 
 from bmeg.traces.errors import TraceInputError
-from bmeg.traces.io import FORMATS, read_spans, read_spans_bytes, write_spans
+from bmeg.traces.io import FORMATS, WRITE_FORMATS, read_spans, read_spans_bytes, write_spans
 from bmeg.traces.otlp import to_otlp_proto_bytes
 from bmeg.traces.schema import SPAN_SCHEMA, conform, empty_span_table, span_table
 from bmeg.traces.tables import MAPPINGS, ColumnMapping
@@ -12,6 +12,7 @@ __all__ = [
     "SPAN_SCHEMA",
     "ColumnMapping",
     "TraceInputError",
+    "WRITE_FORMATS",
     "conform",
     "empty_span_table",
     "read_spans",

@@ -2,7 +2,7 @@
 
 Formats: `otlp-proto`, `otlp-json`, `jaeger-json`, `csv`, `parquet`. Without a format, it is
 detected: Parquet by its `PAR1` magic; JSON by a leading `{` or `[` (OTLP vs Jaeger by the
-keys); CSV by a `.csv`/`.csv.gz`/`.tsv` suffix or a text header line; otherwise protobuf.
+keys); CSV by a `.csv`/`.csv.gz` suffix or a text header line; otherwise protobuf.
 Gzipped input (by its magic bytes) is decompressed first.
 """
 
@@ -23,6 +23,7 @@ from bmeg.traces.schema import conform, empty_span_table
 from bmeg.traces.tables import ColumnMapping, read_csv, read_parquet, write_parquet
 
 FORMATS = ("otlp-proto", "otlp-json", "jaeger-json", "csv", "parquet")
+WRITE_FORMATS = ("otlp-proto", "otlp-json", "jaeger-json", "parquet")
 #: File suffixes read from a directory (others, e.g. READMEs and labels, are skipped).
 TRACE_SUFFIXES = (".json", ".jsonl", ".ndjson", ".pb", ".proto", ".bin", ".csv", ".parquet")
 CONTENT_TYPES = {
@@ -67,7 +68,7 @@ def read_spans_bytes(data: bytes, content_type: str) -> pa.Table:
 
 
 def write_spans(table: pa.Table, path_or_buffer: str | Path | BinaryIO, format: str) -> None:
-    """Write a span table as `otlp-proto`, `otlp-json`, `jaeger-json` or `parquet`."""
+    """Write a span table in one of `WRITE_FORMATS` (Jaeger JSON keeps microseconds only)."""
     table = conform(table)
     if format == "parquet":
         write_parquet(table, str(path_or_buffer) if isinstance(path_or_buffer, Path) else path_or_buffer)
@@ -79,7 +80,7 @@ def write_spans(table: pa.Table, path_or_buffer: str | Path | BinaryIO, format: 
     elif format == "jaeger-json":
         data = json.dumps(table_to_jaeger_json(table), ensure_ascii=False).encode()
     else:
-        raise ValueError(f"cannot write format {format!r}; expected one of otlp-proto, otlp-json, jaeger-json, parquet")
+        raise ValueError(f"cannot write format {format!r}; expected one of {WRITE_FORMATS}")
     if isinstance(path_or_buffer, (str, Path)):
         Path(path_or_buffer).write_bytes(data)
     else:
@@ -134,7 +135,7 @@ def _read_json(data: bytes, format: str, source: str) -> pa.Table:
 
 def _format_from_suffix(path: Path) -> str | None:
     name = path.name.lower()
-    if name.endswith((".csv", ".csv.gz", ".tsv")):
+    if name.endswith((".csv", ".csv.gz")):
         return "csv"
     if name.endswith(".parquet"):
         return "parquet"

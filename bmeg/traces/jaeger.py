@@ -59,12 +59,13 @@ def _traces(document: object, where: str) -> list:
 def _add_trace(trace: object, columns: dict[str, list], where: str) -> None:
     if not isinstance(trace, dict) or not isinstance(trace.get("spans"), list):
         raise TraceInputError(f"a Jaeger trace must be an object with a 'spans' list (in {where})")
+    trace_id = _trace_id(trace.get("traceID")) or None
     processes = trace.get("processes") or {}
     if not isinstance(processes, dict):
-        raise TraceInputError(f"'processes' must be an object (in {where})", trace_id=_trace_id(trace.get("traceID")))
+        raise TraceInputError(f"'processes' must be an object (in {where})", trace_id=trace_id)
     for span in trace["spans"]:
         if not isinstance(span, dict):
-            raise TraceInputError(f"a Jaeger span must be an object (in {where})", trace_id=_trace_id(trace.get("traceID")))
+            raise TraceInputError(f"a Jaeger span must be an object (in {where})", trace_id=trace_id)
         try:
             row = _span_row(span, trace.get("traceID"), processes, where)
         except TraceInputError:

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from bmeg.traces.build import RAW_COLUMNS, fail, table_from_arrays
+from bmeg.traces.build import fail, table_from_arrays
 from bmeg.traces.errors import TraceInputError
 from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
 
@@ -227,7 +227,7 @@ def _end_from_duration(start, duration, arrays: dict, source: str):
     try:
         return pc.add_checked(start, duration)
     except pa.ArrowInvalid:
-        pairs = enumerate(zip(start.to_pylist(), duration.to_pylist()))
+        pairs = enumerate(zip(start.to_pylist(), duration.to_pylist(), strict=True))
         row = next(i for i, (a, b) in pairs if a is not None and b is not None and not -(2**63) <= a + b < 2**63)
         _fail(arrays, row, "start + duration overflows int64 ns", source)
 
