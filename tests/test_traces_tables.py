@@ -3,6 +3,8 @@ import io
 
 import pyarrow.compute as pc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bmeg.traces import SPAN_SCHEMA, ColumnMapping, TraceInputError, read_spans, write_spans
 from bmeg.traces.tables import NEZHA, detect_mapping
@@ -139,3 +141,25 @@ def test_empty_kind_and_status_cells_get_the_defaults():
     rows = read_spans(csv).to_pylist()
     assert [(row["kind"], row["status"]) for row in rows] == [("unspecified", "unset"), ("client", "error")]
     assert (rows[0]["peer_service"], rows[1]["peer_service"], rows[1]["instance"]) == (None, "mongodb", "db-0")
+
+
+cells = st.text("0123456789abcdefxyz-root\",. \n", max_size=12) | st.integers(-(2**64), 2**64).map(str)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.lists(cells, min_size=8, max_size=8), max_size=4))
+def test_random_nezha_rows_read_or_raise_trace_input_error(rows):
+    body = "\n".join(",".join(row) for row in rows).encode()
+    try:
+        table = read_spans(NEZHA_CSV.splitlines(keepends=True)[0] + body, "csv")
+    except TraceInputError:
+        return
+    assert table.schema == SPAN_SCHEMA
+
+
+@pytest.mark.integration
+def test_nezha_fault_minutes_read_as_one_table(shared_dir):
+    table = read_spans(shared_dir / "data/nezha-ob-2022-08-23/fault")  # 59 gzipped CSV files
+    assert table.schema == SPAN_SCHEMA
+    assert 1_100_000 < table.num_rows < 1_250_000  # the README's "~1.17 M spans"
+    assert "frontend" in set(table["service"].to_pylist())
