@@ -142,7 +142,7 @@ class KubernetesExecutor:
     def migrate(self, service: str) -> Applied:
         deployment = self._call(f"get deployment {service}", self.apps.read_namespaced_deployment, service, self.namespace)
         previous = deployment.spec.template.spec.affinity
-        previous_json = json.dumps(client.ApiClient().sanitize_for_serialization(previous)) if previous else None
+        previous_json = json.dumps(self.apps.api_client.sanitize_for_serialization(previous)) if previous else None
         away = {"labelSelector": {"matchLabels": INTERFERENCE_LABELS}, "topologyKey": "kubernetes.io/hostname"}
         self._patch_deployment(service, {
             "metadata": {"annotations": {MIGRATED: "true"}},
