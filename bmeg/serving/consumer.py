@@ -8,9 +8,15 @@ anomalous traces with bottlenecks to the mitigation controller's topic.
 No loss: offsets are committed only up to the lowest message with a trace still unpublished
 (`OffsetTracker`), and only after the producer has flushed. A message that cannot be read,
 or a trace the detector rejects, goes to the dead-letter topic with the reason in the
-`bmeg-error` header. Consumers in one group share the partitions; a trace is assembled
-whole only by the consumer that gets all its spans, so producers should key by trace id (the
-collector's `partition_traces_by_id: true`).
+`bmeg-error` header. A graceful stop (SIGTERM) publishes every pending trace and commits.
+
+Consumers in one group share the partitions; a trace is assembled whole only by the consumer
+that gets all its spans, so producers should key by trace id (the collector's
+`partition_traces_by_id: true`). When a rebalance takes partitions away, their uncommitted
+messages are read again by the new owner: delivery is at least once, so a trace in flight
+at that moment may be diagnosed twice (consumers of `bmeg.diagnoses` key by trace id).
+kafka-python runs rebalance listeners on its network thread, where no blocking work
+(diagnosing, committing) may run, so the listener only forgets the partitions.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import CommitFailedError
 from kafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -115,7 +122,7 @@ class StreamConsumer:
         self.producer.close()
 
     def flush_all(self) -> None:
-        """Diagnose and publish every trace still being assembled, then commit (shutdown, rebalance)."""
+        """Diagnose and publish every trace still being assembled, then commit (graceful shutdown)."""
         self._publish(self.assembler.drain())
         self.commit()
 
@@ -123,8 +130,12 @@ class StreamConsumer:
         self.producer.flush()  # a released offset means "sent"; it must also mean "delivered"
         points = {tp: offset for tp, offset in self.offsets.commit_points().items() if self._committed.get(tp) != offset}
         if points:
-            self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in points.items()})
-            self._committed.update(points)
+            try:
+                self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in points.items()})
+            except CommitFailedError as error:  # a rebalance won the race: the new owners re-read
+                log.warning("commit refused during a rebalance (messages will be read again): %s", error)
+            else:
+                self._committed.update(points)
         self._last_commit = time.monotonic()
         self._update_lag()
 
@@ -220,13 +231,13 @@ def _reason(error: Exception, trace_id: str) -> str:
 
 
 class _Rebalance(ConsumerRebalanceListener):
-    """Before partitions move to another consumer, publish what is pending and commit."""
+    """Runs on kafka-python's network thread: cheap bookkeeping only (see the module docstring)."""
 
     def __init__(self, owner: StreamConsumer):
         self.owner = owner
 
     def on_partitions_revoked(self, revoked) -> None:
-        self.owner.flush_all()
+        log.info("revoked partitions %s", sorted(tp.partition for tp in revoked))
         self.owner.forget(revoked)
 
     def on_partitions_assigned(self, assigned) -> None:

@@ -1,0 +1,185 @@
+"""The streaming consumer against the real broker: assembly across messages and partitions,
+dead letters, no loss across a crash, restart, and two processes sharing a group."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from bmeg.diagnosis import Diagnosis
+from bmeg.serving.consumer import ERROR_HEADER, ConsumerConfig, StreamConsumer
+from bmeg.traces import to_otlp_proto_bytes
+from test_serving_fixtures import detector, hotel_dataset, traces_of, trained_run_dir  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.integration
+PARTITIONS = 4  # the test broker's default for auto-created topics
+
+
+def config_for(bootstrap: str, **overrides) -> ConsumerConfig:
+    name = f"bmeg-test-{uuid.uuid4().hex[:8]}"
+    defaults = dict(bootstrap=bootstrap, topic=name, group_id=f"{name}-group", diagnoses_topic=f"{name}.diagnoses",
+                    mitigations_topic=f"{name}.mitigations", dead_letter_topic=f"{name}.dlq", idle_timeout_s=1.0)
+    return ConsumerConfig(**{**defaults, **overrides})
+
+
+def split_messages(spans: pa.Table, trace_ids: list[str]) -> list[tuple[int, bytes]]:
+    """Each trace in three messages on three partitions; consecutive traces share messages."""
+    messages = []
+    for i in range(0, len(trace_ids), 2):
+        pair = traces_of(spans, trace_ids[i:i + 2])
+        thirds = [pair.slice(start, (pair.num_rows + 2) // 3) for start in range(0, pair.num_rows, (pair.num_rows + 2) // 3)]
+        messages += [((i + k) % PARTITIONS, to_otlp_proto_bytes(part)) for k, part in enumerate(thirds)]
+    return messages
+
+
+def produce(bootstrap: str, topic: str, messages: list[tuple[int | None, bytes]], keys: list[bytes] | None = None):
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    for i, (partition, value) in enumerate(messages):
+        producer.send(topic, value=value, partition=partition, key=None if keys is None else keys[i])
+    producer.flush()
+    producer.close()
+
+
+def read_topic(bootstrap: str, topic: str, count: int, timeout_s: float = 60) -> list:
+    reader = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None)
+    records, deadline = [], time.monotonic() + timeout_s
+    while len({r.key for r in records}) < count and time.monotonic() < deadline:  # distinct keys
+        for batch in reader.poll(timeout_ms=500).values():
+            records += batch
+    reader.close()
+    return records
+
+
+def committed(bootstrap: str, config: ConsumerConfig) -> dict[int, int | None]:
+    probe = KafkaConsumer(bootstrap_servers=bootstrap, group_id=config.group_id, enable_auto_commit=False)
+    points = {p: probe.committed(TopicPartition(config.topic, p)) for p in range(PARTITIONS)}
+    probe.close()
+    return points
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    probe = KafkaConsumer(bootstrap_servers=bootstrap)
+    ends = probe.end_offsets([TopicPartition(topic, p) for p in range(PARTITIONS)])
+    probe.close()
+    return {tp.partition: offset for tp, offset in ends.items()}
+
+
+def diagnosed(consumer: StreamConsumer) -> float:
+    return consumer.metrics.registry.get_sample_value("bmeg_consumer_traces_diagnosed_total")
+
+
+def run_until(consumer: StreamConsumer, done, timeout_s: float = 60) -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(stop,))
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stop.set()
+    thread.join(30)
+
+
+def test_traces_in_pieces_are_diagnosed_whole_and_poison_goes_to_the_dead_letter_topic(
+        kafka_bootstrap, detector, hotel_dataset):
+    config = config_for(kafka_bootstrap)
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[:30]
+    spans = traces_of(hotel_dataset.spans, trace_ids)
+    produce(kafka_bootstrap, config.topic, [*split_messages(spans, trace_ids), (1, b"\x0a\xff\xffnot protobuf")])
+
+    consumer = StreamConsumer(detector, config)
+    run_until(consumer, lambda: diagnosed(consumer) >= len(trace_ids))
+
+    diagnoses = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))
+    by_trace = {record.key.decode(): Diagnosis.model_validate_json(record.value) for record in diagnoses}
+    assert sorted(by_trace) == sorted(trace_ids) and len(diagnoses) == len(trace_ids)  # each once
+    expected_spans = Counter(spans["trace_id"].to_pylist())
+    assert all(d.traces[0].spans == expected_spans[t] for t, d in by_trace.items())  # whole traces
+    (dead,) = read_topic(kafka_bootstrap, config.dead_letter_topic, 1)
+    assert dict(dead.headers)[ERROR_HEADER].startswith(b"undecodable message")
+    mitigations = read_topic(kafka_bootstrap, config.mitigations_topic, 1, timeout_s=5)
+    flagged = {t for t, d in by_trace.items() if d.traces[0].anomalous and any(s.bottleneck for s in d.traces[0].bottlenecks)}
+    assert {record.key.decode() for record in mitigations} == flagged
+    ends = end_offsets(kafka_bootstrap, config.topic)
+    assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
+
+
+def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_restart_resumes(
+        kafka_bootstrap, detector, hotel_dataset):
+    config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces never finish while it runs
+    first_ids = hotel_dataset.traces["trace_id"].to_pylist()[30:40]
+    produce(kafka_bootstrap, config.topic, split_messages(hotel_dataset.spans, first_ids))
+
+    crashing = StreamConsumer(detector, config)
+    deadline = time.monotonic() + 60
+    while crashing.metrics.registry.get_sample_value("bmeg_consumer_spans_total") < len(traces_of(hotel_dataset.spans, first_ids)):
+        assert time.monotonic() < deadline, "the consumer read nothing"
+        crashing.step()
+    crashing.commit()
+    assert set(committed(kafka_bootstrap, config).values()) <= {None, 0}  # every trace is still pending
+    crashing.consumer.close(autocommit=False)  # a crash: no flush, no commit
+    crashing.producer.close()
+
+    restarted = StreamConsumer(detector, dataclasses.replace(config, idle_timeout_s=0.5))
+    run_until(restarted, lambda: diagnosed(restarted) >= len(first_ids))
+    assert diagnosed(restarted) == len(first_ids)
+
+    later_ids = hotel_dataset.traces["trace_id"].to_pylist()[40:45]  # after a clean stop, only new traces
+    produce(kafka_bootstrap, config.topic, split_messages(hotel_dataset.spans, later_ids))
+    resumed = StreamConsumer(detector, dataclasses.replace(config, idle_timeout_s=0.5))
+    run_until(resumed, lambda: diagnosed(resumed) >= len(later_ids))
+    time.sleep(1)
+    keys = [r.key.decode() for r in read_topic(kafka_bootstrap, config.diagnoses_topic, 15)]
+    assert sorted(keys) == sorted(first_ids + later_ids)
+
+
+def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, trained_run_dir, hotel_dataset, tmp_path):
+    config = config_for(kafka_bootstrap)
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[50:110]
+    produce(kafka_bootstrap, config.topic, [(None, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t])))
+                                            for t in trace_ids], keys=[t.encode() for t in trace_ids])
+    metrics_port = _free_port()
+    processes = [_consume_process(kafka_bootstrap, config, trained_run_dir, tmp_path / f"log{i}",
+                                  ["--metrics-port", str(metrics_port)] if i == 0 else []) for i in range(2)]
+    try:
+        diagnoses = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids), timeout_s=120)
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        codes = [process.wait(60) for process in processes]
+    logs = [(tmp_path / f"log{i}").read_text() for i in range(2)]
+    assert codes == [0, 0], logs
+    assert {r.key.decode() for r in diagnoses} == set(trace_ids)  # none lost (a rebalance may repeat some)
+    assigned = [log.count("assigned partitions [") for log in logs]
+    assert all(assigned), logs  # both took part
+    assert "bmeg_consumer_traces_diagnosed_total" in metrics and 'bmeg_consumer_lag{partition="' in metrics
+    ends = end_offsets(kafka_bootstrap, config.topic)
+    assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _consume_process(bootstrap: str, config: ConsumerConfig, run_dir: Path, log: Path, extra: list[str]) -> subprocess.Popen:
+    command = [str(Path(sys.executable).parent / "bmeg"), "consume", "--model", str(run_dir), "--device", "cpu",
+               "--bootstrap", bootstrap, "--topic", config.topic, "--group", config.group_id,
+               "--diagnoses-topic", config.diagnoses_topic, "--mitigations-topic", config.mitigations_topic,
+               "--dead-letter-topic", config.dead_letter_topic, "--idle-timeout", "0.5", *extra]
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
