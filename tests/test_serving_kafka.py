@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,8 @@ from pathlib import Path
 import httpx
 import pyarrow as pa
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
 
 from bmeg.diagnosis import Diagnosis
 from bmeg.serving.consumer import ERROR_HEADER, ConsumerConfig, StreamConsumer
@@ -149,26 +151,38 @@ def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_r
 def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, trained_run_dir, hotel_dataset, tmp_path):
     config = config_for(kafka_bootstrap)
     trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[50:110]
-    produce(kafka_bootstrap, config.topic, [(None, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t])))
-                                            for t in trace_ids], keys=[t.encode() for t in trace_ids])
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(config.topic, PARTITIONS, 1)])
+    admin.close()
     metrics_port = _free_port()
-    processes = [_consume_process(kafka_bootstrap, config, trained_run_dir, tmp_path / f"log{i}",
+    logs = [tmp_path / f"log{i}" for i in range(2)]
+    processes = [_consume_process(kafka_bootstrap, config, trained_run_dir, logs[i],
                                   ["--metrics-port", str(metrics_port)] if i == 0 else []) for i in range(2)]
     try:
+        _wait_for(lambda: all(re.search(r"assigned partitions \[\d", log.read_text()) for log in logs), 90)
+        produce(kafka_bootstrap, config.topic, [(None, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t])))
+                                                for t in trace_ids], keys=[t.encode() for t in trace_ids])
         diagnoses = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids), timeout_s=120)
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
         codes = [process.wait(60) for process in processes]
-    logs = [(tmp_path / f"log{i}").read_text() for i in range(2)]
-    assert codes == [0, 0], logs
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], texts
     assert {r.key.decode() for r in diagnoses} == set(trace_ids)  # none lost (a rebalance may repeat some)
-    assigned = [log.count("assigned partitions [") for log in logs]
-    assert all(assigned), logs  # both took part
+    diagnosed_by = [re.findall(r"published (\d+) diagnoses", text) for text in texts]
+    assert all(int(counts[-1]) > 0 for counts in diagnosed_by), texts  # both took part
     assert "bmeg_consumer_traces_diagnosed_total" in metrics and 'bmeg_consumer_lag{partition="' in metrics
     ends = end_offsets(kafka_bootstrap, config.topic)
     assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
+
+
+def _wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
 
 
 def _free_port() -> int:

@@ -91,4 +91,5 @@ def consume(run_dir: Path | None, device: str, bootstrap: str, topic: str, group
         signal.signal(signum, lambda *_: stop.set())
     click.echo(f"consuming {topic} on {bootstrap} as group {group_id} with {detector.version}", err=True)
     consumer.run(stop)
-    click.echo("stopped: pending traces published, offsets committed", err=True)
+    diagnosed = consumer.metrics.registry.get_sample_value("bmeg_consumer_traces_diagnosed_total")
+    click.echo(f"stopped: published {diagnosed:.0f} diagnoses; pending traces published, offsets committed", err=True)
