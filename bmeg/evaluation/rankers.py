@@ -5,7 +5,7 @@ see `bmeg.faultinject.twin.rpc_view`) and statistics of a normal period, and ret
 `[(service, score), ...]`, most suspicious first.
 
 - `bmeg`: the detector's GNN node scores, averaged over the window's anomalous traces, times
-  how far each service's exclusive time moved from the normal period (see `BmegRanker`).
+  how far each service's own time moved from the normal period (see `BmegRanker`).
 - `bmeg-gnn`: the detector's own window ranking (mean GNN score over anomalous traces).
 - `firm-svm`: FIRM's SVM scores on the critical path, averaged over the window.
 - `microrank`: spectrum ranking (Ochiai) of services over anomalous vs normal traces.
@@ -62,6 +62,8 @@ class NormalStats:
     forest: SpanForest  # the normal traces themselves (RPC view)
     p95_ns: pd.Series  # by span key: duration quantile above which a span is anomalous
     exclusive_ns: pd.Series  # by (counted service, span key): median exclusive ns
+    server_ns: pd.Series  # by span key of a non-client span: median self ns
+    gap_ns: pd.Series  # by client span key: median ns a call spent outside both processes
 
     @classmethod
     def from_forest(cls, forest: SpanForest) -> NormalStats:
@@ -69,10 +71,13 @@ class NormalStats:
         durations = pd.Series(forest.duration_ns, index=keys)
         counted, exclusive = exclusive_time(forest)
         frame = pd.DataFrame({"service": counted, "key": keys, "ns": np.maximum(exclusive, MIN_EXCLUSIVE_NS)})
+        own = _own_times(forest)
         return cls(
             forest=forest,
             p95_ns=durations.groupby(level=0).quantile(ANOMALY_QUANTILE),
             exclusive_ns=frame.groupby(["service", "key"])["ns"].median(),
+            server_ns=own[~own["client"]].groupby("key")["ns"].median(),
+            gap_ns=own[own["client"]].groupby("key")["ns"].median(),
         )
 
     def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
@@ -90,6 +95,41 @@ class NormalStats:
         known = ~np.isnan(normal)
         ratio = np.log2(np.maximum(exclusive[known], MIN_EXCLUSIVE_NS) / normal[known])
         return pd.Series(ratio).groupby(counted[known]).mean()
+
+    def service_shift(self, forest: SpanForest) -> pd.Series:
+        """Per service, how far (log2) its own time moved, with call gaps split between the ends.
+
+        A call's gap (network and queues) grows when the callee is slow to take or answer it,
+        and also when the *caller* is slow to send and receive: then every callee of that caller
+        shows it. So the median shift over a caller's outgoing calls (to two callees or more) is
+        the caller's, and what an edge shows beyond it is the callee's (median over its
+        callers). A service's shift is the largest of: its own spans' self time, its part as a
+        caller, its part as a callee.
+        """
+        own = _own_times(forest)
+        normal = np.where(own["client"], self.gap_ns.reindex(own["key"]).to_numpy(),
+                          self.server_ns.reindex(own["key"]).to_numpy())
+        own["shift"] = np.log2(own["ns"] / normal)
+        own = own[~np.isnan(normal)]
+        servers = own[~own["client"]].groupby("service")["shift"].mean()
+        edges = own[own["client"]].groupby(["service", "callee"])["shift"].mean()
+        by_caller = edges.groupby(level="service")
+        # with one callee, a caller-side and a callee-side slowdown look alike: the callee gets it
+        caller = by_caller.median().where(by_caller.size() >= 2, 0.0)
+        callee = (edges - caller.reindex(edges.index.get_level_values("service")).to_numpy()).groupby(level="callee").median()
+        return pd.concat([servers, caller, callee], axis=1).max(axis=1)
+
+
+def _own_times(forest: SpanForest) -> pd.DataFrame:
+    """Per span: service, key, own ns (self time; a client span's is its call's gap), client?, callee."""
+    service = forest.spans["service"].to_numpy(zero_copy_only=False)
+    _, is_client = span_roles(forest)
+    callee = np.full(forest.num_spans, None, dtype=object)
+    child = np.flatnonzero(forest.parent >= 0)
+    called = child[is_client[forest.parent[child]]]
+    callee[forest.parent[called]] = service[called]
+    return pd.DataFrame({"service": service, "key": span_keys(forest), "client": is_client & (callee != None),  # noqa: E711
+                         "callee": callee, "ns": np.maximum(self_time_ns(forest), MIN_EXCLUSIVE_NS).astype(float)})
 
 
 class Ranker(Protocol):
@@ -172,12 +212,18 @@ class _DetectorScores:
         return self._last[1]
 
 
-def _mean_over(scores, rows: np.ndarray, values: np.ndarray) -> pd.Series:
-    """Mean of values[rows] per service, over the traces where the service is present."""
-    seen = np.maximum(scores.present[rows].sum(axis=0), 1)
-    mean = values[rows].sum(axis=0) / seen
-    present = scores.present[rows].any(axis=0)
-    return pd.Series(mean[present], index=np.asarray(scores.services)[present])
+def _mean_over(scores, weights: np.ndarray, values: np.ndarray) -> pd.Series:
+    """Per service, the mean of `values` [T, S] over the traces where it is present, weighted by trace."""
+    present = scores.present & (weights[:, None] > 0)
+    seen = (weights[:, None] * present).sum(axis=0)
+    mean = (weights[:, None] * values * present).sum(axis=0) / np.maximum(seen, 1e-12)
+    return pd.Series(mean[seen > 0], index=np.asarray(scores.services)[seen > 0])
+
+
+def _gnn_means(scores) -> tuple[pd.Series, pd.Series]:
+    """(mean service score over the anomalous traces, the same over all traces weighted by anomaly score)."""
+    return (_mean_over(scores, scores.anomalous.astype(float), scores.service),
+            _mean_over(scores, scores.anomaly, scores.service))
 
 
 class FirmSvmRanker:
@@ -190,7 +236,7 @@ class FirmSvmRanker:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         scores = self.scores(window)
-        return _ranking(_mean_over(scores, np.arange(window.num_traces), scores.svm_service))
+        return _ranking(_mean_over(scores, np.ones(window.num_traces), scores.svm_service))
 
 
 class GnnRanker:
@@ -202,11 +248,8 @@ class GnnRanker:
         self.scores = scores
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        scores = self.scores(window)
-        rows = np.flatnonzero(scores.anomalous)
-        if len(rows) == 0:  # nothing flagged: weigh every trace by its anomaly score
-            rows = np.arange(window.num_traces)
-        return _ranking(_mean_over(scores, rows, scores.service))
+        flagged, weighted = _gnn_means(self.scores(window))
+        return _ranking(flagged if len(flagged) else weighted)  # nothing flagged: every trace, weighted
 
 
 def with_normal_baselines(detector, normal: SpanForest):
@@ -226,18 +269,20 @@ def with_normal_baselines(detector, normal: SpanForest):
 
 class BmegRanker:
     """B-MEG on a window: the GNN's mean node score over anomalous traces, weighed by how far each
-    service's exclusive time moved from the normal period (the detector's scores say which
-    services look like bottlenecks trace by trace; the normal-period comparison says which of
-    them changed since the faults began)."""
+    service's own time moved from the normal period (`NormalStats.service_shift`): the
+    detector's scores say which services look like bottlenecks trace by trace; the
+    normal-period comparison says which of them changed since the faults began."""
 
     name = "bmeg"
 
     def __init__(self, scores: _DetectorScores):
-        self.gnn = GnnRanker(scores)
+        self.scores = scores
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        gnn = pd.Series(dict(self.gnn.rank(window, normal)))
-        moved = normal.exclusive_increase(window).reindex(gnn.index).fillna(0.0).clip(lower=0.0)
+        flagged, weighted = _gnn_means(self.scores(window))
+        # a service in no flagged trace keeps its anomaly-weighted score instead of dropping out
+        gnn = flagged.combine_first(weighted)
+        moved = normal.service_shift(window).reindex(gnn.index).fillna(0.0).clip(lower=0.0)
         return _ranking(gnn * (1.0 + moved))
 
 
