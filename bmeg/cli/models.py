@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from bmeg.cli.output import json_option, print_json, print_table
+from bmeg.training.trainer import FitConfig
 
 TABLE_COLUMNS = ("accuracy", "nbp", "bp", "nbr", "br", "ac1", "ac3")
 
@@ -18,27 +19,34 @@ def metrics_rows(metrics: dict, models=("bmeg", "svm")) -> list[dict]:
 
 
 @click.command("train")
-@click.option("--dataset", default="socialnet", show_default=True, help="Topology name or dataset folder.")
-@click.option("--traces", type=int, default=None, help="Traces to generate (default: the dataset default).")
-@click.option("--imbalance", type=float, default=None, help="Bottlenecked : normal traces.")
-@click.option("--scenario", default="single", show_default=True, help="Scenario name or YAML file.")
-@click.option("--epochs", type=int, default=15, show_default=True)
-@click.option("--features", type=click.Choice(["full", "thesis"]), default="full", show_default=True)
-@click.option("--loss", type=click.Choice(["weighted", "focal", "sampling", "plain"]), default="weighted", show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
-@click.option("--nproc", type=int, default=1, show_default=True, help="Processes for distributed training.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Training recipe (YAML, see training/); options given here override it.")
+@click.option("--dataset", default=None, help="Topology name or dataset folder [default: socialnet].")
+@click.option("--traces", type=int, default=None, help="Traces to generate [default: 20000].")
+@click.option("--imbalance", type=float, default=None, help="Bottlenecked : normal traces [default: 0.1].")
+@click.option("--scenario", default=None, help="Scenario name or YAML file [default: single].")
+@click.option("--epochs", type=int, default=None, help="[default: 15]")
+@click.option("--features", type=click.Choice(["full", "thesis"]), default=None, help="[default: full]")
+@click.option("--loss", type=click.Choice(["weighted", "focal", "sampling", "plain"]), default=None, help="[default: weighted]")
+@click.option("--device", default=None, help="auto, cpu, cuda, cuda:1, ... [default: auto]")
+@click.option("--nproc", type=int, default=None, help="Processes for distributed training [default: 1].")
+@click.option("--seed", type=int, default=None, help="[default: 0]")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory (default: the cache).")
 @json_option
-def train(dataset, traces, imbalance, scenario, epochs, features, loss, device, nproc, seed, out, as_json) -> None:
+def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, device, nproc, seed, out, as_json) -> None:
     """Train both GNN stages and the SVM, evaluate on the held-out 20%, save the run."""
     from bmeg.models.detector import default_run_dir
-    from bmeg.training import train as run_training
+    from bmeg.training.train import TrainConfig, load_recipe, run
 
-    options = {k: v for k, v in {"traces": traces, "imbalance": imbalance}.items() if v is not None}
-    out = out or default_run_dir(Path(dataset).name)
-    _, metrics = run_training(dataset, out=out, epochs=epochs, device=device, nproc=nproc, loss=loss,
-                              features=features, scenario=scenario, seed=seed, progress=not as_json, **options)
+    given = lambda **options: {k: v for k, v in options.items() if v is not None}  # noqa: E731
+    overrides = given(dataset=dataset, traces=traces, imbalance=imbalance, scenario=scenario, features=features, seed=seed)
+    fit = given(epochs=epochs, loss=loss, device=device, nproc=nproc) | {"progress": not as_json}
+    try:
+        config = load_recipe(recipe, **overrides, fit=fit) if recipe else TrainConfig(**overrides, fit=FitConfig(**fit))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
+    out = out or default_run_dir(Path(config.dataset).name)
+    _, metrics = run(config, out)
     if as_json:
         print_json(metrics)
         return

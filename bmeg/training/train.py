@@ -45,6 +45,18 @@ class TrainConfig:
     fit: FitConfig = field(default_factory=FitConfig)
 
 
+def load_recipe(path: Path, **overrides) -> TrainConfig:
+    """A training recipe (YAML of TrainConfig fields, FitConfig fields under `fit`), with overrides."""
+    import yaml
+
+    recipe = yaml.safe_load(Path(path).read_text()) or {}
+    fit_options = {**recipe.pop("fit", {}), **overrides.pop("fit", {})}
+    try:
+        return TrainConfig(**{**recipe, **overrides}, fit=FitConfig(**fit_options))
+    except TypeError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
 @dataclass
 class Labelled:
     """A dataset assembled into a forest, with labels in forest order and the split."""
