@@ -1,0 +1,133 @@
+"""REST benchmark: `bmeg serve` on loopback under a constant request rate.
+
+    python bench/serve.py --model RUN_DIR [--rate 200] [--seconds 20] [--concurrency 64]
+
+Starts `bmeg serve` in a subprocess, waits for /readyz, then sends one-trace OTLP protobuf
+requests (traces of the model's own dataset, cycled) from async httpx clients on an open-loop
+schedule: request i is due at i / rate seconds, whether or not earlier ones have answered,
+so a slow server shows up as latency, not as a lower offered rate. Latency is measured from
+the due time. Prints offered and achieved rates, p50/p90/p99/max and errors.
+Target: p99 <= 50 ms at 200 req/s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pyarrow.compute as pc
+
+from bmeg.datasets.loader import load_dataset
+from bmeg.models.detector import Detector
+from bmeg.traces import to_otlp_proto_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True, help="Run directory of `bmeg train`.")
+    parser.add_argument("--rate", type=float, default=200.0, help="Requests per second offered.")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--concurrency", type=int, default=64, help="Most requests in flight.")
+    parser.add_argument("--traces", type=int, default=500, help="Distinct traces to cycle through.")
+    args = parser.parse_args()
+
+    bodies, spans_per_trace = trace_bodies(args.model, args.traces)
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "bmeg"), "serve", "--model", str(args.model),
+                               "--device", "cpu", "--port", str(port), "--log-level", "warning"],
+                              env={**os.environ, "BMEG_RECENT_DIAGNOSES": "50"})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base)
+        cpu_before = server_cpu_s(server.pid)
+        latencies, errors, elapsed = asyncio.run(load(base, bodies, args.rate, args.seconds, args.concurrency))
+        cpu_used = server_cpu_s(server.pid) - cpu_before
+    finally:
+        server.terminate()
+        server.wait(30)
+    report(latencies, errors, elapsed, args, spans_per_trace)
+    print(f"server CPU: {cpu_used / max(len(latencies), 1) * 1e3:.2f} ms per request "
+          f"({cpu_used / elapsed:.2f} cores busy); machine load average {os.getloadavg()[0]:.1f}")
+
+
+def trace_bodies(run_dir: Path, count: int) -> tuple[list[bytes], float]:
+    """Traces of the dataset the model was trained on."""
+    dataset = load_dataset(Path(Detector.load(run_dir, device="cpu").metrics["config"]["dataset_path"]))
+    spans = dataset.spans
+    trace_ids = dataset.traces["trace_id"].to_pylist()[:count]
+    bodies = [to_otlp_proto_bytes(spans.filter(pc.equal(spans["trace_id"], trace_id))) for trace_id in trace_ids]
+    return bodies, spans.num_rows / dataset.traces.num_rows
+
+
+def server_cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_ready(base: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("the server did not become ready")
+
+
+async def load(base: str, bodies: list[bytes], rate: float, seconds: float, concurrency: int):
+    total = int(rate * seconds)
+    slots = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30) as client:
+        started = time.perf_counter()
+
+        async def one(i: int) -> None:
+            due = started + i / rate
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            async with slots:
+                try:
+                    response = await client.post("/diagnose", content=bodies[i % len(bodies)],
+                                                 headers={"content-type": "application/x-protobuf"})
+                    if response.status_code != 200:
+                        errors[str(response.status_code)] = errors.get(str(response.status_code), 0) + 1
+                except httpx.HTTPError as error:
+                    errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
+                    return
+            latencies.append(time.perf_counter() - due)
+
+        await asyncio.gather(*(one(i) for i in range(total)))
+        elapsed = time.perf_counter() - started
+    return np.array(latencies), errors, elapsed
+
+
+def report(latencies: np.ndarray, errors: dict[str, int], elapsed: float, args, spans_per_trace: float) -> None:
+    done = len(latencies)
+    p50, p90, p99 = (np.percentile(latencies, q) * 1e3 for q in (50, 90, 99)) if done else (float("nan"),) * 3
+    print(f"offered {args.rate:.0f} req/s for {args.seconds:.0f} s, one trace per request "
+          f"(~{spans_per_trace:.0f} spans), {os.cpu_count()} cores")
+    print(f"achieved {done / elapsed:.1f} req/s ({done} ok in {elapsed:.1f} s), errors: {errors or 0}")
+    print(f"latency ms: p50 {p50:.1f}  p90 {p90:.1f}  p99 {p99:.1f}  max {latencies.max() * 1e3 if done else float('nan'):.1f}")
+    print(f"target p99 <= 50 ms: {'met' if p99 <= 50 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
