@@ -17,7 +17,7 @@ from bmeg.diagnosis import Diagnosis
 from bmeg.models.checkpoint import CheckpointError
 from bmeg.serving.app import create_app
 from bmeg.serving.settings import ServingSettings
-from bmeg.traces import to_otlp_proto_bytes, write_spans
+from bmeg.traces import read_spans_bytes, to_otlp_proto_bytes, write_spans
 from test_serving_fixtures import (  # noqa: F401 - fixtures
     StandInDetector, detector, flagged_trace, hotel_dataset, traces_of, trained_run_dir)
 
@@ -47,13 +47,15 @@ def client(detector):
 @pytest.mark.parametrize("format, headers", [("otlp-proto", PROTOBUF), ("otlp-json", JSON), ("jaeger-json", JSON)])
 def test_each_format_gets_the_models_diagnosis(client, detector, flagged_trace, format, headers):
     spans, flagged = flagged_trace
-    response = client.post("/diagnose", content=encoded(spans, format), headers=headers)
+    body = encoded(spans, format)
+    response = client.post("/diagnose", content=body, headers=headers)
 
     assert response.status_code == 200, response.text
-    (trace,) = Diagnosis.model_validate(response.json()).traces
+    diagnosis = Diagnosis.model_validate(response.json())
+    assert diagnosis == detector.diagnose(read_spans_bytes(body, headers["content-type"]))
+    (trace,) = diagnosis.traces
     assert trace.trace_id == spans["trace_id"][0].as_py()
-    assert trace.anomalous
-    assert [s.service for s in trace.bottlenecks if s.bottleneck] == flagged
+    assert trace.anomalous and [s.service for s in trace.bottlenecks if s.bottleneck] == flagged
     assert trace.critical_path and trace.latencies
 
 

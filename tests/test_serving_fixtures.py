@@ -36,7 +36,7 @@ def trained_run_dir() -> Path:
     run_dir = cache_dir() / "test-runs" / f"serving-{APPLICATION}-{bmeg.__version__}"
     try:
         Detector.load(run_dir, device="cpu")
-    except CheckpointError:
+    except (CheckpointError, RuntimeError):  # RuntimeError: torch's shape mismatch after a feature change
         train(dataset=APPLICATION, traces=TRACES, epochs=2, out=run_dir, device="cpu", progress=False)
     return run_dir
 
@@ -61,15 +61,20 @@ def traces_of(spans: pa.Table, trace_ids: list[str]) -> pa.Table:
 
 @pytest.fixture(scope="session")
 def flagged_trace(detector, hotel_dataset) -> tuple[pa.Table, list[str]]:
-    """A labelled-anomalous trace that the model, diagnosing it alone, flags with bottlenecks."""
+    """The labelled-anomalous trace that the model, diagnosing it alone, flags with bottlenecks
+    by the widest margin over its threshold (so rounding, e.g. Jaeger's microseconds, keeps it)."""
     labels = hotel_dataset.traces.filter(hotel_dataset.traces["anomalous"])
+    best, best_margin = None, 0.0
     for trace_id in labels["trace_id"].to_pylist():
         spans = traces_of(hotel_dataset.spans, [trace_id])
         (trace,) = detector.diagnose(spans).traces
         flagged = [score.service for score in trace.bottlenecks if score.bottleneck]
-        if trace.anomalous and flagged:
-            return spans, flagged
-    pytest.fail("the trained model flags no labelled-anomalous trace: training went wrong")
+        margin = trace.anomaly_score - trace.threshold
+        if trace.anomalous and flagged and margin > best_margin:
+            best, best_margin = (spans, flagged), margin
+    if best is None:
+        pytest.fail("the trained model flags no labelled-anomalous trace: training went wrong")
+    return best
 
 
 class StandInDetector:

@@ -90,7 +90,9 @@ class StreamConsumer:
         self.offsets = OffsetTracker()
         self._committed: dict[TopicPartition, int] = {}
         self._last_commit = time.monotonic()
-        self.producer = KafkaProducer(bootstrap_servers=config.bootstrap, linger_ms=20, acks="all")
+        # One message per diagnosis: big batches spare kafka-python a network-thread wake-up per send.
+        self.producer = KafkaProducer(bootstrap_servers=config.bootstrap, acks="all", linger_ms=50,
+                                      batch_size=512 * 1024)
         self.consumer = KafkaConsumer(
             bootstrap_servers=config.bootstrap, group_id=config.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", max_poll_records=config.max_poll_records,

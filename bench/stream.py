@@ -1,0 +1,122 @@
+"""Streaming benchmark: OTLP traces through Kafka and `StreamConsumer`, end to end.
+
+    python bench/stream.py --model RUN_DIR --bootstrap 127.0.0.1:19092 [--traces 20000]
+                           [--traces-per-message 50] [--idle-timeout 0.5]
+
+Produces `--traces` traces of the model's own dataset (cycled, each copy under a fresh trace
+id) to a new topic as OTLP protobuf, `--traces-per-message` traces per message as the
+OpenTelemetry Collector batches them, spread over the partitions. Then one consumer
+diagnoses them all and the benchmark counts the diagnoses on the output topic.
+Prints traces/s from the consumer's start to the last diagnosis published (this includes
+one idle timeout, the wait that ends the last traces), the same without it, and the traces
+lost (must be 0). Target: >= 2,000 traces/s through one consumer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from kafka import KafkaConsumer, KafkaProducer
+
+from bmeg.datasets.loader import load_dataset
+from bmeg.models.detector import Detector
+from bmeg.serving.consumer import ConsumerConfig, StreamConsumer
+from bmeg.traces import to_otlp_proto_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True, help="Run directory of `bmeg train`.")
+    parser.add_argument("--bootstrap", default=os.environ.get("BMEG_KAFKA_BOOTSTRAP", "127.0.0.1:19092"))
+    parser.add_argument("--traces", type=int, default=20_000)
+    parser.add_argument("--traces-per-message", type=int, default=50)
+    parser.add_argument("--idle-timeout", type=float, default=0.5)
+    parser.add_argument("--batch-traces", type=int, default=512)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    detector = Detector.load(args.model, device="cpu")
+    messages, spans_per_trace = build_messages(detector, args.traces, args.traces_per_message)
+    name = f"bmeg-bench-{uuid.uuid4().hex[:8]}"
+    config = ConsumerConfig(bootstrap=args.bootstrap, topic=name, group_id=f"{name}-group",
+                            diagnoses_topic=f"{name}.diagnoses", mitigations_topic=f"{name}.mitigations",
+                            dead_letter_topic=f"{name}.dlq", idle_timeout_s=args.idle_timeout,
+                            batch_traces=args.batch_traces)
+    produced_s = produce(args.bootstrap, name, messages)
+    print(f"produced {args.traces} traces (~{spans_per_trace:.0f} spans each) in {len(messages)} messages "
+          f"in {produced_s:.1f} s")
+
+    consumer = StreamConsumer(detector, config)
+    stop = threading.Event()
+    started = time.perf_counter()
+    thread = threading.Thread(target=consumer.run, args=(stop,))
+    thread.start()
+    received, last_at = count_diagnoses(args.bootstrap, config.diagnoses_topic, args.traces, started)
+    stop.set()
+    thread.join(60)
+
+    elapsed = last_at - started
+    print(f"diagnosed {received} traces in {elapsed:.1f} s: {received / elapsed:.0f} traces/s end to end, "
+          f"{received / max(elapsed - args.idle_timeout, 1e-9):.0f} traces/s without the final idle timeout "
+          f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
+    print(f"lost: {args.traces - received}")
+    print(f"target >= 2000 traces/s: {'met' if received / elapsed >= 2000 else 'NOT met'}")
+
+
+def build_messages(detector: Detector, count: int, per_message: int) -> tuple[list[bytes], float]:
+    """OTLP messages of `per_message` traces each, copies of the dataset's traces under new ids."""
+    dataset = load_dataset(Path(detector.metrics["config"]["dataset_path"]))
+    spans = dataset.spans.sort_by("trace_id")
+    ids = spans["trace_id"].to_numpy(zero_copy_only=False)
+    starts = np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1, [len(ids)]])
+    traces = [spans.slice(a, b - a) for a, b in zip(starts[:-1], starts[1:])]
+    messages = []
+    for first in range(0, count, per_message):
+        chosen = [renamed(traces[i % len(traces)], i) for i in range(first, min(first + per_message, count))]
+        messages.append(to_otlp_proto_bytes(pa.concat_tables(chosen)))
+    return messages, spans.num_rows / len(traces)
+
+
+def renamed(trace: pa.Table, copy: int) -> pa.Table:
+    trace_id = f"{copy:032x}"
+    return trace.set_column(trace.schema.get_field_index("trace_id"), "trace_id",
+                            pa.array([trace_id] * trace.num_rows, pa.string()))
+
+
+def produce(bootstrap: str, topic: str, messages: list[bytes]) -> float:
+    started = time.perf_counter()
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 20,
+                             max_request_size=16 << 20)
+    for message in messages:
+        producer.send(topic, message)
+    producer.flush()
+    producer.close()
+    return time.perf_counter() - started
+
+
+def count_diagnoses(bootstrap: str, topic: str, expected: int, started: float, quiet_s: float = 30):
+    """Distinct trace ids diagnosed, and when the last new one arrived; stops when all are in
+    or after `quiet_s` without a new one."""
+    reader = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None)
+    seen: set[bytes] = set()
+    last_at = started
+    while len(seen) < expected and time.perf_counter() - last_at < quiet_s:
+        for batch in reader.poll(timeout_ms=200).values():
+            before = len(seen)
+            seen.update(record.key for record in batch)
+            if len(seen) > before:
+                last_at = time.perf_counter()
+    reader.close()
+    return len(seen), last_at
+
+
+if __name__ == "__main__":
+    main()
