@@ -3,7 +3,8 @@
 - `thesis`: only the service time of each node (log duration), as in the B-MEG thesis.
 - `full` (default): the call-graph columns (`bmeg.graphs.DEFAULT_FEATURES`), plus per-operation
   baselines (how far a node's self time and duration sit from the normal distribution of its
-  (service, operation), in robust z-scores) and temporal context (the same z-score of the
+  (service, operation), in robust z-scores, including the wait between the parent's start and
+  the node's: a callee's queue shows there, before its server span starts) and temporal context (the same z-score of the
   node's service, averaged over its recent visits in earlier traces).
 
 `FeatureEncoder` is fitted on normal training traces, like a scikit-learn transformer, and is
@@ -22,7 +23,7 @@ from bmeg.graphs import DEFAULT_FEATURES, SERVICE_TIME_ONLY, SpanForest, base_co
 from bmeg.graphs.critical_path import CriticalPaths
 
 VARIANTS = ("thesis", "full")
-BASELINE_COLUMNS = ("log_self_time_us", "log_duration_us")
+BASELINE_COLUMNS = ("log_self_time_us", "log_duration_us", "log_wait_us")
 #: Where a z-score is capped: a node 50 robust deviations off is as off as it matters.
 Z_LIMIT = 50.0
 #: The smallest spread of a baseline, in log units (~5%), so constant operations don't explode.
@@ -46,7 +47,7 @@ class FeatureEncoder:
         if self.variant == "thesis":
             return list(SERVICE_TIME_ONLY.columns)
         z_names = [f"z_{name}" for name in BASELINE_COLUMNS]
-        return [*DEFAULT_FEATURES.columns, *z_names, "unknown_operation", "recent_z_self_time"]
+        return [*DEFAULT_FEATURES.columns, "log_wait_us", *z_names, "unknown_operation", "recent_z_self_time"]
 
     @property
     def num_features(self) -> int:
@@ -54,7 +55,7 @@ class FeatureEncoder:
 
     def fit(self, forest: SpanForest, paths: CriticalPaths | None = None) -> FeatureEncoder:
         """Per-operation baselines from (normal) traces: median and p90 - median of log times."""
-        columns = base_columns(forest, paths)
+        columns = _columns(forest, paths)
         frame = pd.DataFrame({name: columns[name] for name in BASELINE_COLUMNS})
         frame["key"] = _operation_keys(forest)
         grouped = frame.groupby("key", sort=True)
@@ -68,7 +69,7 @@ class FeatureEncoder:
     def transform(self, forest: SpanForest, paths: CriticalPaths | None = None,
                   services: np.ndarray | None = None) -> np.ndarray:
         """float32 [num_spans, num_features], in `names` order (`services`: node services, if known)."""
-        columns = base_columns(forest, paths)
+        columns = _columns(forest, paths)
         if self.variant == "thesis":
             return _stack(columns, SERVICE_TIME_ONLY.columns)
         if not self.keys:
@@ -113,6 +114,16 @@ class FeatureEncoder:
         recent = np.empty(len(order))
         recent[order] = (running[position + 1] - running[window_start]) / (position + 1 - window_start)
         return recent
+
+
+def _columns(forest: SpanForest, paths: CriticalPaths | None) -> dict[str, np.ndarray]:
+    """The graph stage's columns plus `log_wait_us`: start minus the parent's start (0 at roots)."""
+    columns = base_columns(forest, paths)
+    has_parent = forest.parent >= 0
+    wait_us = np.zeros(forest.num_spans)
+    wait_us[has_parent] = (forest.start_ns[has_parent] - forest.start_ns[forest.parent[has_parent]]) / 1e3
+    columns["log_wait_us"] = np.log1p(np.maximum(wait_us, 0.0))
+    return columns
 
 
 def _operation_keys(forest: SpanForest) -> np.ndarray:
