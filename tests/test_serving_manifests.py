@@ -1,0 +1,76 @@
+"""The deployment manifests agree with the code: probe paths are routes, settings are
+settings, container arguments are CLI options, and every container has probes and requests."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bmeg.cli.serving import consume, serve
+from bmeg.serving.app import create_app
+from bmeg.serving.settings import ServingSettings
+from test_serving_fixtures import StandInDetector
+
+KUBERNETES = Path(__file__).resolve().parents[1] / "serving" / "kubernetes"
+
+
+@pytest.fixture(scope="module")
+def objects() -> dict[tuple[str, str], dict]:
+    documents = [doc for path in sorted(KUBERNETES.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in documents}
+
+
+def containers(deployment: dict) -> list[dict]:
+    return deployment["spec"]["template"]["spec"]["containers"]
+
+
+def test_the_expected_objects_are_there(objects):
+    assert set(objects) == {("ConfigMap", "bmeg-serving"), ("ConfigMap", "bmeg-consumer"),
+                            ("PersistentVolumeClaim", "bmeg-models"), ("Deployment", "bmeg-server"),
+                            ("Service", "bmeg-server"), ("Deployment", "bmeg-consumer"),
+                            ("Service", "bmeg-consumer-metrics")}
+
+
+def test_every_container_has_probes_and_resource_requests(objects):
+    for name in ("bmeg-server", "bmeg-consumer"):
+        for container in containers(objects["Deployment", name]):
+            assert {"startupProbe", "livenessProbe"} <= set(container), name
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
+
+
+def test_server_probes_are_routes_of_the_app(objects):
+    routes = {getattr(route, "path", None) for route in create_app(StandInDetector()).routes}
+    (server,) = containers(objects["Deployment", "bmeg-server"])
+    probed = {server[probe]["httpGet"]["path"] for probe in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert probed == {"/healthz", "/readyz"} and probed <= routes
+
+
+def test_server_settings_are_settings_fields(objects):
+    fields = {f"BMEG_{name.upper()}" for name in ServingSettings.model_fields}
+    assert set(objects["ConfigMap", "bmeg-serving"]["data"]) <= fields
+    (server,) = containers(objects["Deployment", "bmeg-server"])
+    assert {env["name"] for env in server["env"]} <= fields
+
+
+def test_container_arguments_are_options_of_the_commands(objects):
+    for name, command in (("bmeg-server", serve), ("bmeg-consumer", consume)):
+        (container,) = containers(objects["Deployment", name])
+        options = {option for parameter in command.params for option in parameter.opts}
+        assert container["args"][0] == command.name
+        given = {re.split("=", arg)[0] for arg in container["args"][1:] if arg.startswith("--")}
+        assert given <= options, name
+
+
+def test_consumer_arguments_refer_to_its_config_map(objects):
+    (container,) = containers(objects["Deployment", "bmeg-consumer"])
+    referenced = {match for arg in container["args"] for match in re.findall(r"\$\((\w+)\)", arg)}
+    assert referenced and referenced <= set(objects["ConfigMap", "bmeg-consumer"]["data"])
+
+
+def test_services_target_named_container_ports(objects):
+    for name, deployment in (("bmeg-server", "bmeg-server"), ("bmeg-consumer-metrics", "bmeg-consumer")):
+        ports = {port["name"] for c in containers(objects["Deployment", deployment]) for port in c["ports"]}
+        assert {port["targetPort"] for port in objects["Service", name]["spec"]["ports"]} <= ports
