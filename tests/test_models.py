@@ -153,3 +153,53 @@ def test_threshold_for_precision_prefers_recall_at_the_precision():
     predicted = scores >= threshold
     assert (y[predicted] == 1).mean() >= 0.6
     assert predicted[y == 1].all()
+
+
+def _tiny_detector():
+    from bmeg.models.detector import Detector
+
+    encoder = FeatureEncoder().fit(assemble(span_table(many_traces(20))))
+    rng = np.random.default_rng(0)
+    svm = FirmSVM().fit(rng.normal(size=(40, 2)), np.r_[np.zeros(30), np.ones(10)])
+    return Detector(
+        application="toy", encoder=encoder, dgcnn=DGCNN(encoder.num_features, k=10).eval(),
+        gcn=GCNNodeClassifier(encoder.num_features).eval(), svm=svm,
+        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5}, svm_max_services=-1, svm_window=20,
+        services=["front", "svc0", "svc1", "svc2"], service_baseline_us={"svc1": 200.0},
+        hparams={"dgcnn": {"k": 10}, "gcn": {}}, metrics={},
+    )
+
+
+def test_detector_round_trip_and_diagnosis(tmp_path):
+    from bmeg.models.detector import Detector
+
+    _tiny_detector().save(tmp_path)
+    detector = Detector.load(tmp_path, device="cpu", application="toy")
+    diagnosis = detector.diagnose(span_table(many_traces(3, slow=1)), window=True)
+    assert [t.trace_id for t in diagnosis.traces] == ["t0000", "t0001", "t0002"]
+    trace = diagnosis.traces[1]
+    assert trace.spans == 4 and trace.model == "gnn" and 0 <= trace.anomaly_score <= 1
+    assert {s.service for s in trace.bottlenecks} == {"front", "svc0", "svc1", "svc2"}
+    assert trace.latencies[0].service == "svc1" and trace.latencies[0].ratio == pytest.approx(25.0)
+    assert sum(step.exclusive_us for step in trace.critical_path) == pytest.approx(trace.total_us)
+    assert diagnosis.ranking is not None
+
+
+def test_detector_warns_about_unknown_services_and_repairs(tmp_path):
+    spans = star_trace("u", [100, 200])
+    spans["service"][2] = "brand-new-service"
+    spans["parent_id"][1] = "missing-parent"
+    diagnosis = _tiny_detector().diagnose(span_table(spans))
+    warnings = " ".join(diagnosis.traces[0].warnings)
+    assert "brand-new-service" in warnings and "parent" in warnings
+
+
+def test_checkpoint_with_other_features_is_rejected(tmp_path):
+    from bmeg.models.detector import Detector
+
+    _tiny_detector().save(tmp_path)
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    state["encoder"]["names"] = state["encoder"]["names"][:-1]
+    torch.save(state, tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match="differ from this bmeg"):
+        Detector.load(tmp_path)

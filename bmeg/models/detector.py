@@ -22,7 +22,7 @@ from bmeg.diagnosis import CriticalPathStep, Diagnosis, ServiceLatency, ServiceS
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, trace_paths
 from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import self_time_ns
-from bmeg.models.checkpoint import load_checkpoint, save_checkpoint
+from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
@@ -209,12 +209,15 @@ class Detector:
     @classmethod
     def load(cls, run_dir: str | Path, device: str = "auto", application: str | None = None) -> Detector:
         state, svm = load_checkpoint(Path(run_dir), application=application)
-        encoder = FeatureEncoder.from_state(state["encoder"])
-        hparams = state["hparams"]
-        dgcnn = DGCNN(encoder.num_features, **hparams["dgcnn"])
-        gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
-        dgcnn.load_state_dict(state["dgcnn"])
-        gcn.load_state_dict(state["gcn"])
+        try:
+            encoder = FeatureEncoder.from_state(state["encoder"])
+            hparams = state["hparams"]
+            dgcnn = DGCNN(encoder.num_features, **hparams["dgcnn"])
+            gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
+            dgcnn.load_state_dict(state["dgcnn"])
+            gcn.load_state_dict(state["gcn"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise CheckpointError(f"{run_dir} does not fit this bmeg ({error}): retrain with `bmeg train`") from error
         target = resolve_device(device)
         return cls(
             application=state["application"], encoder=encoder, dgcnn=dgcnn.to(target).eval(),

@@ -82,11 +82,17 @@ class FeatureEncoder:
 
     def to_state(self) -> dict:
         return {"variant": self.variant, "history": self.history, "keys": self.keys,
-                "medians": self.medians, "spreads": self.spreads}
+                "medians": self.medians, "spreads": self.spreads, "names": self.names}
 
     @classmethod
     def from_state(cls, state: dict) -> FeatureEncoder:
-        return cls(**state)
+        """The encoder saved by `to_state`; ValueError when it was saved with other features."""
+        state = dict(state)
+        saved_names = state.pop("names", None)
+        encoder = cls(**state)
+        if saved_names != encoder.names:
+            raise ValueError(f"the checkpoint's features {saved_names} differ from this bmeg's {encoder.names}")
+        return encoder
 
     def _z_scores(self, forest: SpanForest, columns: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         position = pd.Index(self.keys).get_indexer(_operation_keys(forest))
