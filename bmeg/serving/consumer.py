@@ -144,11 +144,16 @@ class StreamConsumer:
     # -- messages in -------------------------------------------------------------------------
     def _take(self, partition: TopicPartition, message) -> None:
         self.metrics.messages.inc()
+        origin = f"{partition.topic}/{partition.partition}@{message.offset}"
         try:
             spans = self._decode(message)
-        except TraceInputError as error:
-            self._dead_letter(message.key, message.value or b"", f"undecodable message: {error}",
-                              origin=f"{partition.topic}/{partition.partition}@{message.offset}")
+        except Exception as error:  # noqa: BLE001 - a poison message must not stop the stream
+            if isinstance(error, TraceInputError):
+                reason = f"undecodable message: {error}"
+            else:  # a reader bug: keep the message and the traceback for whoever fixes it
+                log.error("reading %s failed", origin, exc_info=error)
+                reason = f"reader failed: {type(error).__name__}: {error}"
+            self._dead_letter(message.key, message.value or b"", reason, origin)
             self.offsets.received(partition, message.offset, 0)
             return
         self.metrics.spans.inc(spans.num_rows)
