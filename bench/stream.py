@@ -1,11 +1,12 @@
 """Streaming benchmark: OTLP traces through Kafka and `StreamConsumer`, end to end.
 
     python bench/stream.py --model RUN_DIR --bootstrap 127.0.0.1:19092 [--traces 20000]
-                           [--traces-per-message 50] [--idle-timeout 0.5]
+                           [--spans-per-trace 30 | --dataset-traces] [--traces-per-message 50]
 
-Produces `--traces` traces of the model's own dataset (cycled, each copy under a fresh trace
-id) to a new topic as OTLP protobuf, `--traces-per-message` traces per message as the
-OpenTelemetry Collector batches them, spread over the partitions. Then one consumer
+Produces `--traces` traces to a new topic as OTLP protobuf, `--traces-per-message` traces per
+message as the OpenTelemetry Collector batches them, spread over the partitions: random
+well-formed call trees of `--spans-per-trace` spans over socialnet's services (bench/ingest.py's
+generator), or with `--dataset-traces` the model's own dataset (cycled under fresh trace ids). Then one consumer
 diagnoses them all and the benchmark counts the diagnoses on the output topic.
 Prints traces/s from the consumer's start to the last diagnosis published (this includes
 one idle timeout, the wait that ends the last traces), the same without it, and the traces
@@ -21,15 +22,16 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import torch
 from kafka import KafkaConsumer, KafkaProducer
 
 from bmeg.datasets.loader import load_dataset
 from bmeg.models.detector import Detector
+from bmeg.serving.assembler import split_by_trace
 from bmeg.serving.consumer import ConsumerConfig, StreamConsumer
 from bmeg.traces import to_otlp_proto_bytes
+from ingest import random_traces  # bench/ingest.py, beside this file
 
 
 def main() -> None:
@@ -37,6 +39,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True, help="Run directory of `bmeg train`.")
     parser.add_argument("--bootstrap", default=os.environ.get("BMEG_KAFKA_BOOTSTRAP", "127.0.0.1:19092"))
     parser.add_argument("--traces", type=int, default=20_000)
+    parser.add_argument("--spans-per-trace", type=int, default=30)
+    parser.add_argument("--dataset-traces", action="store_true", help="Use the model's dataset instead.")
     parser.add_argument("--traces-per-message", type=int, default=50)
     parser.add_argument("--idle-timeout", type=float, default=0.5)
     parser.add_argument("--batch-traces", type=int, default=512)
@@ -44,7 +48,8 @@ def main() -> None:
     torch.set_num_threads(1)
 
     detector = Detector.load(args.model, device="cpu")
-    messages, spans_per_trace = build_messages(detector, args.traces, args.traces_per_message)
+    source = dataset_traces(detector) if args.dataset_traces else trace_tables(random_traces(2_000, args.spans_per_trace))
+    messages, spans_per_trace = build_messages(source, args.traces, args.traces_per_message)
     name = f"bmeg-bench-{uuid.uuid4().hex[:8]}"
     config = ConsumerConfig(bootstrap=args.bootstrap, topic=name, group_id=f"{name}-group",
                             diagnoses_topic=f"{name}.diagnoses", mitigations_topic=f"{name}.mitigations",
@@ -71,18 +76,21 @@ def main() -> None:
     print(f"target >= 2000 traces/s: {'met' if received / elapsed >= 2000 else 'NOT met'}")
 
 
-def build_messages(detector: Detector, count: int, per_message: int) -> tuple[list[bytes], float]:
-    """OTLP messages of `per_message` traces each, copies of the dataset's traces under new ids."""
-    dataset = load_dataset(Path(detector.metrics["config"]["dataset_path"]))
-    spans = dataset.spans.sort_by("trace_id")
-    ids = spans["trace_id"].to_numpy(zero_copy_only=False)
-    starts = np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1, [len(ids)]])
-    traces = [spans.slice(a, b - a) for a, b in zip(starts[:-1], starts[1:])]
+def dataset_traces(detector: Detector) -> list[pa.Table]:
+    return trace_tables(load_dataset(Path(detector.metrics["config"]["dataset_path"])).spans)
+
+
+def trace_tables(spans: pa.Table) -> list[pa.Table]:
+    return [trace for _, trace in split_by_trace(spans)]
+
+
+def build_messages(traces: list[pa.Table], count: int, per_message: int) -> tuple[list[bytes], float]:
+    """OTLP messages of `per_message` traces each: the given traces, cycled under new ids."""
     messages = []
     for first in range(0, count, per_message):
         chosen = [renamed(traces[i % len(traces)], i) for i in range(first, min(first + per_message, count))]
         messages.append(to_otlp_proto_bytes(pa.concat_tables(chosen)))
-    return messages, spans.num_rows / len(traces)
+    return messages, sum(trace.num_rows for trace in traces) / len(traces)
 
 
 def renamed(trace: pa.Table, copy: int) -> pa.Table:
