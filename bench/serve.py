@@ -1,9 +1,12 @@
 """REST benchmark: `bmeg serve` on loopback under a constant request rate.
 
     python bench/serve.py --model RUN_DIR [--rate 200] [--seconds 20] [--concurrency 64]
+                          [--spans-per-trace 30 | --dataset-traces]
 
 Starts `bmeg serve` in a subprocess, waits for /readyz, then sends one-trace OTLP protobuf
-requests (traces of the model's own dataset, cycled) from async httpx clients on an open-loop
+requests (random call trees of `--spans-per-trace` spans over socialnet's services, from
+bench/ingest.py's generator, or with `--dataset-traces` the model's own dataset's traces,
+cycled) from async httpx clients on an open-loop
 schedule: request i is due at i / rate seconds, whether or not earlier ones have answered,
 so a slow server shows up as latency, not as a lower offered rate. Latency is measured from
 the due time. Prints offered and achieved rates, p50/p90/p99/max and errors.
@@ -24,11 +27,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import psutil
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from bmeg.datasets.loader import load_dataset
 from bmeg.models.detector import Detector
+from bmeg.serving.assembler import split_by_trace
 from bmeg.traces import to_otlp_proto_bytes
+from ingest import random_traces  # bench/ingest.py, beside this file
 
 
 def main() -> None:
@@ -38,9 +44,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--concurrency", type=int, default=64, help="Most requests in flight.")
     parser.add_argument("--traces", type=int, default=500, help="Distinct traces to cycle through.")
+    parser.add_argument("--spans-per-trace", type=int, default=30)
+    parser.add_argument("--dataset-traces", action="store_true", help="Use the model's dataset instead.")
     args = parser.parse_args()
 
-    bodies, spans_per_trace = trace_bodies(args.model, args.traces)
+    spans = dataset_spans(args.model) if args.dataset_traces else random_traces(args.traces, args.spans_per_trace)
+    bodies = [to_otlp_proto_bytes(trace) for _, trace in split_by_trace(spans)][:args.traces]
+    spans_per_trace = spans.num_rows / pc.count_distinct(spans["trace_id"]).as_py()
     port = free_port()
     server = subprocess.Popen([str(Path(sys.executable).parent / "bmeg"), "serve", "--model", str(args.model),
                                "--device", "cpu", "--port", str(port), "--log-level", "warning"],
@@ -59,13 +69,9 @@ def main() -> None:
           f"({cpu_used / elapsed:.2f} cores busy); machine load average {os.getloadavg()[0]:.1f}")
 
 
-def trace_bodies(run_dir: Path, count: int) -> tuple[list[bytes], float]:
-    """Traces of the dataset the model was trained on."""
-    dataset = load_dataset(Path(Detector.load(run_dir, device="cpu").metrics["config"]["dataset_path"]))
-    spans = dataset.spans
-    trace_ids = dataset.traces["trace_id"].to_pylist()[:count]
-    bodies = [to_otlp_proto_bytes(spans.filter(pc.equal(spans["trace_id"], trace_id))) for trace_id in trace_ids]
-    return bodies, spans.num_rows / dataset.traces.num_rows
+def dataset_spans(run_dir: Path) -> pa.Table:
+    """Spans of the dataset the model was trained on."""
+    return load_dataset(Path(Detector.load(run_dir, device="cpu").metrics["config"]["dataset_path"])).spans
 
 
 def server_cpu_s(pid: int) -> float:
