@@ -11,9 +11,11 @@ def diagnose(spans, model=None, window: bool = False):
     """Diagnose a span table (see `bmeg.traces.read_spans`) with a trained model.
 
     `model` is a `bmeg.models.detector.Detector` or a run directory (default: the run that
-    `bmeg train` writes by default). Returns a `bmeg.diagnosis.Diagnosis`.
+    `bmeg train` writes by default). Returns a `bmeg.diagnosis.Diagnosis` whose anomalous
+    traces carry mitigation hints.
     """
+    from bmeg.mitigation.planner import suggest
     from bmeg.models.detector import Detector, default_run_dir
 
     detector = model if isinstance(model, Detector) else Detector.load(model or default_run_dir())
-    return detector.diagnose(spans, window=window)
+    return suggest(detector.diagnose(spans, window=window))

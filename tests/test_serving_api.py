@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bmeg.diagnosis import Diagnosis
+from bmeg.mitigation.planner import suggest
 from bmeg.models.checkpoint import CheckpointError
 from bmeg.serving.app import create_app
 from bmeg.serving.settings import ServingSettings
@@ -52,11 +53,12 @@ def test_each_format_gets_the_models_diagnosis(client, detector, flagged_trace, 
 
     assert response.status_code == 200, response.text
     diagnosis = Diagnosis.model_validate(response.json())
-    assert diagnosis == detector.diagnose(read_spans_bytes(body, headers["content-type"]))
+    assert diagnosis == suggest(detector.diagnose(read_spans_bytes(body, headers["content-type"])))
     (trace,) = diagnosis.traces
     assert trace.trace_id == spans["trace_id"][0].as_py()
     assert trace.anomalous and [s.service for s in trace.bottlenecks if s.bottleneck] == flagged
     assert trace.critical_path and trace.latencies
+    assert {hint.service for hint in trace.mitigations} == set(flagged)
 
 
 def test_the_diagnosis_is_kept_with_its_call_graph(client, flagged_trace):

@@ -63,6 +63,7 @@ def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, 
 @json_option
 def diagnose(source: Path, run_dir: Path | None, input_format: str | None, window: bool, as_json: bool) -> None:
     """Diagnose the traces in SOURCE (a file or a folder of trace files)."""
+    from bmeg.mitigation.planner import suggest
     from bmeg.models.checkpoint import CheckpointError
     from bmeg.models.detector import Detector, default_run_dir
     from bmeg.traces import TraceInputError
@@ -70,7 +71,7 @@ def diagnose(source: Path, run_dir: Path | None, input_format: str | None, windo
 
     try:
         detector = Detector.load(run_dir or default_run_dir())
-        diagnosis = detector.diagnose(read_spans(source, format=input_format), window=window)
+        diagnosis = suggest(detector.diagnose(read_spans(source, format=input_format), window=window))
     except (CheckpointError, TraceInputError) as error:
         raise click.ClickException(str(error)) from error
     if as_json:

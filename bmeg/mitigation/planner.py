@@ -17,6 +17,7 @@ The rules, in the order they are tried (each decision says in words which one fi
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -25,7 +26,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from bmeg.diagnosis import Diagnosis, MitigationHint
-from bmeg.mitigation.catalogue import Catalogue, Parameter
+from bmeg.mitigation.catalogue import Catalogue, Parameter, load_catalogue
 
 Source = Literal["saturation", "interference", "misconfiguration", "background", "unknown"]
 Action = Literal["scale_out", "scale_up", "retune", "migrate", "shed", "none"]
@@ -232,3 +233,20 @@ def _latency_words(evidence: Evidence) -> str:
 
 def _show(value: float | str) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def suggest(diagnosis: Diagnosis, catalogue: Catalogue | None = None) -> Diagnosis:
+    """The diagnosis with mitigation hints on its anomalous traces, for people reading it.
+
+    No telemetry is known here, so the hints are the planner's cautious defaults; the controller
+    (`bmeg mitigate`) decides with telemetry before acting.
+    """
+    if not diagnosis.anomalous:
+        return diagnosis
+    catalogue = catalogue or _default_catalogue()
+    return with_hints(diagnosis, plan(diagnosis, catalogue))
+
+
+@functools.cache
+def _default_catalogue() -> Catalogue:
+    return load_catalogue()

@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 import bmeg
 from bmeg.diagnosis import Diagnosis
+from bmeg.mitigation.planner import suggest
 from bmeg.serving.batcher import MicroBatcher
 from bmeg.serving.metrics import ServerMetrics
 from bmeg.serving.model import DiagnosisModel, Loader, ModelSlot, ModelState
@@ -83,7 +84,7 @@ def create_app(detector_or_loader: DiagnosisModel | Loader, settings: ServingSet
         if not slot.ready:
             raise HTTPException(503, "the model is not loaded yet")
         spans = _parse(body, media_type, settings.max_spans)
-        diagnosis = await _diagnose(batcher, spans, window, settings.request_timeout_s)
+        diagnosis = suggest(await _diagnose(batcher, spans, window, settings.request_timeout_s))
         metrics.count_diagnosis(diagnosis)
         # Serialised directly: the Diagnosis is already validated (response_model documents it).
         return Response(diagnosis.model_dump_json(), media_type="application/json",
