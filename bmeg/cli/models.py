@@ -86,6 +86,7 @@ def print_diagnosis(diagnosis) -> None:
             "trace": trace.trace_id[:16], "spans": trace.spans, "total_ms": trace.total_us / 1e3,
             "anomalous": "yes" if trace.anomalous else "no", "score": trace.anomaly_score, "model": trace.model,
             "top services": ", ".join(f"{s.service} ({s.score:.2f})" for s in trace.bottlenecks[:3]),
+            "mitigation": "; ".join(f"{hint.action} {hint.service}" for hint in trace.mitigations),
         }
         for trace in diagnosis.traces
     ]
@@ -124,7 +125,11 @@ def imbalance(datasets, ratios: str, traces: int, epochs: int, scenario: str, se
 @click.option("--epochs", type=int, default=15, show_default=True)
 def demo(traces: int | None, epochs: int) -> None:
     """The main job: simulate socialnet, train, evaluate, and diagnose fresh faulty traces."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     from bmeg.datasets.loader import load_dataset
+    from bmeg.mitigation.planner import suggest
     from bmeg.models.detector import default_run_dir
     from bmeg.training import train as run_training
 
@@ -134,10 +139,9 @@ def demo(traces: int | None, epochs: int) -> None:
     print_table(metrics_rows(metrics), title="socialnet: held-out test")
     click.echo(f"run saved to {out}")
     fresh = load_dataset("socialnet", traces=400, imbalance=0.3, seed=12345)
-    anomalous = fresh.traces.filter(fresh.traces["anomalous"])["trace_id"].to_pylist()[:5]
-    normal = fresh.traces.filter(~fresh.traces["anomalous"].cast("bool"))["trace_id"].to_pylist()[:3]
-    import pyarrow.compute as pc
-
-    sample = fresh.spans.filter(pc.is_in(fresh.spans["trace_id"], value_set=__import__("pyarrow").array(anomalous + normal)))
+    anomalous = fresh.traces.filter(fresh.traces["anomalous"])["trace_id"][:5]
+    normal = fresh.traces.filter(pc.invert(fresh.traces["anomalous"]))["trace_id"][:3]
+    sample_ids = pa.concat_arrays([anomalous.combine_chunks(), normal.combine_chunks()])
+    sample = fresh.spans.filter(pc.is_in(fresh.spans["trace_id"], value_set=sample_ids))
     click.echo(f"diagnosing {len(anomalous)} freshly simulated faulty and {len(normal)} normal traces:")
-    print_diagnosis(detector.diagnose(sample, window=True))
+    print_diagnosis(suggest(detector.diagnose(sample, window=True)))
