@@ -37,7 +37,7 @@ def main() -> None:
     from bmeg.training import train
     from bmeg.training.graphset import GraphSet
     from bmeg.training.trainer import logits_and_labels
-    from bmeg.training.train import label
+    from bmeg.training.pipeline import label
 
     detector, _ = train("socialnet", traces=args.traces, imbalance=0.1, epochs=1, progress=False)
     data = label(load_dataset("socialnet", traces=args.traces, imbalance=0.1, progress=False), seed=0)

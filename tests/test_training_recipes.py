@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from bmeg.training.train import TrainConfig, load_recipe
+from bmeg.training.pipeline import TrainConfig, load_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "training").glob("*.yaml"))
 

@@ -36,7 +36,7 @@ def metrics_rows(metrics: dict, models=("bmeg", "svm")) -> list[dict]:
 def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, device, nproc, seed, out, as_json) -> None:
     """Train both GNN stages and the SVM, evaluate on the held-out 20%, save the run."""
     from bmeg.models.detector import default_run_dir
-    from bmeg.training.train import TrainConfig, load_recipe, run
+    from bmeg.training.pipeline import TrainConfig, load_recipe, run
 
     given = lambda **options: {k: v for k, v in options.items() if v is not None}  # noqa: E731
     overrides = given(dataset=dataset, traces=traces, imbalance=imbalance, scenario=scenario, features=features, seed=seed)

@@ -10,7 +10,7 @@ from bmeg.training.trainer import FitConfig
 def train(dataset: str = "socialnet", *, out: str | Path | None = None, epochs: int = FitConfig.epochs,
           device: str = "auto", nproc: int = 1, loss: str = "weighted", progress: bool = True, **options):
     """Train on a dataset (name or folder); returns (Detector, metrics). `options` are `TrainConfig` fields."""
-    from bmeg.training.train import TrainConfig, run
+    from bmeg.training.pipeline import TrainConfig, run
 
     fit = FitConfig(epochs=epochs, device=device, nproc=nproc, loss=loss, progress=progress)
     return run(TrainConfig(dataset=str(dataset), fit=fit, **options), None if out is None else Path(out))

@@ -11,7 +11,7 @@ from bmeg.training.metrics import accuracy_at_k, classification_table
 
 if TYPE_CHECKING:
     from bmeg.models.detector import Detector, Scores
-    from bmeg.training.train import Labelled
+    from bmeg.training.pipeline import Labelled
 
 
 def evaluate(detector: Detector, data: Labelled, raw: Scores | None = None) -> dict:
