@@ -15,8 +15,15 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bmeg.faultinject.errors import SpecError
-from bmeg.faultinject.spec import CacheStep, TopologySpec, read_yaml, split_target, step_target, walk_calls
-from bmeg.paths import PROJECT_ROOT
+from bmeg.faultinject.spec import (
+    CacheStep,
+    TopologySpec,
+    read_yaml,
+    shipped_path,
+    split_target,
+    step_target,
+    walk_calls,
+)
 
 Source = Literal["interference", "saturation", "network", "misconfiguration", "background"]
 Kind = Literal["single", "multiple", "cascading"]
@@ -163,14 +170,8 @@ def parse_scenario(data, source: str = "scenario") -> Scenario:
 
 
 def scenario_path(name_or_path: str | Path) -> Path:
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    shipped = PROJECT_ROOT / "faultinject" / f"{name_or_path}.yaml"
-    if shipped.is_file():
-        return shipped
-    known = sorted(p.stem for p in (PROJECT_ROOT / "faultinject").glob("*.yaml"))
-    raise SpecError(f"no scenario {str(name_or_path)!r}: not a file, and not one of {known}")
+    """A file path as given, or the shipped scenario `faultinject/<name>.yaml`."""
+    return shipped_path(name_or_path, "faultinject", "scenario")
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:

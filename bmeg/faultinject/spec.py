@@ -286,16 +286,21 @@ def read_yaml(path: Path) -> Any:
         raise SpecError(f"{path} is not valid YAML: {error}") from None
 
 
-def topology_path(name_or_path: str | Path) -> Path:
-    """A file path as given, or the shipped spec `datasets/<name>.yaml`."""
+def shipped_path(name_or_path: str | Path, folder: str, what: str) -> Path:
+    """A file path as given, or the shipped `<folder>/<name>.yaml` of the project."""
     path = Path(name_or_path)
     if path.is_file():
         return path
-    shipped = PROJECT_ROOT / "datasets" / f"{name_or_path}.yaml"
+    shipped = PROJECT_ROOT / folder / f"{name_or_path}.yaml"
     if shipped.is_file():
         return shipped
-    known = sorted(p.stem for p in (PROJECT_ROOT / "datasets").glob("*.yaml"))
-    raise SpecError(f"no topology {str(name_or_path)!r}: not a file, and not one of {known}")
+    known = sorted(p.stem for p in (PROJECT_ROOT / folder).glob("*.yaml"))
+    raise SpecError(f"no {what} {str(name_or_path)!r}: not a file, and not one of {known}")
+
+
+def topology_path(name_or_path: str | Path) -> Path:
+    """A file path as given, or the shipped spec `datasets/<name>.yaml`."""
+    return shipped_path(name_or_path, "datasets", "topology")
 
 
 def load_topology(name_or_path: str | Path) -> TopologySpec:
