@@ -106,14 +106,16 @@ def experiment() -> None:
 @click.option("--traces", type=int, default=40_000, show_default=True, help="Traces per dataset.")
 @click.option("--epochs", type=int, default=15, show_default=True)
 @click.option("--scenario", default="single", show_default=True)
+@click.option("--loss", type=click.Choice(["weighted", "focal", "sampling", "plain"]), default="weighted", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @json_option
-def imbalance(datasets, ratios: str, traces: int, epochs: int, scenario: str, seed: int, as_json: bool) -> None:
+def imbalance(datasets, ratios: str, traces: int, epochs: int, scenario: str, loss: str, seed: int, as_json: bool) -> None:
     """B-MEG vs the SVM at each imbalance ratio, next to the thesis's figures."""
     from bmeg.training.experiment import imbalance_experiment
 
     values = [float(value) for value in ratios.split(",")]
-    rows = imbalance_experiment(datasets, values, traces, epochs, seed=seed, progress=not as_json, scenario=scenario)
+    rows = imbalance_experiment(datasets, values, traces, epochs, seed=seed, progress=not as_json,
+                                scenario=scenario, loss=loss)
     if as_json:
         print_json(rows)
     else:
