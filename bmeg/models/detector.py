@@ -29,7 +29,7 @@ from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.paths import cache_dir
 from bmeg.models.svm import FirmSVM, critical_path_frame, firm_features
 from bmeg.training.graphset import GraphSet
-from bmeg.training.trainer import predict_proba, resolve_device
+from bmeg.training.trainer import limit_cpu_threads, predict_proba, resolve_device
 
 def default_run_dir(application: str = "socialnet") -> Path:
     """Where `bmeg train` writes and `bmeg diagnose` reads by default."""
@@ -219,6 +219,8 @@ class Detector:
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"{run_dir} does not fit this bmeg ({error}): retrain with `bmeg train`") from error
         target = resolve_device(device)
+        if target.type == "cpu":
+            limit_cpu_threads()
         return cls(
             application=state["application"], encoder=encoder, dgcnn=dgcnn.to(target).eval(),
             gcn=gcn.to(target).eval(), svm=svm, thresholds=state["thresholds"],

@@ -57,6 +57,15 @@ class History:
     best_epoch: int = 0
 
 
+def limit_cpu_threads() -> None:
+    """One intra-op thread per process on CPU, unless BMEG_TORCH_THREADS says otherwise.
+
+    Call graphs are small: with two OpenMP threads on a busy 2-core machine each tiny scatter
+    waits on the other thread (12 ms instead of 0.01 ms a call); processes (`nproc`) scale better.
+    """
+    torch.set_num_threads(int(os.environ.get("BMEG_TORCH_THREADS", "1")))
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -106,8 +115,9 @@ def _fit_process(rank: int, world: int, model: nn.Module, graphs: GraphSet, trai
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group(backend, rank=rank, world_size=world)
+    if device.type == "cpu":
+        limit_cpu_threads()
     torch.manual_seed(config.seed)
     model.to(device)
     trained = nn.parallel.DistributedDataParallel(model) if distributed else model
