@@ -51,7 +51,7 @@ def test_no_errors(notebook):
                 assert "Traceback" not in output.text, cell.source[:80]
 
 
-def test_plots_embedded_and_size_bounded(notebook, request):
+def test_plots_embedded_and_size_bounded(notebook):
     images = [output for cell in code_cells(notebook) for output in cell.outputs
               if "image/png" in output.get("data", {})]
     assert images, "no embedded PNG plot"
