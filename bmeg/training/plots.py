@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from sklearn.metrics import ConfusionMatrixDisplay, PrecisionRecallDisplay  # noqa: E402
+import numpy as np
+from matplotlib.figure import Figure  # figures without pyplot: no backend switch, no display
+from sklearn.metrics import ConfusionMatrixDisplay, PrecisionRecallDisplay
 
 
 def plot_run(out: Path, histories: dict, y_test: np.ndarray, scores: dict[str, np.ndarray],
@@ -23,7 +20,8 @@ def plot_run(out: Path, histories: dict, y_test: np.ndarray, scores: dict[str, n
 
 
 def _learning_curves(path: Path, histories: dict) -> Path:
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    figure = Figure(figsize=(10, 4))
+    axes = figure.subplots(1, 2)
     for name, history in histories.items():
         axes[0].plot(history.train_loss, label=name)
         axes[1].plot(history.val_ap, label=name)
@@ -35,7 +33,8 @@ def _learning_curves(path: Path, histories: dict) -> Path:
 
 
 def _confusion(path: Path, y_test: np.ndarray, verdicts: dict[str, np.ndarray]) -> Path:
-    figure, axes = plt.subplots(1, len(verdicts), figsize=(4.5 * len(verdicts), 4))
+    figure = Figure(figsize=(4.5 * len(verdicts), 4))
+    axes = figure.subplots(1, len(verdicts))
     for axis, (name, predicted) in zip(np.atleast_1d(axes), verdicts.items()):
         ConfusionMatrixDisplay.from_predictions(
             y_test, predicted, labels=[0, 1], display_labels=["normal", "bottleneck"], ax=axis, colorbar=False
@@ -45,7 +44,8 @@ def _confusion(path: Path, y_test: np.ndarray, verdicts: dict[str, np.ndarray]) 
 
 
 def _precision_recall(path: Path, y_test: np.ndarray, scores: dict[str, np.ndarray]) -> Path:
-    figure, axis = plt.subplots(figsize=(5, 4))
+    figure = Figure(figsize=(5, 4))
+    axis = figure.subplots()
     for name, score in scores.items():
         PrecisionRecallDisplay.from_predictions(y_test, score, name=name, ax=axis)
     axis.set_title("trace-level precision-recall (test)")
@@ -55,5 +55,4 @@ def _precision_recall(path: Path, y_test: np.ndarray, scores: dict[str, np.ndarr
 def _save(figure, path: Path) -> Path:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path
