@@ -173,8 +173,9 @@ class Detector:
             anomaly_score=float(scores.anomaly[t]),
             threshold=self.thresholds["svm" if scores.to_svm[t] else "graph"],
             model="svm" if scores.to_svm[t] else "gnn", bottlenecks=bottlenecks,
-            critical_path=[CriticalPathStep(service=s.service, operation=s.operation, exclusive_us=s.exclusive_ns / 1e3)
-                           for s in path.steps],
+            # Named like the rankings: a store's client span is the store's step.
+            critical_path=[CriticalPathStep(service=str(scores.node_services[s.row]), operation=s.operation,
+                                            exclusive_us=s.exclusive_ns / 1e3) for s in path.steps],
             latencies=[self._latency(scores.services[i], float(latency[i])) for i in by_latency],
             warnings=warnings,
         )
