@@ -98,12 +98,13 @@ class Detector:
         np.maximum.at(gnn_service, (forest.trace_index, codes), node_scores)
         present = np.zeros_like(gnn_service, dtype=bool)
         present[forest.trace_index, codes] = True
-        frame = critical_path_frame(forest, services, paths)
         svm_service = np.zeros_like(gnn_service)
-        if all_models or np.any(present.sum(axis=1) <= self.svm_max_services):
-            svm_service = self._svm_scores(frame, list(names))
-        if remember:
-            self._remember(frame)
+        if all_models or self.svm_max_services >= 0:  # the SVM and its window are in use
+            frame = critical_path_frame(forest, services, paths)
+            if all_models or np.any(present.sum(axis=1) <= self.svm_max_services):
+                svm_service = self._svm_scores(frame, list(names))
+            if remember:
+                self._remember(frame)
         raw = Scores(
             services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_service=gnn_service, svm_service=svm_service,
             present=present, to_svm=np.zeros(forest.num_traces, bool), anomaly=gnn_anomaly,
