@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from bmeg.datasets.generate import generate_dataset
@@ -79,7 +80,21 @@ def read_dataset(path: str | Path) -> Dataset:
         return pa.concat_tables([pq.read_table(folder / f"{name}.parquet") for folder in folders])
 
     cards = [json.loads((folder / "dataset.json").read_text()) for folder in folders]
-    return Dataset(path, conform(table("spans")), table("traces"), table("nodes"), cards)
+    traces = table("traces")
+    if len(folders) > 1:
+        _check_distinct_traces(path, traces)
+    return Dataset(path, conform(table("spans")), traces, table("nodes"), cards)
+
+
+def _check_distinct_traces(path: Path, traces: pa.Table) -> None:
+    """Datasets unioned from sub-folders must not share trace ids (their labels would clash)."""
+    counts = pc.value_counts(traces["trace_id"])
+    repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+    if len(repeated):
+        raise ValueError(
+            f"{path}: its sub-folders share {len(repeated)} trace ids (e.g. {repeated[0].as_py()}): "
+            "generate them with different --seed values, or as shards of one job (--shard i/n)"
+        )
 
 
 def cached_path(topology: str | Path, traces: int, imbalance: float, seed: int, scenario: str | Path) -> Path:
