@@ -5,6 +5,8 @@ import pytest
 from bmeg.datasets import generate_dataset
 from bmeg.datasets.loader import read_dataset
 
+pytestmark = pytest.mark.integration  # generation takes ~10 s a dataset
+
 
 def test_union_of_scenarios_with_distinct_seeds(tmp_path):
     generate_dataset(tmp_path / "single", "hotelreservation", traces=200, imbalance=0.3, seed=1, progress=False)
