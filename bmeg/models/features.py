@@ -37,10 +37,17 @@ class FeatureEncoder:
     keys: list[str] = field(default_factory=list)  # "service\x1foperation"
     medians: list[list[float]] = field(default_factory=list)  # [key][baseline column]
     spreads: list[list[float]] = field(default_factory=list)
+    # The baselines as a lookup, built once: a served request would otherwise rebuild them.
+    _baselines: tuple[pd.Index, np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown feature variant {self.variant!r}; choose from {VARIANTS}")
+        self._index_baselines()
+
+    def _index_baselines(self) -> None:
+        self._baselines = (pd.Index(self.keys), np.asarray(self.medians, dtype=np.float64),
+                           np.asarray(self.spreads, dtype=np.float64))
 
     @property
     def names(self) -> list[str]:
@@ -64,6 +71,7 @@ class FeatureEncoder:
         self.keys = median.index.tolist()
         self.medians = median[list(BASELINE_COLUMNS)].to_numpy().tolist()
         self.spreads = spread[list(BASELINE_COLUMNS)].to_numpy().tolist()
+        self._index_baselines()
         return self
 
     def transform(self, forest: SpanForest, paths: CriticalPaths | None = None,
@@ -95,11 +103,12 @@ class FeatureEncoder:
         return encoder
 
     def _z_scores(self, forest: SpanForest, columns: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        position = pd.Index(self.keys).get_indexer(_operation_keys(forest))
+        keys, medians, spreads = self._baselines
+        position = keys.get_indexer(_operation_keys(forest))
         known = position >= 0
         values = np.stack([columns[name] for name in BASELINE_COLUMNS], axis=1)
-        median = np.asarray(self.medians)[position[known]]
-        spread = np.asarray(self.spreads)[position[known]]
+        median = medians[position[known]]
+        spread = spreads[position[known]]
         z = np.zeros_like(values)
         z[known] = np.clip((values[known] - median) / spread, -Z_LIMIT, Z_LIMIT)
         return z, known

@@ -78,11 +78,12 @@ def logits_and_labels(model: nn.Module, batch: MiniBatch, target: Target) -> tup
     return model(batch.x, batch.edge_index), batch.node_y
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def predict_proba(model: nn.Module, graphs: GraphSet, traces: np.ndarray, target: Target,
                   device: torch.device, batch_size: int = 512) -> np.ndarray:
     """P(positive) per graph (target graph) or per node of the given traces (target node)."""
-    model.eval()
+    if model.training:  # eval() walks every submodule: too dear for a served request
+        model.eval()
     parts = []
     for batch in graphs.minibatches(traces, batch_size):
         logits, _ = logits_and_labels(model, batch.to(device), target)
