@@ -15,8 +15,9 @@ from bmeg.cli import main
 from bmeg.diagnosis import Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
 from bmeg.faultinject import Fault, calibrate, load_topology, parse_scenario
 from bmeg.mitigation import AuditLog, Controller, SafetyPolicy, load_catalogue, load_policy
-from bmeg.mitigation.closed_loop import LoopSettings, SlowestLeafDetector, run_closed_loop
+from bmeg.mitigation.closed_loop import LoopSettings, SlowestLeafDetector, _last_kept_action_s, run_closed_loop
 from bmeg.mitigation.feed import consume, diagnosis_latencies, encode, handle_message
+from bmeg.mitigation.planner import Decision
 from bmeg.mitigation.simulated import SimulatedApp
 
 CATALOGUE = load_catalogue()
@@ -155,3 +156,29 @@ def test_feed_consumes_diagnoses_from_kafka(kafka_bootstrap: str) -> None:
     handled = list(consume(controller, kafka_bootstrap, topic, group=topic, max_messages=2, idle_timeout_s=30))
     assert [len(outcomes) for outcomes in handled] == [0, 1]
     assert [r.kind for r in audit.records()] == ["error", "decision", "action"]
+
+
+def test_tuner_driven_retune_removes_the_pool_bottleneck(socialnet) -> None:
+    topology, thresholds = socialnet
+    pool_of_one = Fault("home-timeline-service", "misconfiguration", "single", 1.0, 20.0, {"pool_size": 1})
+    app = SimulatedApp(topology, [pool_of_one], CATALOGUE, thresholds)
+    normal = app.run_window(0.0, 1.0).p95_ms
+    faulty = app.run_window(2.0, 4.0)
+    controller = Controller(app, CATALOGUE, SafetyPolicy(dry_run=False), AuditLog())
+    decision = Decision("home-timeline-service", "misconfiguration", "retune", 0.9, "a pool of one", {"io_threadpool_size": 13})
+    outcome = controller._act(decision, 4.0, faulty.latencies)
+    assert outcome.status == "applied" and "online search" in outcome.detail
+    [record] = controller.audit.records(kind="action")
+    tried = record.details["search"]
+    assert len(tried) == 6 and all(len(t["p95_ms"]) == 3 for t in tried)  # bounded, each on three replicas
+    pool = outcome.applied.new["io_threadpool_size"]
+    assert pool >= 4 and pool in {t["value"] for t in tried}
+    after = app.run_window(4.0, 6.0).p95_ms
+    assert after < 0.75 * faulty.p95_ms and after <= 1.2 * normal
+
+
+def test_mitigated_p95_counts_from_the_last_kept_action() -> None:
+    actions = [{"time_s": 20.0, "status": "applied", "rolled_back_s": 25.0}, {"time_s": 25.0, "status": "applied"},
+               {"time_s": 30.0, "status": "refused"}]
+    assert _last_kept_action_s(actions) == 25.0
+    assert _last_kept_action_s([{"time_s": 20.0, "status": "refused"}]) is None

@@ -9,15 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bmeg.diagnosis import Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
+from bmeg.diagnosis import CriticalPathStep, Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
 from bmeg.mitigation import (
     AuditLog, CatalogueError, Controller, Guard, HybridBandit, Latencies, SafetyPolicy, ServiceState,
     ServiceTelemetry, judge, load_catalogue, plan, tune, with_hints,
 )
 from bmeg.mitigation.catalogue import Parameter, parse_catalogue
 from bmeg.mitigation.executor import Applied
-from bmeg.mitigation.planner import Decision
+from bmeg.mitigation.planner import Decision, gather_evidence
 from bmeg.mitigation.safety import improved
+from bmeg.mitigation.tuning import search_around
 
 CATALOGUE = load_catalogue()
 
@@ -236,3 +237,81 @@ def test_audit_is_append_only(tmp_path) -> None:
     with pytest.raises(sqlite3.IntegrityError, match="append-only"):
         audit._db.execute("UPDATE audit SET outcome = 'x'")
     assert len(AuditLog(tmp_path / "audit.sqlite").records()) == 1
+
+
+# ---- evidence from the critical path ---------------------------------------------------------
+def _path_trace(i: int, steps: list[tuple[str, str, float]], scores: dict[str, float],
+                baselines: dict[str, float]) -> TraceDiagnosis:
+    """An anomalous trace with a critical path of (service, operation, exclusive µs) steps."""
+    return TraceDiagnosis(
+        trace_id=f"p{i}", spans=len(steps), total_us=sum(us for *_, us in steps), anomalous=True, anomaly_score=0.9,
+        threshold=0.5, model="gnn",
+        bottlenecks=[ServiceScore(service=s, score=v, bottleneck=v >= 0.5) for s, v in scores.items()],
+        critical_path=[CriticalPathStep(service=s, operation=o, exclusive_us=us) for s, o, us in steps],
+        latencies=[ServiceLatency(service=s, latency_us=b, baseline_us=b, ratio=1.0) for s, b in baselines.items()],
+    )
+
+
+BASELINES = {"nginx-web-server": 900, "home-timeline-service": 400, "home-timeline-redis": 200}
+
+
+def test_a_callers_wait_is_blamed_on_the_callee_with_the_callers_score() -> None:
+    # nginx's client span waits 5 ms in home-timeline's queue: the model flags nginx, the wait is home-timeline's
+    steps = [("nginx-web-server", "/read", 800), ("nginx-web-server", "read_client", 5000),
+             ("home-timeline-service", "read_server", 400), ("home-timeline-redis", "find_client", 210)]
+    traces = [_path_trace(i, steps, {"nginx-web-server": 0.95, "home-timeline-service": 0.2}, BASELINES) for i in range(10)]
+    [evidence] = gather_evidence(Diagnosis(model_version="t", application="socialnet", traces=traces))
+    assert (evidence.service, evidence.share) == ("home-timeline-service", 1.0)
+    assert evidence.score == pytest.approx(0.95)
+    assert evidence.median_ratio == pytest.approx(5400 / 400)  # the wait counts in its ratio too
+
+
+def test_a_slow_store_below_takes_the_blame_but_a_store_at_its_baseline_does_not() -> None:
+    slow_store = [("nginx-web-server", "/read", 800), ("nginx-web-server", "read_client", 50),
+                  ("home-timeline-service", "read_server", 3000), ("home-timeline-redis", "find_client", 2000)]
+    [evidence] = gather_evidence(Diagnosis(model_version="t", application="socialnet", traces=[
+        _path_trace(0, slow_store, {"home-timeline-redis": 0.9}, BASELINES)]))
+    assert evidence.service == "home-timeline-redis"  # 10x its baseline and a third of its caller's growth
+    quiet_store = slow_store[:3] + [("home-timeline-redis", "find_client", 250)]
+    [evidence] = gather_evidence(Diagnosis(model_version="t", application="socialnet", traces=[
+        _path_trace(0, quiet_store, {"home-timeline-service": 0.9}, BASELINES)]))
+    assert evidence.service == "home-timeline-service"
+
+
+def test_requests_queued_at_the_entry_are_blamed_on_the_slow_service_below() -> None:
+    below = [("nginx-web-server", "/read", 800), ("nginx-web-server", "read_client", 5000),
+             ("home-timeline-service", "read_server", 400)]
+    queued = [("nginx-web-server", "/read", 9000), ("nginx-web-server", "read_client", 50),
+              ("home-timeline-service", "read_server", 400)]
+    traces = [_path_trace(i, below, {"nginx-web-server": 0.9}, BASELINES) for i in range(4)] \
+        + [_path_trace(10 + i, queued, {"nginx-web-server": 0.3}, BASELINES) for i in range(6)]
+    [evidence] = gather_evidence(Diagnosis(model_version="t", application="socialnet", traces=traces))
+    assert (evidence.service, evidence.share, evidence.via_callers) == ("home-timeline-service", 1.0, 0.6)
+    assert evidence.score == pytest.approx(0.9)  # the model's score where the cause is visible
+    assert "60% of them through callers queueing on it" in plan(
+        Diagnosis(model_version="t", application="socialnet", traces=traces), CATALOGUE)[0].reason
+
+
+def test_a_service_at_its_baseline_gets_no_action() -> None:
+    [decision] = plan(_diagnosis("social-graph-service", [1.1] * 18 + [2.0] * 2), CATALOGUE,
+                      {"social-graph-service": ServiceTelemetry(cpu_utilization=0.2, replicas=1)})
+    assert (decision.action, decision.confidence) == ("none", 0.0)
+    assert "near its baseline" in decision.reason
+
+
+def test_one_slow_replica_of_two_is_moved() -> None:
+    telemetry = ServiceTelemetry(cpu_utilization=0.2, replicas=2, replica_p95_ms=[2.0, 16.0])
+    [decision] = plan(_diagnosis("post-storage-service", SLOW), CATALOGUE, {"post-storage-service": telemetry})
+    assert (decision.source, decision.action) == ("interference", "migrate")
+    assert "8.0x slower than the others" in decision.reason
+
+
+def test_online_search_moves_a_bad_pool_size_to_a_good_one() -> None:
+    pool = CATALOGUE.parameter("home-timeline-service", "io_threadpool_size")
+    rng = np.random.default_rng(0)
+    measure = lambda value: list(8 + 40 / value + rng.normal(0, 0.2, 3))  # noqa: E731  (three replicas)
+    best = search_around(pool, 1, measure)
+    assert best is not None and best.values["io_threadpool_size"] >= 8
+    assert best.judgement.worst < 14 and not best.judgement.unstable
+    with pytest.raises(ValueError, match="categorical"):
+        search_around(CATALOGUE.parameter("post-storage-mongodb", "block_compressor"), 0, measure)

@@ -87,6 +87,8 @@ class Campaign(_Strict):
     shift_s: float = Field(default=0.0, ge=0, description="cascading: delay between a round's faults")
     services: list[str] | None = Field(default=None, description="candidate targets (default: all with traffic)")
     sources: dict[Source, dict[str, tuple[float, float]]] = Field(min_length=1)
+    targets: dict[Source, list[str]] = Field(
+        default_factory=dict, description="per source, the only services it may hit (default: any candidate)")
 
     @model_validator(mode="after")
     def _ranges_make_sense(self) -> Campaign:
@@ -101,6 +103,9 @@ class Campaign(_Strict):
                 if lo > hi:
                     raise ValueError(f"sources.{source}.{name}: range [{lo}, {hi}] has min above max")
                 _check_value(name, lo)
+        stray = set(self.targets) - set(self.sources)
+        if stray:
+            raise ValueError(f"targets: {sorted(stray)} are not among the campaign's sources {sorted(self.sources)}")
         span = self.burst_s + (high - 1) * self.shift_s
         if span > self.every_s:
             raise ValueError(f"rounds overlap: a round lasts {span} s (burst_s + shifts) but every_s is {self.every_s}")
@@ -201,9 +206,13 @@ def check_against(scenario: Scenario, topology: TopologySpec, source: str = "sce
             problems.append(f"{where}: unknown service {fault.service!r} in topology {topology.name!r} (known: {known})")
         elif "hit_ratio" in fault.parameters and fault.service not in caches:
             problems.append(f"{where}: {fault.service!r} is no cache, so hit_ratio cannot apply (caches: {sorted(caches)})")
-    for index, service in enumerate(scenario.campaign.services or [] if scenario.campaign else []):
+    named = [(f"campaign.services[{index}]", service) for index, service in enumerate(scenario.campaign.services or [])] \
+        if scenario.campaign else []
+    for source, services in (scenario.campaign.targets if scenario.campaign else {}).items():
+        named += [(f"campaign.targets.{source}[{index}]", service) for index, service in enumerate(services)]
+    for where, service in named:
         if service not in topology.services:
-            problems.append(f"campaign.services[{index}]: unknown service {service!r} in topology {topology.name!r} (known: {known})")
+            problems.append(f"{where}: unknown service {service!r} in topology {topology.name!r} (known: {known})")
     problems.extend(_overlaps(scenario.faults))
     if problems:
         raise SpecError(f"{source} does not fit topology {topology.name!r}:\n  " + "\n  ".join(problems))
@@ -236,7 +245,8 @@ def _campaign_faults(scenario: Scenario, topology: TopologySpec, rng: np.random.
     campaign = scenario.campaign
     chains = service_chains(topology)
     # by default only services the request mix reaches: a fault elsewhere touches no trace
-    candidates = campaign.services or sorted({service for chain in chains for service in chain})
+    reached = campaign.services or sorted({service for chain in chains for service in chain})
+    candidates = [service for service in reached if _sources_for(campaign, service)]
     caches = cache_services(topology) & set(candidates)
     for round_start in np.arange(campaign.start_s, scenario.duration_s, campaign.every_s):
         low, high = campaign.faults_per_round
@@ -246,12 +256,18 @@ def _campaign_faults(scenario: Scenario, topology: TopologySpec, rng: np.random.
         else:
             targets = list(rng.choice(candidates, size=min(count, len(candidates)), replace=False))
         for order, service in enumerate(targets):
-            source = str(rng.choice(sorted(campaign.sources)))
+            source = str(rng.choice(_sources_for(campaign, service)))
             parameters = _draw_parameters(source, campaign.sources[source], service in caches, rng)
             start = float(round_start) + order * campaign.shift_s
             if start < scenario.duration_s:
                 end = min(start + campaign.burst_s, scenario.duration_s)
                 yield Fault(str(service), source, scenario.kind, start, end, parameters)
+
+
+def _sources_for(campaign: Campaign, service: str) -> list[str]:
+    """The campaign's sources that may hit the service (its `targets` allow it)."""
+    return sorted(source for source in campaign.sources
+                  if source not in campaign.targets or service in campaign.targets[source])
 
 
 def _draw_parameters(source: str, ranges: dict[str, tuple[float, float]], is_cache: bool, rng) -> dict[str, float]:

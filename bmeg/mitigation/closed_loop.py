@@ -33,6 +33,7 @@ from bmeg.graphs import assemble, node_services
 from bmeg.mitigation.audit import AuditLog
 from bmeg.mitigation.catalogue import Catalogue
 from bmeg.mitigation.controller import Controller
+from bmeg.mitigation.planner import descendants
 from bmeg.mitigation.safety import SafetyPolicy
 from bmeg.mitigation.simulated import SimulatedApp, Window
 
@@ -55,7 +56,7 @@ class SlowestLeafDetector:
         p95 = window.service_latency.groupby("service")["us"].quantile(0.95)
         ratio = {s: us / self.baseline_p95_us[s] for s, us in p95.items() if self.baseline_p95_us.get(s, 0) > 0}
         slow = {s for s, r in ratio.items() if r >= self.slow_ratio and p95[s] - self.baseline_p95_us[s] >= self.min_excess_us}
-        below = _descendants(edges)
+        below = descendants(edges)
         # back-pressure amplifies: a caller's queue can grow far beyond its slow callee's
         # latency, so a callee explains a caller once its slowdown is of the same order
         causes = {s for s in slow if not any(ratio[d] >= self.explains * ratio[s] for d in below.get(s, set()) & slow)}
@@ -64,28 +65,6 @@ class SlowestLeafDetector:
                                 bottleneck=s in causes)
                    for s in sorted(ratio, key=lambda s: -ratio[s])]
         return Diagnosis(model_version="slowest-leaf-rule", application=self.application, traces=[], ranking=ranking)
-
-
-def _descendants(edges: set[tuple[str, str]]) -> dict[str, set[str]]:
-    children: dict[str, set[str]] = {}
-    for caller, callee in edges:
-        if caller != callee:
-            children.setdefault(caller, set()).add(callee)
-    found: dict[str, set[str]] = {}
-
-    def walk(service: str, seen: frozenset) -> set[str]:
-        if service in found:
-            return found[service]
-        reach = set()
-        for child in children.get(service, ()):
-            if child not in seen:
-                reach |= {child} | walk(child, seen | {child})
-        found[service] = reach
-        return reach
-
-    for service in list(children):
-        walk(service, frozenset({service}))
-    return found
 
 
 @dataclass
@@ -113,10 +92,16 @@ class LoopReport:
     p99_normal_ms: float
     p95_fault_ms: float
     p99_fault_ms: float
-    p95_mitigated_ms: float
+    p95_mitigated_ms: float  # over the fault windows after the last kept action (see `_after_last_action`)
     p99_mitigated_ms: float
-    p95_hpa_ms: float
+    p95_hpa_ms: float  # the same for the HPA baseline, after its last scaling
     p99_hpa_ms: float
+    mitigated_from_s: float | None  # where those windows start (None: no kept action, the whole fault period)
+    hpa_from_s: float | None
+    p95_fault_period_mitigated_ms: float  # over every window that overlaps a fault, the first ones included
+    p99_fault_period_mitigated_ms: float
+    p95_fault_period_hpa_ms: float
+    p99_fault_period_hpa_ms: float
     recovery_s: float | None
     recovery_hpa_s: float | None
     recovery_unmitigated_s: float | None
@@ -150,14 +135,20 @@ def run_closed_loop(topology: TopologySpec, scenario: Scenario, catalogue: Catal
     fault_windows = lambda run: [w for w in run.windows_raw if _overlaps(w, faults)]  # noqa: E731
     p95_normal, p99_normal = _quantiles(normal)
     p95_fault, p99_fault = _quantiles(fault_windows(unmitigated))
-    p95_mitigated, p99_mitigated = _quantiles(fault_windows(controlled))
-    p95_hpa, p99_hpa = _quantiles(fault_windows(hpa))
+    mitigated_from, hpa_from = _last_kept_action_s(controlled.actions), _last_kept_action_s(hpa.actions)
+    p95_mitigated, p99_mitigated = _quantiles(_after(fault_windows(controlled), mitigated_from))
+    p95_hpa, p99_hpa = _quantiles(_after(fault_windows(hpa), hpa_from))
+    p95_period_mitigated, p99_period_mitigated = _quantiles(fault_windows(controlled))
+    p95_period_hpa, p99_period_hpa = _quantiles(fault_windows(hpa))
     first_fault = min((f.start_s for f in faults), default=settings.normal_s)
     return LoopReport(
         scenario=scenario.name,
         faults=[{"service": f.service, "source": f.source, "start_s": f.start_s, "end_s": f.end_s, **f.parameters} for f in faults],
         p95_normal_ms=p95_normal, p99_normal_ms=p99_normal, p95_fault_ms=p95_fault, p99_fault_ms=p99_fault,
         p95_mitigated_ms=p95_mitigated, p99_mitigated_ms=p99_mitigated, p95_hpa_ms=p95_hpa, p99_hpa_ms=p99_hpa,
+        mitigated_from_s=mitigated_from, hpa_from_s=hpa_from,
+        p95_fault_period_mitigated_ms=p95_period_mitigated, p99_fault_period_mitigated_ms=p99_period_mitigated,
+        p95_fault_period_hpa_ms=p95_period_hpa, p99_fault_period_hpa_ms=p99_period_hpa,
         recovery_s=_recovery(controlled, faults, first_fault, p95_normal),
         recovery_hpa_s=_recovery(hpa, faults, first_fault, p95_normal),
         recovery_unmitigated_s=_recovery(unmitigated, faults, first_fault, p95_normal),
@@ -187,12 +178,17 @@ def _run(app: SimulatedApp, starts: np.ndarray, settings: LoopSettings, bar, act
 def _controller_step(app: SimulatedApp, catalogue: Catalogue, policy: SafetyPolicy, detector: TraceDetector | None,
                      fallback: SlowestLeafDetector):
     controller = Controller(app, catalogue, policy, AuditLog())
+    records: dict[int, dict] = {}  # id(Applied) -> its action's record, marked when rolled back
 
     def step(window: Window) -> list[dict]:
         now = window.end_s
-        done = [{"time_s": now, "service": applied.service, "action": f"verify {applied.action}",
-                 "status": "kept" if good else "rolled back", "detail": words}
-                for applied, good, words in controller.verify(now, window.latencies)]
+        done = []
+        for applied, good, words in controller.verify(now, window.latencies):
+            done.append({"time_s": now, "service": applied.service, "action": f"verify {applied.action}",
+                         "status": "kept" if good else "rolled back", "detail": words})
+            record = records.pop(id(applied))
+            if not good:
+                record["rolled_back_s"] = now
         if detector is not None:
             diagnosis = detector.diagnose(window.spans, window=True)
         else:
@@ -201,6 +197,8 @@ def _controller_step(app: SimulatedApp, catalogue: Catalogue, policy: SafetyPoli
             done.append({"time_s": now, "service": outcome.decision.service, "action": outcome.decision.action,
                          "source": outcome.decision.source, "confidence": outcome.decision.confidence,
                          "status": outcome.status, "detail": outcome.detail, "reason": outcome.decision.reason})
+            if outcome.applied is not None:
+                records[id(outcome.applied)] = done[-1]
         return done
 
     return step
@@ -238,6 +236,18 @@ def _shift(fault: Fault, by_s: float) -> Fault:
 
 def _overlaps(window: Window, faults: list[Fault]) -> bool:
     return any(f.start_s < window.end_s and window.start_s < f.end_s for f in faults)
+
+
+def _last_kept_action_s(actions: list[dict]) -> float | None:
+    """When the last action that was applied and not rolled back took effect (the next
+    window starts then); None when nothing was kept."""
+    kept = [a["time_s"] for a in actions if a["status"] == "applied" and "rolled_back_s" not in a]
+    return max(kept, default=None)
+
+
+def _after(windows: list[Window], from_s: float | None) -> list[Window]:
+    """The windows from `from_s` on (all of them when None)."""
+    return windows if from_s is None else [w for w in windows if w.start_s >= from_s]
 
 
 def _quantile(values: np.ndarray, q: float) -> float:

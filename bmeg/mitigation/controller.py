@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from bmeg.diagnosis import Diagnosis
 from bmeg.mitigation.audit import AuditLog
 from bmeg.mitigation.catalogue import Catalogue
-from bmeg.mitigation.executor import ActionError, ActionForbidden, Applied, Executor
+from bmeg.mitigation.executor import ActionError, ActionForbidden, Applied, Executor, Prober
 from bmeg.mitigation.planner import Decision, PlannerPolicy, ServiceTelemetry, plan
 from bmeg.mitigation.safety import Guard, Latencies, SafetyPolicy, improved
+from bmeg.mitigation.tuning import search_around
 
 
 @dataclass
@@ -73,7 +74,10 @@ class Controller:
             self.audit.append("action", decision.service, decision.action, "dry-run", dry_run=True, at=now, details={"target": target})
             self.guard.record(decision.service, now)
             return Outcome(decision, "dry-run", detail)
+        tried: list[dict] = []
         try:
+            if decision.action == "retune":
+                target, tried = self._search(decision, target)
             applied = self._apply(decision, target)
         except ActionError as error:
             reason = f"{'forbidden' if isinstance(error, ActionForbidden) else 'failed'}: {error}"
@@ -81,10 +85,11 @@ class Controller:
             return Outcome(decision, "failed", reason)
         self.guard.record(decision.service, now)
         self.audit.append("action", decision.service, decision.action, "applied", dry_run=False, at=now,
-                          details={"previous": applied.previous, "new": applied.new})
+                          details={"previous": applied.previous, "new": applied.new, **({"search": tried} if tried else {})})
         if latencies is not None:
             self.pending.append(Pending(applied, decision.action, latencies, now + self.policy.verify_after_s))
-        return Outcome(decision, "applied", f"{applied.previous} -> {applied.new}", applied)
+        searched = f" (online search, {len(tried)} candidates tried on replicas)" if tried else ""
+        return Outcome(decision, "applied", f"{applied.previous} -> {applied.new}{searched}", applied)
 
     def _apply(self, decision: Decision, target: dict) -> Applied:
         service, executor = decision.service, self.executor
@@ -98,6 +103,25 @@ class Controller:
         if decision.action == "migrate":
             return executor.migrate(service)
         raise ActionError(f"no executor supports {decision.action!r}: it is advice for an operator")
+
+    def _search(self, decision: Decision, target: dict) -> tuple[dict, list[dict]]:
+        """A retune's target found by online search around the current value (HybridBandits,
+        each candidate judged on several replicas) where the executor can probe; the planner's
+        target otherwise, or when every candidate was unstable. Also the candidates tried."""
+        (name, fallback), = target.items()
+        service, parameter = decision.service, self.catalogue.parameter(decision.service, name)
+        if not (isinstance(self.executor, Prober) and parameter.numeric):
+            return target, []
+        current = self.executor.state(service).parameters.get(name, parameter.default)
+        tried: list[dict] = []
+
+        def measure(value: float) -> list[float]:
+            p95 = list(self.executor.probe(service, parameter, value))
+            tried.append({"value": value, "p95_ms": [round(x, 2) for x in p95]})
+            return p95
+
+        best = search_around(parameter, float(current), measure)
+        return {name: best.values[name] if best is not None else fallback}, tried
 
     def verify(self, now: float, latencies: Latencies) -> list[tuple[Applied, bool, str]]:
         """Judge every action whose window has passed; roll back those that did not help."""

@@ -7,7 +7,8 @@ audits it and hands it back to `rollback` when verification fails.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from bmeg.mitigation.catalogue import Parameter
 
@@ -53,3 +54,14 @@ class Executor(Protocol):
     def migrate(self, service: str) -> Applied: ...
 
     def rollback(self, applied: Applied) -> Applied: ...
+
+
+@runtime_checkable
+class Prober(Protocol):
+    """An executor that can try a parameter value without applying it (the simulator runs
+    short probe windows): the controller's retune then searches online instead of setting
+    the catalogue's default."""
+
+    def probe(self, service: str, parameter: Parameter, value: float) -> Sequence[float]:
+        """The application's p95 latency (ms) on each of several replicas with `value`."""
+        ...

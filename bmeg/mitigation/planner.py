@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from bmeg.diagnosis import Diagnosis, MitigationHint
+from bmeg.diagnosis import Diagnosis, MitigationHint, TraceDiagnosis
 from bmeg.mitigation.catalogue import Catalogue, Parameter, load_catalogue
 
 Source = Literal["saturation", "interference", "misconfiguration", "background", "unknown"]
@@ -67,6 +67,7 @@ class Evidence:
     share: float  # fraction of anomalous traces that name it
     median_ratio: float | None  # median latency / baseline over the traces
     tail_ratio: float | None  # p99.9 latency / baseline over the traces
+    via_callers: float = 0.0  # part of `share` blamed first on callers that queue on it
 
 
 @dataclass
@@ -83,33 +84,159 @@ class Decision:
         return MitigationHint(service=self.service, action=self.action, reason=self.reason)
 
 
-def gather_evidence(diagnosis: Diagnosis) -> list[Evidence]:
-    """Services named bottlenecks in anomalous traces (or in the window ranking), strongest first."""
+def gather_evidence(diagnosis: Diagnosis, catalogue: Catalogue | None = None, explains: float = 0.25,
+                    slow_ratio: float = PlannerPolicy.slow_ratio) -> list[Evidence]:
+    """Services the anomalous traces blame (or, without any, the window ranking names), strongest first.
+
+    Each anomalous trace blames one service: the one whose critical-path time grew most over
+    its baseline, a call's wait counted as the callee's (see `_path_time`), then moved down
+    to a callee whose own growth is at least `explains` of it and that is itself slowed
+    (`slow_ratio`; a slow service makes its callers queue, so the deepest slow one is the
+    likely cause). The blamed service gets the
+    model's highest score among the nodes whose time it was credited with: the model flags
+    the caller that waits, and the wait is the callee's. A trace without a critical path
+    blames its top named bottleneck.
+
+    Over the window, a service's blame moves to a service below it in the call graph that is
+    blamed by at least `explains` as many traces: requests queued at an entry point (whose
+    own paths may be fast below it) are victims of the slow service below, not causes.
+    """
+    catalogue = catalogue or _default_catalogue()
     anomalous = diagnosis.anomalous
     scores: dict[str, list[float]] = {}
-    for trace in anomalous:
-        for entry in trace.bottlenecks:
-            if entry.bottleneck:
-                scores.setdefault(entry.service, []).append(entry.score)
-    for entry in diagnosis.ranking or []:
-        if entry.bottleneck and entry.service not in scores:
-            scores[entry.service] = [entry.score]
     ratios: dict[str, list[float]] = {}
+    edges: set[tuple[str, str]] = set()
     for trace in diagnosis.traces:
-        for latency in trace.latencies:
-            if latency.ratio is not None:
-                ratios.setdefault(latency.service, []).append(latency.ratio)
+        path = _path_time(trace, catalogue)
+        edges |= {(caller, callee) for caller, called in path.callees.items() for callee in called}
+        for service, ratio in _ratios(trace, path).items():
+            ratios.setdefault(service, []).append(ratio)
+        blamed = _blame(trace, path, explains, slow_ratio) if trace.anomalous else None
+        if blamed is not None:
+            scores.setdefault(blamed[0], []).append(blamed[1])
+    if not anomalous:
+        for entry in diagnosis.ranking or []:
+            if entry.bottleneck:
+                scores[entry.service] = [entry.score]
+    counts = {service: len(values) for service, values in scores.items()}
+    via_callers = {service: 0 for service in scores}
+    for service, target in _blame_moves(counts, descendants(edges), explains).items():
+        via_callers[target] += counts[service]
+        del via_callers[service]
     evidence = []
-    for service, values in scores.items():
+    for service, inherited in via_callers.items():
         service_ratios = np.array(ratios.get(service, []))
         evidence.append(Evidence(
             service=service,
-            score=float(np.mean(values)),
-            share=len(values) / max(len(anomalous), 1),
+            score=float(np.mean(scores[service])),
+            share=(counts[service] + inherited) / max(len(anomalous), 1),
             median_ratio=float(np.median(service_ratios)) if len(service_ratios) else None,
             tail_ratio=float(np.quantile(service_ratios, 0.999)) if len(service_ratios) else None,
+            via_callers=inherited / max(len(anomalous), 1),
         ))
     return sorted(evidence, key=lambda e: (-e.score * e.share, e.service))
+
+
+def _blame_moves(counts: dict[str, int], below: dict[str, set[str]], explains: float) -> dict[str, str]:
+    """service -> the blamed service below it that takes its blame (the one blamed most;
+    followed down, so a chain of callers ends at the deepest)."""
+    moves = {}
+    for service, count in counts.items():
+        candidates = [other for other in below.get(service, set()) if counts.get(other, 0) >= explains * count]
+        if candidates:
+            moves[service] = max(candidates, key=lambda other: (counts[other], other))
+    for service in list(moves):
+        target, seen = moves[service], {service}
+        while target in moves and target not in seen:
+            seen.add(target)
+            target = moves[target]
+        moves[service] = target
+    return {service: target for service, target in moves.items() if target != service}
+
+
+def descendants(edges: set[tuple[str, str]]) -> dict[str, set[str]]:
+    """Every service below each caller in a call graph given as (caller, callee) pairs."""
+    children: dict[str, set[str]] = {}
+    for caller, callee in edges:
+        if caller != callee:
+            children.setdefault(caller, set()).add(callee)
+    found: dict[str, set[str]] = {}
+
+    def walk(service: str, seen: frozenset) -> set[str]:
+        if service in found:
+            return found[service]
+        reach = set()
+        for child in children.get(service, ()):
+            if child not in seen:
+                reach |= {child} | walk(child, seen | {child})
+        found[service] = reach
+        return reach
+
+    for service in list(children):
+        walk(service, frozenset({service}))
+    return found
+
+
+@dataclass
+class _PathTime:
+    """One trace's critical-path time per service (µs), a call's wait counted as the callee's."""
+
+    time_us: dict[str, float]
+    credited_from: dict[str, set[str]]  # service -> services whose steps were counted as its
+    callees: dict[str, set[str]]  # who calls whom on the path
+
+
+def _path_time(trace: TraceDiagnosis, catalogue: Catalogue) -> _PathTime:
+    """Steps come in time order, each span before its children, so a step followed by another
+    service's step is the client side of a call into it: its time (the callee's queue and the
+    network) is the callee's. Not so next to a store: stores are named by their client spans
+    and call nobody, so a step before a store's is the caller's own work."""
+    path = _PathTime({}, {}, {})
+    steps = trace.critical_path
+    for step, following in zip(steps, [*steps[1:], None]):
+        owner = step.service
+        if following is not None and following.service != owner:
+            path.callees.setdefault(owner, set()).add(following.service)
+            if not (_is_store(owner, catalogue) or _is_store(following.service, catalogue)):
+                owner = following.service
+        path.time_us[owner] = path.time_us.get(owner, 0.0) + step.exclusive_us
+        path.credited_from.setdefault(owner, set()).add(step.service)
+    return path
+
+
+def _blame(trace: TraceDiagnosis, path: _PathTime, explains: float, slow_ratio: float) -> tuple[str, float] | None:
+    """The service an anomalous trace blames, and the model's score behind it."""
+    named = [entry for entry in trace.bottlenecks if entry.bottleneck]
+    baseline = {latency.service: latency.baseline_us or 0.0 for latency in trace.latencies}
+    excess = {service: time - baseline.get(service, 0.0) for service, time in path.time_us.items()}
+    slowed = {service for service, time in path.time_us.items() if time >= slow_ratio * baseline.get(service, 0.0)}
+    if not excess or max(excess.values()) <= 0:
+        return (named[0].service, named[0].score) if named else None
+    culprit = max(excess, key=excess.__getitem__)
+    seen = {culprit}
+    while True:
+        deeper = [callee for callee in path.callees.get(culprit, set()) - seen
+                  if callee in slowed and excess[callee] >= explains * excess[culprit]]
+        if not deeper:
+            break
+        culprit = max(deeper, key=excess.__getitem__)
+        seen.add(culprit)
+    model = {entry.service: entry.score for entry in trace.bottlenecks}
+    return culprit, max(model.get(service, 0.0) for service in path.credited_from[culprit])
+
+
+def _ratios(trace: TraceDiagnosis, path: _PathTime) -> dict[str, float]:
+    """Each service's time over its baseline: critical-path time where the trace has a path,
+    exclusive time otherwise."""
+    baseline = {latency.service: latency.baseline_us for latency in trace.latencies}
+    if path.time_us:
+        return {service: time / baseline[service] for service, time in path.time_us.items() if baseline.get(service)}
+    return {latency.service: latency.ratio for latency in trace.latencies if latency.ratio is not None}
+
+
+def _is_store(service: str, catalogue: Catalogue) -> bool:
+    kind = catalogue.kind_of(service)
+    return kind is not None and kind.name in STATEFUL_KINDS
 
 
 def plan(
@@ -120,7 +247,8 @@ def plan(
 ) -> list[Decision]:
     """One decision per bottlenecked service, strongest evidence first."""
     telemetry = telemetry or {}
-    return [_decide(e, catalogue, telemetry.get(e.service), policy) for e in gather_evidence(diagnosis)]
+    return [_decide(e, catalogue, telemetry.get(e.service), policy)
+            for e in gather_evidence(diagnosis, catalogue, slow_ratio=policy.slow_ratio)]
 
 
 def with_hints(diagnosis: Diagnosis, decisions: list[Decision]) -> Diagnosis:
@@ -146,6 +274,10 @@ def _decide(evidence: Evidence, catalogue: Catalogue, telemetry: ServiceTelemetr
         return decide("background", "shed", 0.7,
                       "its tail moved but its median did not, the signature of background pauses "
                       "(garbage collection): more capacity would not help; shed requests around them")
+    if evidence.median_ratio is not None and evidence.median_ratio < policy.slow_ratio:
+        return decide("unknown", "none", 0.0,
+                      f"yet its time is near its baseline in most traces (under {policy.slow_ratio:g}x): "
+                      "nothing to fix there")
     utilization = telemetry.cpu_utilization if telemetry else None
     if telemetry is None or utilization is None:
         replicas = (telemetry.replicas if telemetry else None) or 1
@@ -171,7 +303,7 @@ def _decide(evidence: Evidence, catalogue: Catalogue, telemetry: ServiceTelemetr
     skew = _replica_skew(telemetry)
     if skew is not None and skew >= policy.replica_skew:
         return decide("interference", "migrate", 0.8,
-                      f"one replica is {skew:.1f}x slower than the median replica while CPU is only "
+                      f"one replica is {skew:.1f}x slower than the others while CPU is only "
                       f"{utilization:.0%} busy: a noisy neighbour on its node; move it away")
     if utilization < policy.idle_utilization:
         return decide("interference", "migrate", 0.6,
@@ -218,14 +350,18 @@ def _bad_parameter(catalogue: Catalogue, service: str, telemetry: ServiceTelemet
 
 
 def _replica_skew(telemetry: ServiceTelemetry) -> float | None:
-    p95 = telemetry.replica_p95_ms
-    if not p95 or len(p95) < 2 or np.median(p95) <= 0:
+    """The slowest replica's p95 over the median of the others (not of all: with two
+    replicas that median is halfway to the slow one)."""
+    p95 = sorted(telemetry.replica_p95_ms or [])
+    if len(p95) < 2 or np.median(p95[:-1]) <= 0:
         return None
-    return float(max(p95) / np.median(p95))
+    return float(p95[-1] / np.median(p95[:-1]))
 
 
 def _latency_words(evidence: Evidence) -> str:
-    words = f"{evidence.service} is named a bottleneck in {evidence.share:.0%} of anomalous traces (score {evidence.score:.2f})"
+    words = f"{evidence.service} is blamed for {evidence.share:.0%} of anomalous traces (score {evidence.score:.2f})"
+    if evidence.via_callers:
+        words += f", {evidence.via_callers:.0%} of them through callers queueing on it"
     if evidence.median_ratio is not None:
         words += f", its latency at {evidence.median_ratio:.1f}x its baseline (median)"
     return words

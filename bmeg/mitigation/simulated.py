@@ -31,6 +31,8 @@ from bmeg.mitigation.planner import ServiceTelemetry
 from bmeg.mitigation.safety import Latencies
 
 WARMUP_S = 1.0
+PROBE_REPLICAS = 3  # probe windows per candidate value
+PROBE_S = 1.0  # seconds measured per probe window
 
 
 @dataclass
@@ -180,7 +182,27 @@ class SimulatedApp:
     # ---- the Executor protocol ----------------------------------------------------------
     def state(self, service: str) -> ServiceState:
         setting = self._setting(service)
-        return ServiceState(service, setting.replicas, setting.cores, None, {})
+        return ServiceState(service, setting.replicas, setting.cores, None,
+                            self._parameters(service, setting, self._active_now()))
+
+    def probe(self, service: str, parameter: Parameter, value: float, replicas: int = PROBE_REPLICAS,
+              length_s: float = PROBE_S) -> list[float]:
+        """The application's p95 (ms) in `replicas` short windows from now (seeds apart, standing
+        for the replicas TUNA measures on) with the parameter at `value`; nothing is changed."""
+        if parameter.simulator != "pool_size":
+            raise ActionError(f"the simulator cannot probe {service}'s {parameter.name}")
+        self._setting(service)  # a clear error for an unknown service
+        topology = self._topology()
+        topology.services[service].workers = int(parameter.check(value))
+        faults = [f for f in self._window_faults(self.now, self.now + length_s)
+                  if not (f.service == service and f.source == "misconfiguration" and f.parameter("pool_size") is not None)]
+        p95 = []
+        for replica in range(replicas):
+            seed = np.random.SeedSequence([self.seed, int(self.now * 1000), int(value), replica])
+            result = simulate(topology, faults, WARMUP_S + length_s, seed)
+            keep = result.trace_start >= WARMUP_S * 1e9
+            p95.append(float(np.quantile((result.trace_end[keep] - result.trace_start[keep]) / 1e6, 0.95)))
+        return p95
 
     def scale(self, service: str, replicas: int) -> Applied:
         setting = self._setting(service)
@@ -200,8 +222,7 @@ class SimulatedApp:
         value = parameter.check(value)
         setting = self._setting(service)
         if parameter.simulator == "pool_size":
-            active = [f for i, f in enumerate(self.faults) if f.start_s <= self.now < f.end_s and i not in self.overridden]
-            effective = self._parameters(service, setting, active)[parameter.name]  # what a fault set, if any
+            effective = self._parameters(service, setting, self._active_now())[parameter.name]  # what a fault set, if any
             applied = Applied(service, "parameter", {parameter.name: effective}, {parameter.name: value}, parameter)
             setting.workers = int(value)
             return self._override(applied, "misconfiguration", "pool_size")
@@ -226,6 +247,9 @@ class SimulatedApp:
         for index in undone:
             self.overridden.pop(index, None)
         return Applied(applied.service, applied.action, dict(applied.new), dict(applied.previous), applied.parameter)
+
+    def _active_now(self) -> list[Fault]:
+        return [f for i, f in enumerate(self.faults) if f.start_s <= self.now < f.end_s and i not in self.overridden]
 
     def _setting(self, service: str) -> Setting:
         if service not in self.settings:

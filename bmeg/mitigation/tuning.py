@@ -135,6 +135,21 @@ def tune(
     return bandit.best
 
 
+#: Candidates an online retune tries: bounded, so a controller's action stays quick.
+ONLINE_STEPS = 6
+
+
+def search_around(parameter: Parameter, current: float, measure: Callable[[float], Sequence[float]],
+                  steps: int = ONLINE_STEPS, epsilon: float = 0.25, eta: float = 0.08, seed: int = 0) -> Step | None:
+    """HybridBandits over one numeric parameter, from its current value: `steps` candidates
+    around a moving centre, each measured on several replicas (`measure(value)` gives one
+    latency per replica) and judged TUNA-style. The best stable candidate, or None."""
+    if not parameter.numeric:
+        raise ValueError(f"{parameter.name} is categorical: search_around tunes numeric parameters")
+    bandit = HybridBandit([parameter], {parameter.name: float(current)}, epsilon=epsilon, eta=eta, seed=seed)
+    return tune(bandit, lambda values: measure(float(values[parameter.name])), steps)
+
+
 def _softmax(weights: np.ndarray) -> np.ndarray:
     shifted = np.exp(weights - weights.max())
     return shifted / shifted.sum()
