@@ -88,7 +88,8 @@ class Campaign(_Strict):
     services: list[str] | None = Field(default=None, description="candidate targets (default: all with traffic)")
     sources: dict[Source, dict[str, tuple[float, float]]] = Field(min_length=1)
     targets: dict[Source, list[str]] = Field(
-        default_factory=dict, description="per source, the only services it may hit (default: any candidate)")
+        default_factory=dict, description="per source, the only services it may hit (default: any candidate); "
+        "with targets, each fault draws its source first, then its service")
 
     @model_validator(mode="after")
     def _ranges_make_sense(self) -> Campaign:
@@ -252,16 +253,31 @@ def _campaign_faults(scenario: Scenario, topology: TopologySpec, rng: np.random.
         low, high = campaign.faults_per_round
         count = int(rng.integers(low, high + 1))
         if scenario.kind == "cascading":
-            targets = _cascade(chains, candidates, count, rng)
+            targets = [(service, None) for service in _cascade(chains, candidates, count, rng)]
+        elif campaign.targets:
+            targets = _sources_then_services(campaign, candidates, count, rng)
         else:
-            targets = list(rng.choice(candidates, size=min(count, len(candidates)), replace=False))
-        for order, service in enumerate(targets):
-            source = str(rng.choice(_sources_for(campaign, service)))
+            targets = [(service, None) for service in rng.choice(candidates, size=min(count, len(candidates)), replace=False)]
+        for order, (service, source) in enumerate(targets):
+            source = source or str(rng.choice(_sources_for(campaign, service)))
             parameters = _draw_parameters(source, campaign.sources[source], service in caches, rng)
             start = float(round_start) + order * campaign.shift_s
             if start < scenario.duration_s:
                 end = min(start + campaign.burst_s, scenario.duration_s)
                 yield Fault(str(service), source, scenario.kind, start, end, parameters)
+
+
+def _sources_then_services(campaign: Campaign, candidates: list[str], count: int, rng) -> list[tuple[str, str]]:
+    """`count` faults on distinct services, each drawing its source first, then a service that
+    source may hit: a source with a short `targets` list is drawn as often as any other."""
+    drawn: list[tuple[str, str]] = []
+    for _ in range(count):
+        used = {service for service, _ in drawn}
+        source = str(rng.choice(sorted(campaign.sources)))
+        allowed = [s for s in candidates if s not in used and (source not in campaign.targets or s in campaign.targets[source])]
+        if allowed:
+            drawn.append((str(rng.choice(allowed)), source))
+    return drawn
 
 
 def _sources_for(campaign: Campaign, service: str) -> list[str]:
