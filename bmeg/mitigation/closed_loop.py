@@ -9,7 +9,14 @@ then the scenario's faults start. Three runs see the same faults and seeds:
 - with an HPA-like baseline that scales each service on CPU utilization alone
   (desired = ceil(replicas * utilization / target), as the Kubernetes HPA computes it).
 
-The detector is a trained `bmeg.models.detector.Detector` when one is given. Without one the
+The report's p95 "after mitigation" counts the fault's windows from the controller's last
+kept action on (applied and not rolled back: the state the controller settled on), so the
+windows before it could act do not hide whether the action worked; the HPA is measured the
+same way from its last scaling, and both whole-fault-period figures are reported too.
+`recovery_s` says how long getting there took.
+
+The detector is a trained `bmeg.models.detector.Detector` when one is given (the planner
+turns its per-trace verdicts and critical paths into evidence, see `gather_evidence`). Without one the
 loop uses `SlowestLeafDetector`, a transparent rule: services whose window p95 exclusive time
 is well above its normal p95, keeping only those with no service below them in the call
 graph that is slowed down by a comparable factor (latency spreads upstream, so the deepest

@@ -2,7 +2,10 @@
 
 `Controller.handle` plans from a diagnosis, asks the guard, and (unless dry-run) applies the
 action through the executor; `Controller.verify` looks at actions whose verification window
-has passed and rolls back those that did not improve the p95 latencies. Everything it
+has passed and rolls back those that did not improve the p95 latencies. Where the executor
+can probe (the simulator), a retune's value comes from an online HybridBandits search around
+the current value, each candidate judged TUNA-style on several replicas (`search_around`);
+elsewhere it is the catalogue's default the planner proposed. Everything it
 decides or does goes to the audit log. Time is passed in (`now`, seconds), so the same code
 runs against wall-clock time on a cluster and simulated time on the simulator.
 """

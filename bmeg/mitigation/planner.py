@@ -1,9 +1,16 @@
 """The planner: from a `Diagnosis` (and telemetry where there is some) decide, for each
 bottlenecked service, the likely source of the trouble and the action that fixes it.
 
+Which services: each anomalous trace blames one, from its critical path, where a caller's
+wait is the callee's and the deepest slowed service is the likely cause (`gather_evidence`);
+the confidence grows with the model's score behind the blame and the share of anomalous
+traces that agree.
+
 The rules, in the order they are tried (each decision says in words which one fired and why):
 - background task: the service's tail (p99.9) moved but its median did not (GC pauses), so
   more capacity will not help: shed requests around the pauses.
+- a service whose median is near its baseline gets no action (a few flagged traces are not a
+  bottleneck).
 - saturation: CPU utilization near the limit: scale out a stateless service (more replicas),
   scale up a stateful one (a store cannot simply be replicated); a limit under one core that
   is well used throttles every request: scale up to a core.
