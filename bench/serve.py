@@ -1,7 +1,7 @@
 """REST benchmark: `bmeg serve` on loopback under a constant request rate.
 
     python bench/serve.py --model RUN_DIR [--rate 200] [--seconds 20] [--concurrency 64]
-                          [--spans-per-trace 30 | --dataset-traces]
+                          [--spans-per-trace 30 | --dataset-traces] [--in-process]
 
 Starts `bmeg serve` in a subprocess, waits for /readyz, then sends one-trace OTLP protobuf
 requests (random call trees of `--spans-per-trace` spans over socialnet's services, from
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--traces", type=int, default=500, help="Distinct traces to cycle through.")
     parser.add_argument("--spans-per-trace", type=int, default=30)
     parser.add_argument("--dataset-traces", action="store_true", help="Use the model's dataset instead.")
+    parser.add_argument("--in-process", action="store_true", help="Serve with the model in the server's process.")
     args = parser.parse_args()
 
     spans = dataset_spans(args.model) if args.dataset_traces else random_traces(args.traces, args.spans_per_trace)
@@ -55,20 +56,24 @@ def main() -> None:
     spans_per_trace = spans.num_rows / pc.count_distinct(spans["trace_id"]).as_py()
     port = free_port()
     server = subprocess.Popen([str(Path(sys.executable).parent / "bmeg"), "serve", "--model", str(args.model),
-                               "--device", "cpu", "--port", str(port), "--log-level", "warning"],
+                               "--device", "cpu", "--port", str(port), "--log-level", "warning",
+                               "--in-process" if args.in_process else "--model-process"],
                               env={**os.environ, "BMEG_RECENT_DIAGNOSES": "50"})
     try:
         base = f"http://127.0.0.1:{port}"
         wait_ready(base)
         cpu_before, client_before = server_cpu_s(server.pid), own_cpu_s()
+        main_before = own_cpu_s(server.pid)
         latencies, errors, elapsed = asyncio.run(load(base, bodies, args.rate, args.seconds, args.concurrency))
         cpu_used, client_used = server_cpu_s(server.pid) - cpu_before, own_cpu_s() - client_before
+        main_used = own_cpu_s(server.pid) - main_before
     finally:
         server.terminate()
         server.wait(30)
     report(latencies, errors, elapsed, args, spans_per_trace)
-    print(f"server CPU: {cpu_used / max(len(latencies), 1) * 1e3:.2f} ms per request "
-          f"({cpu_used / elapsed:.2f} cores busy); load generator {client_used / elapsed:.2f} cores; "
+    per_request_ms = 1e3 / max(len(latencies), 1)
+    print(f"server CPU: {cpu_used * per_request_ms:.2f} ms per request, {main_used * per_request_ms:.2f} of them in "
+          f"the HTTP process ({cpu_used / elapsed:.2f} cores busy); load generator {client_used / elapsed:.2f} cores; "
           f"machine load average {os.getloadavg()[0]:.1f}")
 
 
@@ -90,8 +95,8 @@ def server_cpu_s(pid: int) -> float:
     return total
 
 
-def own_cpu_s() -> float:
-    times = psutil.Process().cpu_times()
+def own_cpu_s(pid: int | None = None) -> float:
+    times = psutil.Process(pid).cpu_times()
     return times.user + times.system
 
 

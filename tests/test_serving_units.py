@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from bmeg.serving.assembler import TraceAssembler, split_by_trace
 from bmeg.serving.batcher import MicroBatcher
+from bmeg.serving.payloads import Answer, Limits, Payload, RequestRefused, diagnose_payloads
 from bmeg.serving.model import ModelSlot
 from bmeg.serving.offsets import OffsetTracker
-from bmeg.traces import TraceInputError, span_table
+from bmeg.traces import TraceInputError, span_table, to_otlp_proto_bytes
 from test_serving_fixtures import StandInDetector
 
 
@@ -26,12 +27,28 @@ def spans_of(trace_ids: list[str], service: str = "api") -> pa.Table:
 
 
 # -- micro-batching ----------------------------------------------------------------------
-def run_concurrently(detector: StandInDetector, requests: list[tuple[pa.Table, bool]]) -> list:
+LIMITS = Limits(max_spans=100, max_batch_spans=1_000)
+
+
+def tid(name: str) -> str:
+    """A trace id (32 hex digits) for a short name."""
+    return name.encode().hex().rjust(32, "0")
+
+
+def payload_of(names: list[str]) -> Payload:
+    return Payload(to_otlp_proto_bytes(spans_of([tid(name) for name in names])), "application/x-protobuf")
+
+
+def trace_names(answer: Answer) -> list[str]:
+    return [bytes.fromhex(t.trace_id.lstrip("0")).decode() for t in answer.diagnosis.traces]
+
+
+def run_concurrently(detector: StandInDetector, requests: list[tuple[list[str], bool]]) -> list:
     async def main():
-        batcher = MicroBatcher(ModelSlot(detector), max_batch_spans=1_000)
+        batcher = MicroBatcher(ModelSlot(detector), LIMITS, max_batch_bytes=1_000_000)
         batcher.start()
         try:
-            return await asyncio.gather(*(batcher.diagnose(spans, window) for spans, window in requests),
+            return await asyncio.gather(*(batcher.diagnose(payload_of(names), window) for names, window in requests),
                                         return_exceptions=True)
         finally:
             await batcher.stop()
@@ -43,36 +60,71 @@ def test_requests_queued_while_the_model_is_busy_share_one_call():
     detector = StandInDetector(delay_s=0.1)
 
     async def main():
-        batcher = MicroBatcher(ModelSlot(detector), max_batch_spans=1_000)
+        batcher = MicroBatcher(ModelSlot(detector), LIMITS, max_batch_bytes=1_000_000)
         batcher.start()
-        first = asyncio.create_task(batcher.diagnose(spans_of(["t0"]), False))
+        first = asyncio.create_task(batcher.diagnose(payload_of(["t0"]), False))
         await asyncio.sleep(0.03)  # the model is now busy with t0
-        rest = await asyncio.gather(*(batcher.diagnose(spans_of([f"t{i}"]), False) for i in range(1, 6)))
+        rest = await asyncio.gather(*(batcher.diagnose(payload_of([f"t{i}"]), False) for i in range(1, 6)))
         await batcher.stop()
         return [await first, *rest]
 
     results = asyncio.run(main())
-    assert [[t.trace_id for t in r.traces] for r in results] == [[f"t{i}"] for i in range(6)]
+    assert [trace_names(r) for r in results] == [[f"t{i}"] for i in range(6)]
     assert detector.calls == [1, 5]
 
 
-def test_a_bad_request_fails_alone_and_its_batch_mates_succeed():
-    detector = StandInDetector(delay_s=0.05, fail_on=frozenset({"bad"}))
-    results = run_concurrently(detector, [(spans_of(["t0"]), False), (spans_of(["t1"]), False),
-                                          (spans_of(["bad"]), False), (spans_of(["t3"]), False)])
+def test_under_load_calls_are_spaced_so_requests_share_them_and_an_idle_server_answers_at_once():
+    detector = StandInDetector()
 
-    assert isinstance(results[2], TraceInputError)
-    assert [r.traces[0].trace_id for r in (results[0], results[1], results[3])] == ["t0", "t1", "t3"]
+    async def main():
+        batcher = MicroBatcher(ModelSlot(detector), LIMITS, max_batch_bytes=1_000_000, min_interval_s=0.3)
+        batcher.start()
+        started = asyncio.get_running_loop().time()
+        first = await batcher.diagnose(payload_of(["t0"]), False)
+        idle_answer_s = asyncio.get_running_loop().time() - started
+
+        async def later(i: int):
+            await asyncio.sleep(0.02 * i)  # all arrive within the 0.3 s after the first call
+            return await batcher.diagnose(payload_of([f"t{i}"]), False)
+
+        rest = await asyncio.gather(*(later(i) for i in range(1, 5)))
+        await batcher.stop()
+        return idle_answer_s, [first, *rest]
+
+    idle_answer_s, results = asyncio.run(main())
+    assert idle_answer_s < 0.3  # the first request did not wait for the interval
+    assert [trace_names(r) for r in results] == [[f"t{i}"] for i in range(5)]
+    assert detector.calls == [1, 4]
+
+
+def test_a_bad_request_fails_alone_with_its_status_and_its_batch_mates_succeed():
+    detector = StandInDetector(delay_s=0.05, fail_on=frozenset({tid("bad")}))
+    results = run_concurrently(detector, [(["t0"], False), (["t1"], False), (["bad"], False), (["t3"], False)])
+
+    assert isinstance(results[2], RequestRefused) and results[2].status == 422
+    assert "refused by the stand-in" in results[2].message
+    assert [trace_names(results[i]) for i in (0, 1, 3)] == [["t0"], ["t1"], ["t3"]]
 
 
 def test_window_requests_and_shared_trace_ids_are_never_mixed():
     detector = StandInDetector(delay_s=0.05)
-    results = run_concurrently(detector, [(spans_of(["a"]), False), (spans_of(["b"]), False),
-                                          (spans_of(["b"]), False), (spans_of(["c", "d"]), True)])
+    results = run_concurrently(detector, [(["a"], False), (["b"], False), (["b"], False), (["c", "d"], True)])
 
-    assert [r.ranking is not None for r in results] == [False, False, False, True]
-    assert [len(r.traces) for r in results] == [1, 1, 1, 2]
+    assert [r.diagnosis.ranking is not None for r in results] == [False, False, False, True]
+    assert [len(r.diagnosis.traces) for r in results] == [1, 1, 1, 2]
     assert detector.calls == [2, 1, 2]  # a+b together; the second b alone; the window alone
+
+
+def test_payloads_that_do_not_parse_or_pass_the_span_limit_are_refused_with_their_status():
+    detector = StandInDetector()
+    too_many = Payload(to_otlp_proto_bytes(spans_of([tid("big")] * 101)), "application/x-protobuf")
+    answers = diagnose_payloads(detector, [Payload(b"\x0a\xff", "application/x-protobuf"), too_many,
+                                           Payload(b"{\"resourceSpans\": []}", "application/json"), payload_of(["ok"])], False, LIMITS)
+
+    assert [(a.status, a.message.split(":")[0]) for a in answers[:3]] == [
+        (400, "malformed trace payload"), (413, "101 spans is over the limit of 100 per request"),
+        (400, "the payload holds no spans")]
+    assert trace_names(answers[3]) == ["ok"] and detector.calls == [1]
 
 
 # -- assembly ----------------------------------------------------------------------------

@@ -30,19 +30,27 @@ def _limit_torch_threads() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
-def serve(run_dir: Path | None, device: str, host: str, port: int, log_level: str) -> None:
+@click.option("--model-process/--in-process", default=True, show_default=True,
+              help="Run the model in a child process (uses a second core) or in the server's own.")
+def serve(run_dir: Path | None, device: str, host: str, port: int, log_level: str, model_process: bool) -> None:
     """Serve POST /diagnose, the web page (/), /metrics, /healthz and /readyz.
 
     Limits and the API key come from the environment: BMEG_MAX_BODY_BYTES, BMEG_MAX_SPANS,
-    BMEG_REQUEST_TIMEOUT_S, BMEG_API_KEY, BMEG_RECENT_DIAGNOSES, BMEG_MAX_BATCH_SPANS.
+    BMEG_REQUEST_TIMEOUT_S, BMEG_API_KEY, BMEG_RECENT_DIAGNOSES, BMEG_MAX_BATCH_SPANS,
+    BMEG_BATCH_INTERVAL_MS, BMEG_TORCH_THREADS.
     """
     import uvicorn
 
     from bmeg.models.detector import Detector, default_run_dir
     from bmeg.serving.app import create_app
+    from bmeg.serving.model_process import ModelProcess
+    from bmeg.serving.settings import ServingSettings
 
     _limit_torch_threads()
-    app = create_app(partial(Detector.load, run_dir or default_run_dir(), device=device))
+    run_dir = run_dir or default_run_dir()
+    loader = (partial(ModelProcess, run_dir, device, ServingSettings().torch_threads) if model_process
+              else partial(Detector.load, run_dir, device=device))
+    app = create_app(loader)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 

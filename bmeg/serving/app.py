@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Annotated
 
-import pyarrow as pa
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -24,13 +23,12 @@ from starlette.concurrency import run_in_threadpool
 
 import bmeg
 from bmeg.diagnosis import Diagnosis
-from bmeg.mitigation.planner import suggest
 from bmeg.serving.batcher import MicroBatcher
 from bmeg.serving.metrics import ServerMetrics
 from bmeg.serving.model import DiagnosisModel, Loader, ModelSlot, ModelState
+from bmeg.serving.payloads import Answer, Limits, Payload, RequestRefused
 from bmeg.serving.recent import RecentDiagnoses, RecentDiagnosis, RecentSummary
 from bmeg.serving.settings import ServingSettings
-from bmeg.traces import TraceInputError, read_spans_bytes
 from bmeg.traces.io import CONTENT_TYPES
 
 log = logging.getLogger(__name__)
@@ -51,7 +49,8 @@ def create_app(detector_or_loader: DiagnosisModel | Loader, settings: ServingSet
     slot = ModelSlot(detector_or_loader)
     recent = RecentDiagnoses(settings.recent_diagnoses)
     metrics = ServerMetrics()
-    batcher = MicroBatcher(slot, settings.max_batch_spans)
+    batcher = MicroBatcher(slot, Limits(settings.max_spans, settings.max_batch_spans), settings.max_body_bytes,
+                           settings.batch_interval_ms / 1e3)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -63,6 +62,7 @@ def create_app(detector_or_loader: DiagnosisModel | Loader, settings: ServingSet
         await batcher.stop()
         if loading is not None:
             loading.cancel()
+        slot.close()
 
     app = FastAPI(title="bmeg", version=bmeg.__version__, lifespan=lifespan,
                   description="Bottlenecked microservices from distributed traces (B-MEG).")
@@ -83,12 +83,11 @@ def create_app(detector_or_loader: DiagnosisModel | Loader, settings: ServingSet
         body = await _read_body(request, settings.max_body_bytes)
         if not slot.ready:
             raise HTTPException(503, "the model is not loaded yet")
-        spans = _parse(body, media_type, settings.max_spans)
-        diagnosis = suggest(await _diagnose(batcher, spans, window, settings.request_timeout_s))
-        metrics.count_diagnosis(diagnosis)
+        answer = await _diagnose(batcher, Payload(body, media_type), window, settings.request_timeout_s)
+        metrics.count_diagnosis(answer.diagnosis)
         # Serialised directly: the Diagnosis is already validated (response_model documents it).
-        return Response(diagnosis.model_dump_json(), media_type="application/json",
-                        headers={"X-Diagnosis-Id": recent.add(diagnosis, spans)})
+        return Response(answer.diagnosis.model_dump_json(), media_type="application/json",
+                        headers={"X-Diagnosis-Id": recent.add(answer.diagnosis, answer.spans)})
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -180,23 +179,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def _parse(body: bytes, media_type: str, max_spans: int) -> pa.Table:
+async def _diagnose(batcher: MicroBatcher, payload: Payload, window: bool, timeout_s: float) -> Answer:
     try:
-        spans = read_spans_bytes(body, media_type)
-    except TraceInputError as error:
-        raise HTTPException(400, f"malformed trace payload: {error}") from None
-    if spans.num_rows == 0:
-        raise HTTPException(400, "the payload holds no spans")
-    if spans.num_rows > max_spans:
-        raise HTTPException(413, f"{spans.num_rows} spans is over the limit of {max_spans} per request")
-    return spans
-
-
-async def _diagnose(batcher: MicroBatcher, spans: pa.Table, window: bool, timeout_s: float) -> Diagnosis:
-    try:
-        return await asyncio.wait_for(batcher.diagnose(spans, window), timeout_s)
-    except TraceInputError as error:
-        raise HTTPException(422, f"invalid trace: {error}") from None
+        return await asyncio.wait_for(batcher.diagnose(payload, window), timeout_s)
+    except RequestRefused as refusal:
+        raise HTTPException(refusal.status, refusal.message) from None
     except TimeoutError:
         raise HTTPException(504, f"diagnosis took longer than {timeout_s:g} s") from None
 

@@ -2,10 +2,12 @@
 
 A detector call has a fixed cost (graph assembly, two GNN passes, the SVM) that dwarfs the
 per-trace cost, and the model runs one call at a time. So one worker takes every request
-queued, concatenates their spans, diagnoses them together and hands each request its own
-traces back. Nothing waits on purpose: an idle server diagnoses a lone request at once.
-Requests are not mixed when they share a trace id (their spans would merge) or ask for a
-window ranking (which is over their own traces only).
+queued and hands their bodies to the model side together (`bmeg.serving.payloads`), which
+parses them, diagnoses them in as few calls as it may and answers each request alone.
+Under load, model calls start at most every `min_interval_s` (the worker lingers to let a
+batch fill, like Triton's queue delay); an idle server diagnoses a lone request at once,
+because the previous call started long ago. A request asking for a window ranking (which is
+over its own traces only) is never batched with others.
 """
 
 from __future__ import annotations
@@ -13,27 +15,26 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-import pyarrow as pa
-import pyarrow.compute as pc
-
-from bmeg.diagnosis import Diagnosis
 from bmeg.serving.model import ModelSlot
+from bmeg.serving.payloads import Answer, Limits, Payload
 
 
 @dataclass
 class _Request:
-    spans: pa.Table
+    payload: Payload
     window: bool
-    trace_ids: frozenset[str]
     done: asyncio.Future = field(repr=False)
 
 
 class MicroBatcher:
-    def __init__(self, slot: ModelSlot, max_batch_spans: int):
+    def __init__(self, slot: ModelSlot, limits: Limits, max_batch_bytes: int, min_interval_s: float = 0.0):
         self.slot = slot
-        self.max_batch_spans = max_batch_spans
+        self.limits = limits
+        self.max_batch_bytes = max_batch_bytes
+        self.min_interval_s = min_interval_s
         self._queue: asyncio.Queue[_Request] = asyncio.Queue()
         self._held: _Request | None = None  # taken from the queue but left for the next batch
+        self._last_call = float("-inf")  # loop time the latest model call started
         self._worker: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -43,10 +44,9 @@ class MicroBatcher:
         if self._worker is not None:
             self._worker.cancel()
 
-    async def diagnose(self, spans: pa.Table, window: bool) -> Diagnosis:
-        """Queue one request's spans; raises what diagnosing them alone would raise."""
-        trace_ids = frozenset(pc.unique(spans["trace_id"]).to_pylist())
-        request = _Request(spans, window, trace_ids, asyncio.get_running_loop().create_future())
+    async def diagnose(self, payload: Payload, window: bool) -> Answer:
+        """Queue one request's body; raises what the model side answered for it (mostly `RequestRefused`)."""
+        request = _Request(payload, window, asyncio.get_running_loop().create_future())
         await self._queue.put(request)
         return await request.done
 
@@ -60,49 +60,33 @@ class MicroBatcher:
     async def _next_batch(self) -> list[_Request]:
         first = self._held or await self._queue.get()
         self._held = None
-        batch, spans, seen = [first], first.spans.num_rows, set(first.trace_ids)
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(self._last_call + self.min_interval_s - loop.time())  # no wait when idle
+        self._last_call = loop.time()
+        batch, size = [first], len(first.payload.body)
         while not first.window and not self._queue.empty():
             request = self._queue.get_nowait()
-            fits = spans + request.spans.num_rows <= self.max_batch_spans
-            if request.window or not fits or not seen.isdisjoint(request.trace_ids):
+            if request.window or size + len(request.payload.body) > self.max_batch_bytes:
                 self._held = request
                 break
             batch.append(request)
-            spans += request.spans.num_rows
-            seen |= request.trace_ids
+            size += len(request.payload.body)
         return batch
 
     async def _diagnose(self, batch: list[_Request]) -> None:
-        if len(batch) == 1:
-            await self._diagnose_alone(batch[0])
-            return
+        payloads = [request.payload for request in batch]
         try:
-            combined = await asyncio.to_thread(
-                self.slot.diagnose, pa.concat_tables([request.spans for request in batch]), False)
-        except Exception:  # noqa: BLE001 - one request's bad trace must not fail the others: retry each alone
-            for request in batch:
-                await self._diagnose_alone(request)
-            return
-        for request in batch:
-            _settle(request, result=_part(combined, request.trace_ids))
-
-    async def _diagnose_alone(self, request: _Request) -> None:
-        try:
-            result = await asyncio.to_thread(self.slot.diagnose, request.spans, request.window)
-        except Exception as error:  # noqa: BLE001 - handed to the request's caller, which maps it to a status
-            _settle(request, error=error)
-            return
-        _settle(request, result=result)
+            answers = await asyncio.to_thread(self.slot.diagnose_payloads, payloads, batch[0].window, self.limits)
+        except Exception as error:  # noqa: BLE001 - no model, or its process died: every request hears why
+            answers = [error] * len(batch)
+        for request, answer in zip(batch, answers, strict=True):
+            _settle(request, answer)
 
 
-def _part(diagnosis: Diagnosis, trace_ids: frozenset[str]) -> Diagnosis:
-    return diagnosis.model_copy(update={"traces": [t for t in diagnosis.traces if t.trace_id in trace_ids]})
-
-
-def _settle(request: _Request, result: Diagnosis | None = None, error: Exception | None = None) -> None:
+def _settle(request: _Request, answer: Answer | Exception) -> None:
     if request.done.done():  # its caller gave up (timeout, disconnect)
         return
-    if error is not None:
-        request.done.set_exception(error)
+    if isinstance(answer, Exception):
+        request.done.set_exception(answer)
     else:
-        request.done.set_result(result)
+        request.done.set_result(answer)

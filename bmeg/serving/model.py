@@ -12,6 +12,7 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from bmeg.diagnosis import Diagnosis
+from bmeg.serving.payloads import Answer, Limits, Payload, diagnose_payloads
 
 
 @runtime_checkable
@@ -81,14 +82,30 @@ class ModelSlot:
             self._set(model)
             self.error = None
 
-    def diagnose(self, spans: pa.Table, window: bool) -> Diagnosis:
+    def diagnose_payloads(self, payloads: list[Payload], window: bool, limits: Limits) -> list[Answer | Exception]:
+        """`bmeg.serving.payloads.diagnose_payloads` with the model in use (in its process, if it has one)."""
         with self._lock:
             if self._model is None:
                 raise RuntimeError("no model loaded")
-            return self._model.diagnose(spans, window=window)
+            if hasattr(self._model, "diagnose_payloads"):  # a model process: the whole job runs there
+                return self._model.diagnose_payloads(payloads, window, limits)
+            return diagnose_payloads(self._model, payloads, window, limits)
+
+    def close(self) -> None:
+        """Stop the model's process, if it has one (see `bmeg.serving.model_process`)."""
+        with self._lock:
+            _close(self._model)
 
     def _set(self, model: DiagnosisModel) -> None:
-        self._model = model
+        previous, self._model = getattr(self, "_model", None), model
+        if previous is not model:
+            _close(previous)
         run_dir = getattr(model, "run_dir", None)
         self._info = ModelInfo(application=model.application, version=model.version,
                                run_dir=None if run_dir is None else str(run_dir), loaded_at=time.time())
+
+
+def _close(model: DiagnosisModel | None) -> None:
+    close = getattr(model, "close", None)
+    if close is not None:
+        close()

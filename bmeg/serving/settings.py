@@ -14,5 +14,7 @@ class ServingSettings(BaseSettings):
     request_timeout_s: float = Field(30.0, gt=0, description="A diagnosis taking longer answers 504.")
     api_key: SecretStr | None = Field(None, description="When set, required (X-API-Key) by requests that change state.")
     max_batch_spans: int = Field(20_000, gt=0, description="Most spans diagnosed in one model call (micro-batching).")
+    batch_interval_ms: float = Field(10.0, ge=0, description="Under load, model calls start at most this often, "
+                                     "so requests share them (an idle server answers at once).")
     torch_threads: int = Field(1, ge=1, description="PyTorch threads: small graphs run fastest on one.")
     recent_diagnoses: int = Field(50, ge=0, description="Diagnoses kept in memory for the web page.")

@@ -1,0 +1,41 @@
+"""The detector in a child process (`bmeg serve`'s default): same diagnoses, clear load errors."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.integration  # spawns a torch process: seconds
+
+from bmeg.models.checkpoint import CheckpointError
+from bmeg.serving.payloads import Limits, Payload, diagnose_payloads
+from bmeg.traces import to_otlp_proto_bytes
+from bmeg.serving.model_process import ModelProcess
+from test_serving_fixtures import detector, hotel_dataset, trained_run_dir, traces_of  # noqa: F401 - fixtures
+
+
+@pytest.fixture(scope="module")
+def model_process(trained_run_dir):
+    model = ModelProcess(trained_run_dir, device="cpu")
+    yield model
+    model.close()
+
+
+def test_the_child_diagnoses_as_the_detector_does_in_process(model_process, detector, hotel_dataset):
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[:6]
+    payloads = [Payload(to_otlp_proto_bytes(traces_of(hotel_dataset.spans, ids)), "application/x-protobuf")
+                for ids in (trace_ids[:2], trace_ids[2:], trace_ids[2:3])]  # the third shares a trace: alone
+    limits = Limits(max_spans=10_000, max_batch_spans=10_000)
+
+    assert (model_process.application, model_process.version) == (detector.application, detector.version)
+    # A fresh in-process detector: the SVM's window of recent traces must start equal too.
+    fresh = type(detector).load(detector.run_dir, device="cpu")
+    in_child = model_process.diagnose_payloads(payloads, False, limits)
+    in_process = diagnose_payloads(fresh, payloads, False, limits)
+    assert [a.diagnosis for a in in_child] == [a.diagnosis for a in in_process]
+    assert [[t.trace_id for t in a.diagnosis.traces] for a in in_child] == [trace_ids[:2], trace_ids[2:], trace_ids[2:3]]
+    assert all(a.spans.equals(b.spans) for a, b in zip(in_child, in_process))
+
+
+def test_a_run_directory_that_does_not_load_fails_in_the_parent(tmp_path):
+    with pytest.raises(CheckpointError, match=str(tmp_path)):
+        ModelProcess(tmp_path, device="cpu")
