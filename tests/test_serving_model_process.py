@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 pytestmark = pytest.mark.integration  # spawns a torch process: seconds
 
 from bmeg.models.checkpoint import CheckpointError
-from bmeg.serving.payloads import Limits, Payload, diagnose_payloads
+from bmeg.serving.payloads import Limits, Payload, RequestRefused, diagnose_payloads
 from bmeg.traces import to_otlp_proto_bytes
 from bmeg.serving.model_process import ModelProcess
 from test_serving_fixtures import detector, hotel_dataset, trained_run_dir, traces_of  # noqa: F401 - fixtures
@@ -34,6 +37,18 @@ def test_the_child_diagnoses_as_the_detector_does_in_process(model_process, dete
     assert [a.diagnosis for a in in_child] == [a.diagnosis for a in in_process]
     assert [[t.trace_id for t in a.diagnosis.traces] for a in in_child] == [trace_ids[:2], trace_ids[2:], trace_ids[2:3]]
     assert all(a.spans.equals(b.spans) for a, b in zip(in_child, in_process))
+
+
+def test_a_killed_child_is_started_again_and_its_requests_are_refused_with_503(model_process, hotel_dataset):
+    spans = traces_of(hotel_dataset.spans, hotel_dataset.traces["trace_id"].to_pylist()[:1])
+    old_pid = model_process.pid
+    os.kill(old_pid, signal.SIGKILL)
+
+    with pytest.raises(RequestRefused) as refused:
+        model_process.diagnose(spans)
+    assert refused.value.status == 503 and "send the request again" in refused.value.message
+    assert model_process.pid != old_pid
+    assert len(model_process.diagnose(spans).traces) == 1
 
 
 def test_a_run_directory_that_does_not_load_fails_in_the_parent(tmp_path):
