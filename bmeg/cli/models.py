@@ -7,7 +7,6 @@ from pathlib import Path
 import click
 
 from bmeg.cli.output import json_option, print_json, print_table
-from bmeg.training.trainer import FitConfig
 
 TABLE_COLUMNS = ("accuracy", "nbp", "bp", "nbr", "br", "ac1", "ac3")
 
@@ -37,6 +36,7 @@ def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, 
     """Train both GNN stages and the SVM, evaluate on the held-out 20%, save the run."""
     from bmeg.models.detector import default_run_dir
     from bmeg.training.pipeline import TrainConfig, load_recipe, run
+    from bmeg.training.trainer import FitConfig
 
     given = lambda **options: {k: v for k, v in options.items() if v is not None}  # noqa: E731
     overrides = given(dataset=dataset, traces=traces, imbalance=imbalance, scenario=scenario, features=features, seed=seed)
