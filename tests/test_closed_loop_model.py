@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from bmeg.cli import main
-from bmeg.faultinject import load_scenario, load_topology, plan_faults
+from bmeg.faultinject import SpecError, load_scenario, load_topology, parse_scenario, plan_faults
 from bmeg.paths import PROJECT_ROOT
 from bmeg.training.pipeline import load_recipe, run
 
@@ -24,6 +24,20 @@ def test_hot_paths_misconfigures_only_the_loaded_services() -> None:
     misconfigured = {f.service for f in faults if f.source == "misconfiguration"}
     assert misconfigured and misconfigured <= targets
     assert {f.source for f in faults} == set(scenario.campaign.sources)
+
+
+def _campaign(**campaign) -> dict:
+    return {"name": "t", "kind": "multiple", "duration_s": 20, "campaign": {
+        "every_s": 6, "burst_s": 5, "faults_per_round": [2, 2],
+        "sources": {"saturation": {}, "misconfiguration": {"pool_size": [1, 1]}}, **campaign}}
+
+
+def test_campaign_targets_are_checked() -> None:
+    with pytest.raises(SpecError, match="targets: \\['network'\\] are not among"):
+        parse_scenario(_campaign(targets={"network": ["nginx-web-server"]}))
+    scenario = parse_scenario(_campaign(targets={"misconfiguration": ["no-such-service"]}))
+    with pytest.raises(SpecError, match="campaign.targets.misconfiguration\\[0\\]: unknown service 'no-such-service'"):
+        plan_faults(scenario, load_topology("socialnet"), np.random.default_rng(0))
 
 
 @pytest.fixture(scope="module")

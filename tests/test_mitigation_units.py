@@ -217,6 +217,15 @@ def test_dry_run_changes_nothing() -> None:
     assert audit.records(kind="action")[0].dry_run
 
 
+def test_shedding_is_advice_not_an_action() -> None:
+    executor, audit = FakeExecutor(), AuditLog()
+    controller = Controller(executor, CATALOGUE, SafetyPolicy(dry_run=False, confidence_threshold=0.1), audit)
+    [outcome] = controller.handle(_diagnosis("a", [1.0] * 990 + [6.0] * 10), now=0,
+                                  telemetry={"a": ServiceTelemetry(cpu_utilization=0.3, replicas=2)})
+    assert (outcome.decision.action, outcome.status) == ("shed", "advice") and executor.replicas["a"] == 2
+    assert [(r.kind, r.outcome) for r in audit.records()][-1] == ("refused", "advice for an operator")
+
+
 # ---- audit -----------------------------------------------------------------------------------
 @settings(max_examples=20)
 @given(st.lists(st.sampled_from(["decision", "action", "refused"]), min_size=1, max_size=10))

@@ -28,7 +28,7 @@ class Outcome:
     """What became of one decision: applied, dry-run, refused (why) or failed (why)."""
 
     decision: Decision
-    status: str  # "applied", "dry-run", "refused", "failed"
+    status: str  # "applied", "dry-run", "advice" (nothing to execute), "refused", "failed"
     detail: str
     applied: Applied | None = None
 
@@ -71,6 +71,9 @@ class Controller:
         if refusal is not None:
             self.audit.append("refused", decision.service, decision.action, refusal, dry_run=dry, at=now)
             return Outcome(decision, "refused", refusal)
+        if decision.action == "shed":  # no executor sheds load: the decision's words are for a person
+            self.audit.append("refused", decision.service, decision.action, "advice for an operator", dry_run=dry, at=now)
+            return Outcome(decision, "advice", "advice for an operator: shed requests around the pauses")
         target = self.guard.clamp(decision)
         if dry:
             detail = f"dry run: would {decision.action} {decision.service} to {target}"
@@ -105,7 +108,7 @@ class Controller:
             return executor.set_parameter(service, self.catalogue.parameter(service, name), value)
         if decision.action == "migrate":
             return executor.migrate(service)
-        raise ActionError(f"no executor supports {decision.action!r}: it is advice for an operator")
+        raise ActionError(f"no executor supports {decision.action!r}")
 
     def _search(self, decision: Decision, target: dict) -> tuple[dict, list[dict]]:
         """A retune's target found by online search around the current value (HybridBandits,
