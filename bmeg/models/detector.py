@@ -18,8 +18,8 @@ import pyarrow as pa
 import torch
 
 import bmeg
-from bmeg.diagnosis import CriticalPathStep, Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
-from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, trace_paths
+from bmeg.diagnosis import Diagnosis, ServiceScore
+from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
 from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import self_time_ns
 from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -141,50 +141,56 @@ class Detector:
         forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="raise")
         paths = critical_paths(forest)
         scores = self.score(forest, paths, remember=True)
+        # Plain values for every trace, validated in one pydantic call: building ~30 small
+        # models per trace one by one cost as much as running the models.
+        return Diagnosis.model_validate({
+            "model_version": self.version, "application": self.application,
+            "traces": self._trace_diagnoses(forest, scores, paths),
+            "ranking": self._window_ranking(scores) if window else None,
+        })
+
+    def _trace_diagnoses(self, forest: SpanForest, scores: Scores, paths: CriticalPaths) -> list[dict]:
+        """Each trace's `TraceDiagnosis` as a dict; the per-service work is done for all traces at once."""
+        names = scores.services
+        node_threshold = np.where(scores.to_svm, self.thresholds["svm"], self.thresholds["node"])
+        ranked = _ranked_columns(scores.service, scores.present, TOP_SERVICES)
+        ranked_score = np.take_along_axis(scores.service, ranked, axis=1)
+        ranked_bottleneck = scores.anomalous[:, None] & (ranked_score >= node_threshold[:, None])
         # Each service's self time per trace, in the columns of the score matrices.
-        column = pd.Index(scores.services).get_indexer(scores.node_services)
+        column = pd.Index(names).get_indexer(scores.node_services)
         latency = np.zeros(scores.present.shape)
         np.add.at(latency, (forest.trace_index, column), self_time_ns(forest) / 1e3)
+        by_latency = _ranked_columns(latency, scores.present)
+        baselines = [self.service_baseline_us.get(name) for name in names]
+        unknown = scores.present & ~np.isin(names, self.services)
         warnings = _warnings_by_trace(forest)
-        traces = [
-            self._trace_diagnosis(forest, scores, t, path, latency[t], warnings.get(forest.trace_ids[t], []))
-            for t, path in enumerate(trace_paths(forest, paths))
-        ]
-        return Diagnosis(
-            model_version=self.version, application=self.application, traces=traces,
-            ranking=self._window_ranking(scores) if window else None,
+        present_count = scores.present.sum(axis=1)
+        top_count = np.minimum(present_count, TOP_SERVICES).tolist()
+        rows = zip(
+            forest.trace_ids, np.diff(forest.trace_offsets).tolist(), (forest.duration_ns[forest.root] / 1e3).tolist(),
+            scores.anomalous.tolist(), scores.anomaly.tolist(), scores.to_svm.tolist(), top_count, ranked.tolist(),
+            ranked_score.tolist(), ranked_bottleneck.tolist(), present_count.tolist(), by_latency.tolist(),
+            np.take_along_axis(latency, by_latency, axis=1).tolist(), _path_steps(forest, scores, paths),
         )
-
-    def _trace_diagnosis(self, forest, scores: Scores, t: int, path, latency: np.ndarray, warnings) -> TraceDiagnosis:
-        node_threshold = self.thresholds["svm" if scores.to_svm[t] else "node"]
-        present = np.flatnonzero(scores.present[t])
-        ranked = present[np.argsort(-scores.service[t, present], kind="stable")][:TOP_SERVICES]
-        bottlenecks = [
-            ServiceScore(service=scores.services[i], score=float(scores.service[t, i]),
-                         bottleneck=bool(scores.anomalous[t] and scores.service[t, i] >= node_threshold))
-            for i in ranked
-        ]
-        unknown = sorted({scores.services[i] for i in present} - set(self.services))
-        if unknown:
-            warnings = [*warnings, f"services unknown to the model (scored without a baseline): {', '.join(unknown)}"]
-        by_latency = present[np.argsort(-latency[present], kind="stable")]
-        return TraceDiagnosis(
-            trace_id=forest.trace_ids[t], spans=int(forest.trace_offsets[t + 1] - forest.trace_offsets[t]),
-            total_us=path.total_ns / 1e3, anomalous=bool(scores.anomalous[t]),
-            anomaly_score=float(scores.anomaly[t]),
-            threshold=self.thresholds["svm" if scores.to_svm[t] else "graph"],
-            model="svm" if scores.to_svm[t] else "gnn", bottlenecks=bottlenecks,
-            # Named like the rankings: a store's client span is the store's step.
-            critical_path=[CriticalPathStep(service=str(scores.node_services[s.row]), operation=s.operation,
-                                            exclusive_us=s.exclusive_ns / 1e3) for s in path.steps],
-            latencies=[self._latency(scores.services[i], float(latency[i])) for i in by_latency],
-            warnings=warnings,
-        )
-
-    def _latency(self, service: str, latency_us: float) -> ServiceLatency:
-        baseline = self.service_baseline_us.get(service)
-        ratio = latency_us / baseline if baseline else None
-        return ServiceLatency(service=service, latency_us=float(latency_us), baseline_us=baseline, ratio=ratio)
+        traces = []
+        for t, (trace_id, spans, total_us, anomalous, anomaly, to_svm, top, ranked_t, score_t, bottleneck_t,
+                present_t, by_latency_t, latency_t, path) in enumerate(rows):
+            trace_warnings = warnings.get(trace_id, [])
+            if unknown[t].any():
+                missing = ", ".join(sorted(names[i] for i in np.flatnonzero(unknown[t])))
+                trace_warnings = [*trace_warnings, f"services unknown to the model (scored without a baseline): {missing}"]
+            traces.append({
+                "trace_id": trace_id, "spans": spans, "total_us": total_us, "anomalous": anomalous,
+                "anomaly_score": anomaly, "threshold": self.thresholds["svm" if to_svm else "graph"],
+                "model": "svm" if to_svm else "gnn",
+                "bottlenecks": [{"service": names[i], "score": score, "bottleneck": bottleneck}
+                                for i, score, bottleneck in zip(ranked_t[:top], score_t, bottleneck_t)],
+                "critical_path": path,
+                "latencies": [_latency(names[i], value, baselines[i])
+                              for i, value in zip(by_latency_t[:present_t], latency_t)],
+                "warnings": trace_warnings,
+            })
+        return traces
 
     def _window_ranking(self, scores: Scores) -> list[ServiceScore]:
         """Services over the window: mean score over the anomalous traces (all, weighted, if none)."""
@@ -230,6 +236,34 @@ class Detector:
             services=state["services"], service_baseline_us=state["service_baseline_us"],
             hparams=hparams, metrics=state["metrics"], device=target, run_dir=Path(run_dir),
         )
+
+
+def _ranked_columns(values: np.ndarray, present: np.ndarray, limit: int | None = None) -> np.ndarray:
+    """Per row, column indices: present columns by descending value first (ties in column
+    order), then the absent ones; the first `limit` columns only when given."""
+    order = np.lexsort((-values, ~present), axis=1)
+    return order if limit is None else order[:, :limit]
+
+
+def _latency(service: str, latency_us: float, baseline_us: float | None) -> dict:
+    return {"service": service, "latency_us": latency_us, "baseline_us": baseline_us,
+            "ratio": latency_us / baseline_us if baseline_us else None}
+
+
+def _path_steps(forest: SpanForest, scores: Scores, paths: CriticalPaths) -> list[list[dict]]:
+    """Each trace's critical path steps in time order (each span before its path children),
+    named like the rankings: a store's client span is the store's step."""
+    rows = np.flatnonzero(paths.on_path)
+    rows = rows[np.lexsort((forest.depth[rows], paths.window_start_ns[rows], forest.trace_index[rows]))]
+    steps = [
+        {"service": service, "operation": operation, "exclusive_us": exclusive_us}
+        for service, operation, exclusive_us in zip(
+            scores.node_services[rows].tolist(), forest.spans["operation"].take(rows).to_pylist(),
+            (paths.exclusive_ns[rows] / 1e3).tolist(),
+        )
+    ]
+    ends = np.cumsum(np.bincount(forest.trace_index[rows], minlength=forest.num_traces)).tolist()
+    return [steps[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 def _warnings_by_trace(forest: SpanForest) -> dict[str, list[str]]:

@@ -21,6 +21,7 @@ kafka-python runs rebalance listeners on its network thread, where no blocking w
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -102,11 +103,16 @@ class StreamConsumer:
     # -- the loop ----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         """Consume until `stop` is set, then publish every pending trace, commit and close."""
+        # The model and the libraries live as long as the process: out of the collector's
+        # sight, the full collections that each batch's thousands of result objects trigger
+        # walk only the new objects (they cost as much as the model's forward pass before).
+        gc.freeze()
         try:
             while not stop.is_set():
                 self.step()
         finally:
             self.close()
+            gc.unfreeze()  # collectable again at exit (extension modules check for leaks)
 
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
