@@ -130,17 +130,44 @@ def gather_evidence(diagnosis: Diagnosis, catalogue: Catalogue | None = None, ex
     for service, target in _blame_moves(counts, descendants(edges), explains).items():
         via_callers[target] += counts[service]
         del via_callers[service]
-    evidence = []
-    for service, inherited in via_callers.items():
-        service_ratios = np.array(ratios.get(service, []))
-        evidence.append(Evidence(
-            service=service,
-            score=float(np.mean(scores[service])),
-            share=(counts[service] + inherited) / max(len(anomalous), 1),
-            median_ratio=float(np.median(service_ratios)) if len(service_ratios) else None,
-            tail_ratio=float(np.quantile(service_ratios, 0.999)) if len(service_ratios) else None,
-            via_callers=inherited / max(len(anomalous), 1),
-        ))
+    return _ranked([_evidence(service, scores[service], counts[service] + inherited, inherited, ratios, len(anomalous))
+                    for service, inherited in via_callers.items()])
+
+
+def named_evidence(diagnosis: Diagnosis) -> list[Evidence]:
+    """Every service the diagnosis names a bottleneck in an anomalous trace (or, without any,
+    in its window ranking), as named: what hints for a person reading it are about."""
+    anomalous = diagnosis.anomalous
+    scores: dict[str, list[float]] = {}
+    for trace in anomalous:
+        for entry in trace.bottlenecks:
+            if entry.bottleneck:
+                scores.setdefault(entry.service, []).append(entry.score)
+    for entry in diagnosis.ranking or []:
+        if entry.bottleneck and entry.service not in scores:
+            scores[entry.service] = [entry.score]
+    ratios: dict[str, list[float]] = {}
+    for trace in diagnosis.traces:
+        for latency in trace.latencies:
+            if latency.ratio is not None:
+                ratios.setdefault(latency.service, []).append(latency.ratio)
+    return _ranked([_evidence(service, values, len(values), 0, ratios, len(anomalous)) for service, values in scores.items()])
+
+
+def _evidence(service: str, scores: list[float], blamed: int, inherited: int, ratios: dict[str, list[float]],
+              anomalous: int) -> Evidence:
+    service_ratios = np.array(ratios.get(service, []))
+    return Evidence(
+        service=service,
+        score=float(np.mean(scores)),
+        share=blamed / max(anomalous, 1),
+        median_ratio=float(np.median(service_ratios)) if len(service_ratios) else None,
+        tail_ratio=float(np.quantile(service_ratios, 0.999)) if len(service_ratios) else None,
+        via_callers=inherited / max(anomalous, 1),
+    )
+
+
+def _ranked(evidence: list[Evidence]) -> list[Evidence]:
     return sorted(evidence, key=lambda e: (-e.score * e.share, e.service))
 
 
@@ -381,13 +408,14 @@ def _show(value: float | str) -> str:
 def suggest(diagnosis: Diagnosis, catalogue: Catalogue | None = None) -> Diagnosis:
     """The diagnosis with mitigation hints on its anomalous traces, for people reading it.
 
-    No telemetry is known here, so the hints are the planner's cautious defaults; the controller
-    (`bmeg mitigate`) decides with telemetry before acting.
+    Each service the model names gets a hint (`named_evidence`). No telemetry is known here, so
+    the hints are the planner's cautious defaults; the controller (`bmeg mitigate`) decides
+    with telemetry, and from the blame of `gather_evidence`, before acting.
     """
     if not diagnosis.anomalous:
         return diagnosis
     catalogue = catalogue or _default_catalogue()
-    return with_hints(diagnosis, plan(diagnosis, catalogue))
+    return with_hints(diagnosis, [_decide(e, catalogue, None, PlannerPolicy()) for e in named_evidence(diagnosis)])
 
 
 @functools.cache
