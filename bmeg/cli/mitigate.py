@@ -23,7 +23,8 @@ from bmeg.cli.output import json_option, print_json, print_table
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Trained detector run directory for --sim (default: the slowest-leaf rule); "
                    "train one with `bmeg train --recipe training/socialnet-mitigation.yaml --out RUN`.")
-@click.option("--window", "window_s", default=5.0, show_default=True, help="Seconds per control window (--sim).")
+@click.option("--window", "window_s", default=2.5, show_default=True,
+              help="Seconds per control window (--sim): shorter reacts sooner, on fewer traces per diagnosis.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Act on the cluster of this kubeconfig, fed by diagnoses from Kafka.")

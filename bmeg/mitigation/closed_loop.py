@@ -76,7 +76,7 @@ class SlowestLeafDetector:
 
 @dataclass
 class LoopSettings:
-    window_s: float = 5.0
+    window_s: float = 2.5
     normal_s: float = 10.0
     seed: int = 0
     hpa_target_utilization: float = 0.6

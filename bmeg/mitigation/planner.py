@@ -99,10 +99,9 @@ def gather_evidence(diagnosis: Diagnosis, catalogue: Catalogue | None = None, ex
     its baseline, a call's wait counted as the callee's (see `_path_time`), then moved down
     to a callee whose own growth is at least `explains` of it and that is itself slowed
     (`slow_ratio`; a slow service makes its callers queue, so the deepest slow one is the
-    likely cause). The blamed service gets the
-    model's highest score among the nodes whose time it was credited with: the model flags
-    the caller that waits, and the wait is the callee's. A trace without a critical path
-    blames its top named bottleneck.
+    likely cause). The blamed service gets the model's highest score among the nodes whose
+    time it was credited with: the model flags the caller that waits, and the wait is the
+    callee's. A trace without a critical path blames its top named bottleneck.
 
     Over the window, a service's blame moves to a service below it in the call graph that is
     blamed by at least `explains` as many traces: requests queued at an entry point (whose
