@@ -5,8 +5,13 @@ protobuf by default), assembles spans into traces (`TraceAssembler`), diagnoses 
 traces in batches, publishes each trace's `Diagnosis` as JSON (key: trace id) and forwards
 anomalous traces with bottlenecks to the mitigation controller's topic.
 
+Diagnosing runs on a thread of its own, beside the loop that reads and decodes messages: the
+model's tensor work releases the GIL, so the next messages are read meanwhile. One worker,
+at most `MAX_BATCHES_IN_FLIGHT` batches handed to it (the loop waits beyond that).
+
 No loss: offsets are committed only up to the lowest message with a trace still unpublished
-(`OffsetTracker`), and only after the producer has flushed. A message that cannot be read,
+(`OffsetTracker`; the loop releases a batch's messages once the worker has sent its
+diagnoses), and only after the producer has flushed. A message that cannot be read,
 or a trace the detector rejects, goes to the dead-letter topic with the reason in the
 `bmeg-error` header. A graceful stop (SIGTERM) publishes every pending trace and commits.
 
@@ -25,7 +30,9 @@ import gc
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -44,6 +51,8 @@ log = logging.getLogger(__name__)
 
 ENCODINGS = {"otlp_proto": "application/x-protobuf", "otlp_json": "application/json"}
 ERROR_HEADER = "bmeg-error"
+#: Batches handed to the diagnosing thread and not yet published: one diagnosed, one waiting.
+MAX_BATCHES_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,8 @@ class StreamConsumer:
             auto_offset_reset="earliest", max_poll_records=config.max_poll_records,
         )
         self.consumer.subscribe([config.topic], listener=_Rebalance(self))
+        self._diagnoser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bmeg-diagnoser")
+        self._in_flight: deque[Future[list[PendingTrace]]] = deque()  # oldest first
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -120,21 +131,26 @@ class StreamConsumer:
         for partition, messages in batches.items():
             for message in messages:
                 self._take(partition, message)
-        self._publish(self.assembler.finished())
+        self._submit(self.assembler.finished())
         if time.monotonic() - self._last_commit >= self.config.commit_interval_s:
             self.commit()
 
     def close(self) -> None:
-        self.flush_all()
-        self.consumer.close(autocommit=False)
-        self.producer.close()
+        try:
+            self.flush_all()
+        finally:
+            self._diagnoser.shutdown()
+            self.consumer.close(autocommit=False)
+            self.producer.close()
 
     def flush_all(self) -> None:
         """Diagnose and publish every trace still being assembled, then commit (graceful shutdown)."""
-        self._publish(self.assembler.drain())
+        self._submit(self.assembler.drain())
+        self._release_published(wait=True)
         self.commit()
 
     def commit(self) -> None:
+        self._release_published()
         self.producer.flush()  # a released offset means "sent"; it must also mean "delivered"
         points = {tp: offset for tp, offset in self.offsets.commit_points().items() if self._committed.get(tp) != offset}
         if points:
@@ -175,22 +191,39 @@ class StreamConsumer:
         return read_spans_bytes(message.value, content_type)
 
     # -- diagnoses out -----------------------------------------------------------------------
-    def _publish(self, traces: list[PendingTrace]) -> None:
+    def _submit(self, traces: list[PendingTrace]) -> None:
+        """Hand finished traces to the diagnosing thread in batches, waiting while it is behind."""
         for start in range(0, len(traces), self.config.batch_traces):
-            batch = traces[start:start + self.config.batch_traces]
-            with self.metrics.batch_seconds.time():
-                results = self._diagnose(batch)
-            for trace in batch:
-                outcome = results.get(trace.trace_id)
-                if isinstance(outcome, TraceDiagnosis):
-                    self._send_diagnosis(outcome)
-                else:
-                    self._dead_letter(trace.trace_id.encode(), to_otlp_proto_bytes(trace.table()),
-                                      outcome or "the detector returned no diagnosis for this trace",
-                                      origin=f"trace {trace.trace_id}")
-                for partition, offset in trace.sources:
-                    self.offsets.release(partition, offset)
+            while len(self._in_flight) >= MAX_BATCHES_IN_FLIGHT:
+                self._release(self._in_flight.popleft().result())
+            self._in_flight.append(self._diagnoser.submit(self._publish, traces[start:start + self.config.batch_traces]))
+        self._release_published()
         self.metrics.pending.set(len(self.assembler))
+
+    def _release_published(self, wait: bool = False) -> None:
+        """Release the messages of the batches published so far (of all of them with `wait`).
+        A batch that failed raises its error here, in the loop."""
+        while self._in_flight and (wait or self._in_flight[0].done()):
+            self._release(self._in_flight.popleft().result())
+
+    def _release(self, published: list[PendingTrace]) -> None:
+        for trace in published:
+            for partition, offset in trace.sources:
+                self.offsets.release(partition, offset)
+
+    def _publish(self, batch: list[PendingTrace]) -> list[PendingTrace]:
+        """On the diagnosing thread: diagnose a batch and send each result (or its dead letter)."""
+        with self.metrics.batch_seconds.time():
+            results = self._diagnose(batch)
+        for trace in batch:
+            outcome = results.get(trace.trace_id)
+            if isinstance(outcome, TraceDiagnosis):
+                self._send_diagnosis(outcome)
+            else:
+                self._dead_letter(trace.trace_id.encode(), to_otlp_proto_bytes(trace.table()),
+                                  outcome or "the detector returned no diagnosis for this trace",
+                                  origin=f"trace {trace.trace_id}")
+        return batch
 
     def _diagnose(self, batch: list[PendingTrace]) -> dict[str, TraceDiagnosis | str]:
         """Each trace's diagnosis, or the reason it could not be diagnosed."""
