@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
+from itertools import compress
 from pathlib import Path
 
 import numpy as np
@@ -156,41 +157,51 @@ class Detector:
         ranked = _ranked_columns(scores.service, scores.present, TOP_SERVICES)
         ranked_score = np.take_along_axis(scores.service, ranked, axis=1)
         ranked_bottleneck = scores.anomalous[:, None] & (ranked_score >= node_threshold[:, None])
-        # Each service's self time per trace, in the columns of the score matrices.
-        column = pd.Index(names).get_indexer(scores.node_services)
-        latency = np.zeros(scores.present.shape)
-        np.add.at(latency, (forest.trace_index, column), self_time_ns(forest) / 1e3)
+        latency = _service_latency_us(forest, scores)
         by_latency = _ranked_columns(latency, scores.present)
         baselines = [self.service_baseline_us.get(name) for name in names]
-        unknown = scores.present & ~np.isin(names, self.services)
-        warnings = _warnings_by_trace(forest)
+        # Where a service has no baseline, its ratio is None (below); 1 only avoids dividing by 0.
+        ratio = latency / np.array([baseline or 1.0 for baseline in baselines])
         present_count = scores.present.sum(axis=1)
-        top_count = np.minimum(present_count, TOP_SERVICES).tolist()
         rows = zip(
             forest.trace_ids, np.diff(forest.trace_offsets).tolist(), (forest.duration_ns[forest.root] / 1e3).tolist(),
-            scores.anomalous.tolist(), scores.anomaly.tolist(), scores.to_svm.tolist(), top_count, ranked.tolist(),
-            ranked_score.tolist(), ranked_bottleneck.tolist(), present_count.tolist(), by_latency.tolist(),
-            np.take_along_axis(latency, by_latency, axis=1).tolist(), _path_steps(forest, scores, paths),
+            scores.anomalous.tolist(), scores.anomaly.tolist(), scores.to_svm.tolist(),
+            np.minimum(present_count, TOP_SERVICES).tolist(), ranked.tolist(), ranked_score.tolist(),
+            ranked_bottleneck.tolist(), present_count.tolist(), by_latency.tolist(),
+            np.take_along_axis(latency, by_latency, axis=1).tolist(), np.take_along_axis(ratio, by_latency, axis=1).tolist(),
+            _path_steps(forest, scores, paths), self._warnings(forest, scores),
         )
-        traces = []
-        for t, (trace_id, spans, total_us, anomalous, anomaly, to_svm, top, ranked_t, score_t, bottleneck_t,
-                present_t, by_latency_t, latency_t, path) in enumerate(rows):
-            trace_warnings = warnings.get(trace_id, [])
-            if unknown[t].any():
-                missing = ", ".join(sorted(names[i] for i in np.flatnonzero(unknown[t])))
-                trace_warnings = [*trace_warnings, f"services unknown to the model (scored without a baseline): {missing}"]
-            traces.append({
+        return [
+            {
                 "trace_id": trace_id, "spans": spans, "total_us": total_us, "anomalous": anomalous,
                 "anomaly_score": anomaly, "threshold": self.thresholds["svm" if to_svm else "graph"],
                 "model": "svm" if to_svm else "gnn",
                 "bottlenecks": [{"service": names[i], "score": score, "bottleneck": bottleneck}
                                 for i, score, bottleneck in zip(ranked_t[:top], score_t, bottleneck_t)],
                 "critical_path": path,
-                "latencies": [_latency(names[i], value, baselines[i])
-                              for i, value in zip(by_latency_t[:present_t], latency_t)],
-                "warnings": trace_warnings,
-            })
-        return traces
+                "latencies": [{"service": names[i], "latency_us": value, "baseline_us": baselines[i],
+                               "ratio": ratio_i if baselines[i] else None}
+                              for i, value, ratio_i in zip(by_latency_t[:present_t], latency_t, ratio_t)],
+                "warnings": warnings,
+            }
+            for (trace_id, spans, total_us, anomalous, anomaly, to_svm, top, ranked_t, score_t, bottleneck_t,
+                 present_t, by_latency_t, latency_t, ratio_t, path, warnings) in rows
+        ]
+
+    def _warnings(self, forest: SpanForest, scores: Scores) -> list[list[str]]:
+        """Per trace: the repairs made to it, and the services the model does not know."""
+        repairs = _warnings_by_trace(forest)
+        alphabetical = sorted(range(len(scores.services)), key=scores.services.__getitem__)
+        unknown = (scores.present & ~np.isin(scores.services, self.services))[:, alphabetical]
+        names = [scores.services[i] for i in alphabetical]
+        warnings = []
+        for trace_id, unknown_t in zip(forest.trace_ids, unknown.tolist()):
+            trace_warnings = list(repairs.get(trace_id, []))
+            if any(unknown_t):
+                trace_warnings.append("services unknown to the model (scored without a baseline): "
+                                      + ", ".join(compress(names, unknown_t)))
+            warnings.append(trace_warnings)
+        return warnings
 
     def _window_ranking(self, scores: Scores) -> list[ServiceScore]:
         """Services over the window: mean score over the anomalous traces (all, weighted, if none)."""
@@ -245,9 +256,13 @@ def _ranked_columns(values: np.ndarray, present: np.ndarray, limit: int | None =
     return order if limit is None else order[:, :limit]
 
 
-def _latency(service: str, latency_us: float, baseline_us: float | None) -> dict:
-    return {"service": service, "latency_us": latency_us, "baseline_us": baseline_us,
-            "ratio": latency_us / baseline_us if baseline_us else None}
+def _service_latency_us(forest: SpanForest, scores: Scores) -> np.ndarray:
+    """[T, S] each service's self time per trace (µs), in the columns of the score matrices."""
+    column_of = {name: i for i, name in enumerate(scores.services)}
+    column = np.fromiter(map(column_of.__getitem__, scores.node_services), np.int64, forest.num_spans)
+    cells = forest.trace_index * len(scores.services) + column
+    latency = np.bincount(cells, weights=self_time_ns(forest) / 1e3, minlength=scores.present.size)
+    return latency.reshape(scores.present.shape)
 
 
 def _path_steps(forest: SpanForest, scores: Scores, paths: CriticalPaths) -> list[list[dict]]:
