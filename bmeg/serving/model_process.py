@@ -69,7 +69,7 @@ class ModelProcess:
                                       "send the request again") from None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _load(run_dir: Path, device: str, torch_threads: int) -> tuple[str, str, str]:
