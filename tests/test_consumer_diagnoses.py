@@ -1,0 +1,44 @@
+"""The diagnoses the consumer publishes are built for a whole batch at once (`Detector.diagnose`
+on the batch's spans): each trace's evidence must be the one it gets when diagnosed alone.
+(The model's scores may move a little with the batch: features are scaled over it.)"""
+
+from __future__ import annotations
+
+import pyarrow.compute as pc
+
+from bmeg.diagnosis import TraceDiagnosis
+from bmeg.traces import span_table
+from test_models import _tiny_detector, many_traces, star_trace
+
+
+def test_a_trace_diagnosed_in_a_batch_gets_the_diagnosis_it_gets_alone():
+    detector = _tiny_detector()  # GNN stages only: no SVM window ties traces together
+    odd = star_trace("odd", [100, 300, 20, 40, 60, 80])  # more services than the top five
+    odd["service"][2] = "brand-new-service"
+    odd["parent_id"][3] = "missing-parent"
+    spans = many_traces(6, slow=2)
+    for key, values in odd.items():
+        spans[key] += values
+    table = span_table(spans)
+
+    batch = detector.diagnose(table)
+
+    assert [trace.trace_id for trace in batch.traces] == [f"t{t:04d}" for t in range(6)] + ["odd"]
+    for trace in batch.traces:
+        (alone,) = detector.diagnose(table.filter(pc.equal(table["trace_id"], trace.trace_id))).traces
+        assert _evidence(trace) == _evidence(alone)
+    odd_diagnosis = batch.traces[-1]
+    assert len(odd_diagnosis.bottlenecks) == 5 and len(odd_diagnosis.latencies) == 7
+    assert {s.service for s in odd_diagnosis.bottlenecks} <= {s.service for s in odd_diagnosis.latencies}
+    assert [s.score for s in odd_diagnosis.bottlenecks] == sorted((s.score for s in odd_diagnosis.bottlenecks), reverse=True)
+    assert [s.latency_us for s in odd_diagnosis.latencies] == sorted((s.latency_us for s in odd_diagnosis.latencies), reverse=True)
+    assert any("brand-new-service" in w for w in odd_diagnosis.warnings) and any("parent" in w for w in odd_diagnosis.warnings)
+    assert all(not trace.warnings for trace in batch.traces[:-1])  # each warning on its own trace
+    slow = batch.traces[2]
+    assert slow.latencies[0].service == "svc1" and slow.latencies[0].ratio == slow.latencies[0].latency_us / 200.0
+    assert all(s.baseline_us is None and s.ratio is None for s in slow.latencies[1:])  # only svc1 has a baseline
+
+
+def _evidence(trace: TraceDiagnosis) -> dict:
+    """Everything but the model's scores and the top services they pick."""
+    return trace.model_dump(exclude={"anomalous", "anomaly_score", "bottlenecks"})
