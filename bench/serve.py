@@ -10,7 +10,7 @@ cycled) from an aiohttp client (lighter than httpx, whose client could not keep 
 while sharing the 2 cores with the server) on an open-loop
 schedule: request i is due at i / rate seconds, whether or not earlier ones have answered,
 so a slow server shows up as latency, not as a lower offered rate. Latency is measured from
-the due time. Prints offered and achieved rates, p50/p90/p99/max and errors.
+the due time, after `--warmup` seconds at the same rate (connections opened, both ends warm). Prints offered and achieved rates, p50/p90/p99/max and errors.
 Target: p99 <= 50 ms at 200 req/s on 2 cores.
 """
 
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=200.0, help="Requests per second offered.")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--concurrency", type=int, default=64, help="Most requests in flight.")
+    parser.add_argument("--warmup", type=float, default=2.0, help="Seconds at the same rate before measuring.")
     parser.add_argument("--traces", type=int, default=500, help="Distinct traces to cycle through.")
     parser.add_argument("--spans-per-trace", type=int, default=30)
     parser.add_argument("--dataset-traces", action="store_true", help="Use the model's dataset instead.")
@@ -62,11 +63,8 @@ def main() -> None:
     try:
         base = f"http://127.0.0.1:{port}"
         wait_ready(base)
-        cpu_before, client_before = server_cpu_s(server.pid), own_cpu_s()
-        main_before = own_cpu_s(server.pid)
-        latencies, errors, elapsed = asyncio.run(load(base, bodies, args.rate, args.seconds, args.concurrency))
-        cpu_used, client_used = server_cpu_s(server.pid) - cpu_before, own_cpu_s() - client_before
-        main_used = own_cpu_s(server.pid) - main_before
+        latencies, errors, elapsed, (cpu_used, main_used, client_used) = asyncio.run(
+            load(base, bodies, args.rate, args.seconds, args.concurrency, args.warmup, server.pid))
     finally:
         server.terminate()
         server.wait(30)
@@ -118,33 +116,48 @@ def wait_ready(base: str, timeout_s: float = 120) -> None:
     raise SystemExit("the server did not become ready")
 
 
-async def load(base: str, bodies: list[bytes], rate: float, seconds: float, concurrency: int):
-    total = int(rate * seconds)
-    slots = asyncio.Semaphore(concurrency)
+async def load(base: str, bodies: list[bytes], rate: float, seconds: float, concurrency: int, warmup_s: float,
+               server_pid: int):
+    """Latencies (s), errors by kind, elapsed seconds and CPU seconds (server, its HTTP process,
+    this client) of `seconds` at `rate`, after `warmup_s` at the same rate that opens the
+    connections and warms both ends up (not counted)."""
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(base, connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as client:
+        slots = asyncio.Semaphore(concurrency)
+        await open_loop(client, slots, bodies, rate, warmup_s)
+        cpu = lambda: np.array([server_cpu_s(server_pid), own_cpu_s(server_pid), own_cpu_s()])  # noqa: E731
+        before = cpu()
+        latencies, errors, elapsed = await open_loop(client, slots, bodies, rate, seconds)
+        return latencies, errors, elapsed, cpu() - before
+
+
+async def open_loop(client: aiohttp.ClientSession, slots: asyncio.Semaphore, bodies: list[bytes], rate: float,
+                    seconds: float):
+    """Request i is sent at i / rate s, whatever the answers so far; latency counts from then."""
     latencies: list[float] = []
     errors: dict[str, int] = {}
     headers = {"content-type": "application/x-protobuf"}
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(base, connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as client:
-        started = time.perf_counter()
 
-        async def one(i: int) -> None:
-            due = started + i / rate
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            async with slots:
-                try:
-                    async with client.post("/diagnose", data=bodies[i % len(bodies)], headers=headers) as response:
-                        await response.read()
-                        if response.status != 200:
-                            errors[str(response.status)] = errors.get(str(response.status), 0) + 1
-                except (aiohttp.ClientError, TimeoutError) as error:
-                    errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
-                    return
-            latencies.append(time.perf_counter() - due)
+    async def one(i: int, due: float) -> None:
+        async with slots:
+            try:
+                async with client.post("/diagnose", data=bodies[i % len(bodies)], headers=headers) as response:
+                    await response.read()
+                    if response.status != 200:
+                        errors[str(response.status)] = errors.get(str(response.status), 0) + 1
+            except (aiohttp.ClientError, TimeoutError) as error:
+                errors[type(error).__name__] = errors.get(type(error).__name__, 0) + 1
+                return
+        latencies.append(time.perf_counter() - due)
 
-        await asyncio.gather(*(one(i) for i in range(total)))
-        elapsed = time.perf_counter() - started
-    return np.array(latencies), errors, elapsed
+    started = time.perf_counter()
+    sent = []
+    for i in range(int(rate * seconds)):
+        due = started + i / rate
+        await asyncio.sleep(due - time.perf_counter())
+        sent.append(asyncio.create_task(one(i, due)))  # created when due: no burst of tasks at the start
+    await asyncio.gather(*sent)
+    return np.array(latencies), errors, time.perf_counter() - started
 
 
 def report(latencies: np.ndarray, errors: dict[str, int], elapsed: float, args, spans_per_trace: float) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from bmeg.diagnosis import Diagnosis
+from bmeg.serving.model import freeze_heap
 from bmeg.serving.payloads import Answer, Limits, Payload, RequestRefused, diagnose_payloads
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def _load(run_dir: Path, device: str, torch_threads: int) -> tuple[str, str, str
 
     torch.set_num_threads(torch_threads)
     _detector = Detector.load(run_dir, device=device)
+    freeze_heap()
     return _detector.application, _detector.version, str(_detector.run_dir)
 
 
