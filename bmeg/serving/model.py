@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import threading
 import time
@@ -111,11 +112,14 @@ def freeze_heap() -> None:
     """Take everything alive now (the model, the libraries) out of the cycle collector's sight.
 
     A full collection walks torch's and pydantic's millions of objects and stalls every answer
-    for ~200 ms, several times a minute under load. Unfrozen first, so an old model's garbage goes.
+    for ~200 ms, several times a minute under load. Unfrozen first, so an old model's garbage goes,
+    and at exit, when extension modules (nanobind's) check that their objects were collected.
     """
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
 
 
 def _close(model: DiagnosisModel | None) -> None:
