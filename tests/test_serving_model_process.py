@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.integration  # spawns a torch process: seconds
@@ -49,6 +52,20 @@ def test_a_killed_child_is_started_again_and_its_requests_are_refused_with_503(m
     assert refused.value.status == 503 and "send the request again" in refused.value.message
     assert model_process.pid != old_pid
     assert len(model_process.diagnose(spans).traces) == 1
+
+
+def test_the_child_exits_when_the_server_is_killed_outright(trained_run_dir, tmp_path):
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import sys\nfrom bmeg.serving.model_process import ModelProcess\n"
+        "if __name__ == '__main__':\n"
+        f"    model = ModelProcess({str(trained_run_dir)!r})\n"
+        "    print(model.pid, flush=True)\n    sys.stdin.read()\n")
+    server = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(server.stdout.readline()))
+    server.kill()
+    server.wait()
+    child.wait(timeout=10)  # psutil.TimeoutExpired if it is still there
 
 
 def test_a_run_directory_that_does_not_load_fails_in_the_parent(tmp_path):

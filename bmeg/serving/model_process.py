@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -54,7 +56,7 @@ class ModelProcess:
     def _start(self) -> None:
         self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
-            self._loaded = self._pool.submit(_load, *self._load_args).result()
+            self._loaded = self._pool.submit(_load, *self._load_args, os.getpid()).result()
         except BaseException:
             self.close()
             raise
@@ -73,8 +75,9 @@ class ModelProcess:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _load(run_dir: Path, device: str, torch_threads: int) -> tuple[str, str, str]:
+def _load(run_dir: Path, device: str, torch_threads: int, parent_pid: int) -> tuple[str, str, str]:
     global _detector
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     import torch
 
     from bmeg.models.detector import Detector
@@ -83,6 +86,13 @@ def _load(run_dir: Path, device: str, torch_threads: int) -> tuple[str, str, str
     _detector = Detector.load(run_dir, device=device)
     freeze_heap()
     return _detector.application, _detector.version, str(_detector.run_dir)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A server killed outright (SIGKILL) cannot stop its model process: the process notices alone."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _diagnose(spans: pa.Table, window: bool) -> Diagnosis:
