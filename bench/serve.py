@@ -1,7 +1,7 @@
 """REST benchmark: `bmeg serve` on loopback under a constant request rate.
 
     python bench/serve.py --model RUN_DIR [--rate 200] [--seconds 20] [--concurrency 64]
-                          [--spans-per-trace 30 | --dataset-traces] [--in-process]
+                          [--spans-per-trace 30 | --dataset-traces] [--model-process]
 
 Starts `bmeg serve` in a subprocess, waits for /readyz, then sends one-trace OTLP protobuf
 requests (random call trees of `--spans-per-trace` spans over socialnet's services, from
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--traces", type=int, default=500, help="Distinct traces to cycle through.")
     parser.add_argument("--spans-per-trace", type=int, default=30)
     parser.add_argument("--dataset-traces", action="store_true", help="Use the model's dataset instead.")
-    parser.add_argument("--in-process", action="store_true", help="Serve with the model in the server's process.")
+    parser.add_argument("--model-process", action="store_true", help="Serve with the model in a child process.")
     args = parser.parse_args()
 
     spans = dataset_spans(args.model) if args.dataset_traces else random_traces(args.traces, args.spans_per_trace)
@@ -58,7 +58,7 @@ def main() -> None:
     port = free_port()
     server = subprocess.Popen([str(Path(sys.executable).parent / "bmeg"), "serve", "--model", str(args.model),
                                "--device", "cpu", "--port", str(port), "--log-level", "warning",
-                               "--in-process" if args.in_process else "--model-process"],
+                               "--model-process" if args.model_process else "--in-process"],
                               env={**os.environ, "BMEG_RECENT_DIAGNOSES": "50"})
     try:
         base = f"http://127.0.0.1:{port}"

@@ -30,8 +30,9 @@ def _limit_torch_threads() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
-@click.option("--model-process/--in-process", default=True, show_default=True,
-              help="Run the model in a child process (uses a second core) or in the server's own.")
+@click.option("--model-process/--in-process", default=False, show_default=True,
+              help="Run the model in a child process of its own (a crash there does not take the server "
+                   "down) or on a thread of the server (faster on 2 cores: see README, Results).")
 def serve(run_dir: Path | None, device: str, host: str, port: int, log_level: str, model_process: bool) -> None:
     """Serve POST /diagnose, the web page (/), /metrics, /healthz and /readyz.
 

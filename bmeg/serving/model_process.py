@@ -1,12 +1,13 @@
-"""The detector in a process of its own, so the model's Python work never holds the server's GIL.
+"""The detector in a process of its own (`bmeg serve --model-process`).
 
-A served 30-span trace costs about 1 ms of HTTP work, 0.7 ms of parsing, 1 ms of planning and
-a share of a ~4 ms model call. In one process all of it takes turns on one core and answers
-wait for each other; with the model side (`bmeg.serving.payloads`) in a child process it runs
-on a second core. The child is started with `spawn` (forking a threaded server that has loaded
-torch is unsafe) and keeps the detector's state, such as the SVM's window of recent traces,
-between calls. If the child dies (killed, out of memory), it is started again and the requests
-of that moment are answered 503, to be sent again.
+The model side (`bmeg.serving.payloads`: parsing, the model, the planner) then holds its own
+GIL on its own core, and a crash or a runaway allocation there does not take the server down.
+On 2 cores the hop costs more than it saves (pickling answers back, the pool's management
+thread): the default keeps the model on a thread of the server. The child is started with
+`spawn` (forking a threaded server that has loaded torch is unsafe) and keeps the detector's
+state, such as the SVM's window of recent traces, between calls. If the child dies (killed,
+out of memory), it is started again and the requests of that moment are answered 503, to be
+sent again.
 """
 
 from __future__ import annotations
