@@ -26,7 +26,6 @@ kafka-python runs rebalance listeners on its network thread, where no blocking w
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -43,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bmeg.diagnosis import Diagnosis, TraceDiagnosis
 from bmeg.serving.assembler import PendingTrace, TraceAssembler
-from bmeg.serving.model import DiagnosisModel
+from bmeg.serving.model import DiagnosisModel, freeze_heap
 from bmeg.serving.offsets import OffsetTracker
 from bmeg.traces import TraceInputError, read_spans_bytes, to_otlp_proto_bytes
 
@@ -117,13 +116,12 @@ class StreamConsumer:
         # The model and the libraries live as long as the process: out of the collector's
         # sight, the full collections that each batch's thousands of result objects trigger
         # walk only the new objects (they cost as much as the model's forward pass before).
-        gc.freeze()
+        freeze_heap()
         try:
             while not stop.is_set():
                 self.step()
         finally:
             self.close()
-            gc.unfreeze()  # collectable again at exit (extension modules check for leaks)
 
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
