@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_graphs_assemble import spans
+from test_graphs_assemble import chain, spans
 
 from bmeg.graphs import assemble, critical_paths, trace_paths
 from bmeg.traces import span_table
@@ -83,17 +83,7 @@ def test_single_span_path_is_the_span():
 
 def test_deep_chain_of_100k_spans():
     n = 100_000
-    table = span_table(
-        {
-            "trace_id": ["deep"] * n,
-            "span_id": [f"{i:x}" for i in range(n)],
-            "parent_id": [None] + [f"{i:x}" for i in range(n - 1)],
-            "service": ["s"] * n,
-            "operation": ["o"] * n,
-            "start_ns": list(range(n)),
-            "duration_ns": [2 * (n - i) for i in range(n)],
-        }
-    )
+    table = chain("deep", list(range(n)), [2 * (n - i) for i in range(n)])
     forest = assemble(table)
     paths = critical_paths(forest)
     assert paths.on_path.all()
