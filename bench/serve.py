@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
+import gc
 import os
 import socket
 import subprocess
@@ -63,6 +65,11 @@ def main() -> None:
     try:
         base = f"http://127.0.0.1:{port}"
         wait_ready(base)
+        # This process imported torch and pyarrow for the traces: a full GC pass over them would
+        # stall the sender ~200 ms and show up as the server's latency.
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # nanobind checks at exit that its objects were collected
         latencies, errors, elapsed, (cpu_used, main_used, client_used) = asyncio.run(
             load(base, bodies, args.rate, args.seconds, args.concurrency, args.warmup, server.pid))
     finally:
