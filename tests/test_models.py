@@ -4,9 +4,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch_geometric.data import Batch, Data
+from torch_geometric.nn import GCNConv
+from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
 from bmeg.graphs import assemble
+from bmeg.models.adjacency import gcn_adjacency
 from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
@@ -61,10 +66,33 @@ def test_minibatch_matches_the_forest_graphs():
     assert batch.x[:, 0].tolist() == rows.tolist()
     assert batch.y.tolist() == [1, 1]
     assert batch.batch.tolist() == [0] * 4 + [1] * 4
-    # 3 parent-child edges per trace, both directions, renumbered within the batch
-    assert batch.edge_index.shape == (2, 12)
-    assert set(batch.edge_index[:, :6].flatten().tolist()) == {0, 1, 2, 3}
-    assert set(batch.edge_index[:, 6:].flatten().tolist()) == {4, 5, 6, 7}
+    # 3 parent-child edges per trace, both directions, and self-loops, renumbered within the batch
+    linked = batch.adj_t.to_dense() != 0
+    assert linked.sum() == 2 * (6 + 4)
+    assert torch.equal(linked, linked.T) and linked.diagonal().all()
+    assert not linked[:4, 4:].any() and not linked[4:, :4].any()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+    st.just(n), st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=30))))
+def test_gcn_adjacency_propagates_as_pyg_message_passing(graph):
+    # Any directed edges, self-loops and duplicates included: the sparse product equals PyG's edge-wise GCNConv.
+    num_nodes, edges = graph
+    edge_index = torch.tensor(edges, dtype=torch.long).reshape(-1, 2).T
+    conv = GCNConv(3, 4, normalize=False)
+    x = torch.randn(num_nodes, 3)
+    expected = conv(x, *gcn_norm(edge_index, None, num_nodes, add_self_loops=True))
+    assert torch.allclose(conv(x, gcn_adjacency(edge_index, num_nodes)), expected, atol=1e-5)
+
+
+def test_models_take_an_edge_index_or_its_adjacency():
+    graphs = [Data(x=torch.randn(n, 6), edge_index=torch.tensor([[0] * (n - 1), list(range(1, n))])) for n in (3, 15)]
+    batch = Batch.from_data_list(graphs)
+    adj_t = gcn_adjacency(batch.edge_index, batch.num_nodes)
+    dgcnn, gcn = DGCNN(6, k=10).eval(), GCNNodeClassifier(6).eval()
+    assert torch.equal(dgcnn(batch.x, batch.edge_index, batch.batch), dgcnn(batch.x, adj_t, batch.batch))
+    assert torch.equal(gcn(batch.x, batch.edge_index), gcn(batch.x, adj_t))
 
 
 def test_feature_encoder_baselines_flag_the_slow_span():

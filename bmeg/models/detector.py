@@ -92,8 +92,8 @@ class Detector:
         services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         graphs = GraphSet.from_forest(forest, self.encoder.transform(forest, paths, services))
         everything = np.arange(forest.num_traces)
-        gnn_anomaly = predict_proba(self.dgcnn, graphs, everything, "graph", self.device)
-        node_scores = predict_proba(self.gcn, graphs, everything, "node", self.device)
+        probabilities = predict_proba({"graph": self.dgcnn, "node": self.gcn}, graphs, everything, self.device)
+        gnn_anomaly, node_scores = probabilities["graph"], probabilities["node"]
         codes, names = pd.factorize(services)
         gnn_service = np.zeros((forest.num_traces, len(names)))
         np.maximum.at(gnn_service, (forest.trace_index, codes), node_scores)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch_geometric.nn import GCNConv
-from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.nn.aggr import SortAggregation
+
+from bmeg.models.adjacency import as_gcn_adjacency
 
 
 class DGCNN(nn.Module):
@@ -44,14 +45,14 @@ class DGCNN(nn.Module):
         self.out = nn.Linear(dense_channels, 2)
         self.k = k
 
-    def forward(self, x: Tensor, edge_index: Tensor, batch: Tensor) -> Tensor:
-        """x [num_nodes, in_channels] -> logits [num_graphs, 2]."""
-        # Normalise the adjacency once for all layers (self-loops, symmetric degree scaling).
-        edge_index, edge_weight = gcn_norm(edge_index, None, x.size(0), add_self_loops=True)
+    def forward(self, x: Tensor, edges: Tensor, batch: Tensor) -> Tensor:
+        """x [num_nodes, in_channels], edges: edge_index [2, num_edges] or its `gcn_adjacency`
+        [num_nodes, num_nodes] -> logits [num_graphs, 2]."""
+        adj_t = as_gcn_adjacency(edges, x.size(0))  # normalised once for all layers
         layers = []
         h = x
         for conv in self.convs:
-            h = torch.tanh(conv(h, edge_index, edge_weight))
+            h = torch.tanh(conv(h, adj_t))
             layers.append(h)
         h = torch.cat(layers, dim=-1)  # [num_nodes, total]
         h = self.sort_pool(h, batch)  # [num_graphs, k * total]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch_geometric.nn import GCNConv
-from torch_geometric.nn.conv.gcn_conv import gcn_norm
+
+from bmeg.models.adjacency import as_gcn_adjacency
 
 
 class GCNNodeClassifier(nn.Module):
@@ -31,11 +32,11 @@ class GCNNodeClassifier(nn.Module):
             nn.Linear(hidden_channels, 2),
         )
 
-    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        """x [num_nodes, in_channels] -> logits [num_nodes, 2]."""
-        # Normalise the adjacency once for all layers (self-loops, symmetric degree scaling).
-        edge_index, edge_weight = gcn_norm(edge_index, None, x.size(0), add_self_loops=True)
+    def forward(self, x: Tensor, edges: Tensor) -> Tensor:
+        """x [num_nodes, in_channels], edges: edge_index [2, num_edges] or its `gcn_adjacency`
+        [num_nodes, num_nodes] -> logits [num_nodes, 2]."""
+        adj_t = as_gcn_adjacency(edges, x.size(0))  # normalised once for all layers
         h = x
         for conv in self.convs:
-            h = torch.relu(conv(h, edge_index, edge_weight))
+            h = torch.relu(conv(h, adj_t))
         return self.feed_forward(torch.cat([h, x], dim=-1))

@@ -2,7 +2,8 @@
 
 PyG's `Batch.from_data_list` loops over graphs in Python; training draws thousands of random
 mini-batches, so here a mini-batch is gathered from flat arrays with numpy index arithmetic.
-Edges are made undirected (GCN layers then pass messages both up and down the call tree).
+Edges are made undirected (GCN layers then pass messages both up and down the call tree); a
+mini-batch carries them as the GCN's normalised adjacency, built once for every model using it.
 """
 
 from __future__ import annotations
@@ -16,19 +17,20 @@ from torch import Tensor
 
 from bmeg.graphs import SpanForest
 from bmeg.graphs.callgraph import edge_index as call_edges
+from bmeg.models.adjacency import gcn_adjacency
 
 
 @dataclass(frozen=True)
 class MiniBatch:
     x: Tensor  # [num_nodes, F]
-    edge_index: Tensor  # [2, num_edges]
+    adj_t: Tensor  # sparse CSR [num_nodes, num_nodes]: `gcn_adjacency` of the batch's edges
     batch: Tensor  # [num_nodes]: graph of each node
     y: Tensor | None  # [num_graphs]
     node_y: Tensor | None  # [num_nodes]
 
     def to(self, device: torch.device) -> MiniBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return MiniBatch(move(self.x), move(self.edge_index), move(self.batch), move(self.y), move(self.node_y))
+        return MiniBatch(move(self.x), move(self.adj_t), move(self.batch), move(self.y), move(self.node_y))
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class GraphSet:
         graph_of_node = np.repeat(np.arange(len(traces)), np.diff(new_node_offsets))
         return MiniBatch(
             x=torch.from_numpy(self.x[node_rows]),
-            edge_index=torch.from_numpy(self.edges[:, edge_rows] + shift),
+            adj_t=gcn_adjacency(torch.from_numpy(self.edges[:, edge_rows] + shift), len(node_rows)),
             batch=torch.from_numpy(graph_of_node),
             y=None if self.y is None else torch.from_numpy(self.y[traces]),
             node_y=None if self.node_y is None else torch.from_numpy(self.node_y[node_rows]),

@@ -74,21 +74,25 @@ def resolve_device(name: str) -> torch.device:
 
 def logits_and_labels(model: nn.Module, batch: MiniBatch, target: Target) -> tuple[Tensor, Tensor]:
     if target == "graph":
-        return model(batch.x, batch.edge_index, batch.batch), batch.y
-    return model(batch.x, batch.edge_index), batch.node_y
+        return model(batch.x, batch.adj_t, batch.batch), batch.y
+    return model(batch.x, batch.adj_t), batch.node_y
 
 
 @torch.inference_mode()
-def predict_proba(model: nn.Module, graphs: GraphSet, traces: np.ndarray, target: Target,
-                  device: torch.device, batch_size: int = 512) -> np.ndarray:
-    """P(positive) per graph (target graph) or per node of the given traces (target node)."""
-    if model.training:  # eval() walks every submodule: too dear for a served request
-        model.eval()
-    parts = []
+def predict_proba(models: dict[Target, nn.Module], graphs: GraphSet, traces: np.ndarray,
+                  device: torch.device, batch_size: int = 512) -> dict[Target, np.ndarray]:
+    """Each model's P(positive) on the given traces: per graph (target "graph") or per node
+    (target "node"). The models share every mini-batch, and so its adjacency."""
+    for model in models.values():
+        if model.training:  # eval() walks every submodule: too dear for a served request
+            model.eval()
+    parts: dict[Target, list[np.ndarray]] = {target: [np.zeros(0)] for target in models}
     for batch in graphs.minibatches(traces, batch_size):
-        logits, _ = logits_and_labels(model, batch.to(device), target)
-        parts.append(torch.softmax(logits, dim=-1)[:, 1].cpu().numpy())
-    return np.concatenate(parts) if parts else np.zeros(0)
+        batch = batch.to(device)
+        for target, model in models.items():
+            logits, _ = logits_and_labels(model, batch, target)
+            parts[target].append(torch.softmax(logits, dim=-1)[:, 1].cpu().numpy())
+    return {target: np.concatenate(arrays) for target, arrays in parts.items()}
 
 
 def fit(model: nn.Module, graphs: GraphSet, train: np.ndarray, val: np.ndarray, target: Target,
@@ -158,7 +162,7 @@ def _fit_process(rank: int, world: int, model: nn.Module, graphs: GraphSet, trai
 
 
 def _validation_ap(model: nn.Module, graphs: GraphSet, val: np.ndarray, target: Target, device) -> float:
-    scores = predict_proba(model, graphs, val, target, device)
+    scores = predict_proba({target: model}, graphs, val, device)[target]
     truth = graphs.y[val] if target == "graph" else graphs.node_y[graphs.node_rows(val)]
     if len(np.unique(truth)) < 2:
         return float(-np.mean(np.abs(scores - truth)))  # one class only: closeness stands in
