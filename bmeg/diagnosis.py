@@ -8,8 +8,9 @@ ranks services over the whole window.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, Field
 
 
@@ -64,3 +65,12 @@ class Diagnosis(BaseModel):
     @property
     def anomalous(self) -> list[TraceDiagnosis]:
         return [trace for trace in self.traces if trace.anomalous]
+
+
+def single_trace_json(document: dict[str, Any], trace: dict[str, Any]) -> bytes:
+    """The JSON of a one-trace `Diagnosis`: `trace`, one of `document["traces"]`, under
+    `document`'s model. `document` is a diagnosis as plain values in `Diagnosis.model_dump()`'s
+    layout (`Detector.diagnosis_document`); the bytes are those `model_dump_json()` writes, made
+    by pydantic's own serialiser without building the typed objects (the consumer's hot path)."""
+    return pydantic_core.to_json({"model_version": document["model_version"], "application": document["application"],
+                                  "traces": [trace], "ranking": None})

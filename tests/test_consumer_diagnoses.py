@@ -6,20 +6,26 @@ from __future__ import annotations
 
 import pyarrow.compute as pc
 
-from bmeg.diagnosis import TraceDiagnosis
+from bmeg.diagnosis import Diagnosis, TraceDiagnosis, single_trace_json
 from bmeg.traces import span_table
 from test_models import _tiny_detector, many_traces, star_trace
 
 
-def test_a_trace_diagnosed_in_a_batch_gets_the_diagnosis_it_gets_alone():
-    detector = _tiny_detector()  # GNN stages only: no SVM window ties traces together
-    odd = star_trace("odd", [100, 300, 20, 40, 60, 80])  # more services than the top five
+def _batch_with_an_odd_trace():
+    """Six plain traces (one slow) and one with more services than the top five, a service the
+    model does not know and a missing parent."""
+    odd = star_trace("odd", [100, 300, 20, 40, 60, 80])
     odd["service"][2] = "brand-new-service"
     odd["parent_id"][3] = "missing-parent"
     spans = many_traces(6, slow=2)
     for key, values in odd.items():
         spans[key] += values
-    table = span_table(spans)
+    return span_table(spans)
+
+
+def test_a_trace_diagnosed_in_a_batch_gets_the_diagnosis_it_gets_alone():
+    detector = _tiny_detector()  # GNN stages only: no SVM window ties traces together
+    table = _batch_with_an_odd_trace()
 
     batch = detector.diagnose(table)
 
@@ -37,6 +43,16 @@ def test_a_trace_diagnosed_in_a_batch_gets_the_diagnosis_it_gets_alone():
     slow = batch.traces[2]
     assert slow.latencies[0].service == "svc1" and slow.latencies[0].ratio == slow.latencies[0].latency_us / 200.0
     assert all(s.baseline_us is None and s.ratio is None for s in slow.latencies[1:])  # only svc1 has a baseline
+
+
+def test_the_consumers_json_is_the_typed_diagnosis_byte_for_byte():
+    detector = _tiny_detector()
+    document = detector.diagnosis_document(_batch_with_an_odd_trace(), window=True)
+    diagnosis = Diagnosis.model_validate(document)
+    assert diagnosis.model_dump() == document  # every field present (the order: below)
+    for trace, typed in zip(document["traces"], diagnosis.traces, strict=True):
+        one = Diagnosis(model_version=diagnosis.model_version, application=diagnosis.application, traces=[typed])
+        assert single_trace_json(document, trace) == one.model_dump_json().encode()
 
 
 def _evidence(trace: TraceDiagnosis) -> dict:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 
 import bmeg
-from bmeg.diagnosis import Diagnosis, ServiceScore
+from bmeg.diagnosis import Diagnosis
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
 from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import self_time_ns
@@ -139,19 +139,26 @@ class Detector:
     # -- diagnosis ---------------------------------------------------------------------------
     def diagnose(self, spans: pa.Table | SpanForest, window: bool = False) -> Diagnosis:
         """Diagnose every trace of a span table (or an assembled forest)."""
+        # Plain values for every trace, validated in one pydantic call: building ~30 small
+        # models per trace one by one cost as much as running the models.
+        return Diagnosis.model_validate(self.diagnosis_document(spans, window))
+
+    def diagnosis_document(self, spans: pa.Table | SpanForest, window: bool = False) -> dict:
+        """The `Diagnosis` as plain values, laid out as `Diagnosis.model_dump()` lays it out.
+        `diagnose` validates it; an output that only serialises it (the Kafka consumer, with
+        `bmeg.diagnosis.single_trace_json`) skips building the typed objects."""
         forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="raise")
         paths = critical_paths(forest)
         scores = self.score(forest, paths, remember=True)
-        # Plain values for every trace, validated in one pydantic call: building ~30 small
-        # models per trace one by one cost as much as running the models.
-        return Diagnosis.model_validate({
+        return {
             "model_version": self.version, "application": self.application,
             "traces": self._trace_diagnoses(forest, scores, paths),
             "ranking": self._window_ranking(scores) if window else None,
-        })
+        }
 
     def _trace_diagnoses(self, forest: SpanForest, scores: Scores, paths: CriticalPaths) -> list[dict]:
-        """Each trace's `TraceDiagnosis` as a dict; the per-service work is done for all traces at once."""
+        """Each trace's `TraceDiagnosis` as a dict, every field in order; the per-service work is
+        done for all traces at once."""
         names = scores.services
         node_threshold = np.where(scores.to_svm, self.thresholds["svm"], self.thresholds["node"])
         ranked = _ranked_columns(scores.service, scores.present, TOP_SERVICES)
@@ -182,6 +189,7 @@ class Detector:
                 "latencies": [{"service": names[i], "latency_us": value, "baseline_us": baselines[i],
                                "ratio": ratio_i if baselines[i] else None}
                               for i, value, ratio_i in zip(by_latency_t[:present_t], latency_t, ratio_t)],
+                "mitigations": [],
                 "warnings": warnings,
             }
             for (trace_id, spans, total_us, anomalous, anomaly, to_svm, top, ranked_t, score_t, bottleneck_t,
@@ -203,14 +211,14 @@ class Detector:
             warnings.append(trace_warnings)
         return warnings
 
-    def _window_ranking(self, scores: Scores) -> list[ServiceScore]:
+    def _window_ranking(self, scores: Scores) -> list[dict]:
         """Services over the window: mean score over the anomalous traces (all, weighted, if none)."""
         weights = scores.anomalous.astype(float) if scores.anomalous.any() else scores.anomaly
         seen = np.maximum((weights[:, None] * scores.present).sum(axis=0), 1e-12)
         mean = (weights[:, None] * scores.service).sum(axis=0) / seen
         order = np.argsort(-mean, kind="stable")
         threshold = self.thresholds["node"]
-        return [ServiceScore(service=scores.services[i], score=float(mean[i]), bottleneck=bool(mean[i] >= threshold))
+        return [{"service": scores.services[i], "score": float(mean[i]), "bottleneck": bool(mean[i] >= threshold)}
                 for i in order if scores.present[:, i].any()]
 
     # -- persistence -------------------------------------------------------------------------

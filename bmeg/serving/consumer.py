@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pyarrow as pa
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
@@ -40,9 +41,10 @@ from kafka.errors import CommitFailedError
 from kafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from bmeg.diagnosis import Diagnosis, TraceDiagnosis
+from bmeg.diagnosis import single_trace_json
 from bmeg.serving.assembler import PendingTrace, TraceAssembler
-from bmeg.serving.model import DiagnosisModel, freeze_heap
+from bmeg.models.detector import Detector
+from bmeg.serving.model import freeze_heap
 from bmeg.serving.offsets import OffsetTracker
 from bmeg.traces import TraceInputError, read_spans_bytes, to_otlp_proto_bytes
 
@@ -71,6 +73,12 @@ class ConsumerConfig:
     max_poll_records: int = 2_000
 
 
+class DiagnosedTrace(NamedTuple):
+    json: bytes  # a one-trace `Diagnosis`
+    anomalous: bool
+    has_bottleneck: bool  # anomalous, with a service at or above the bottleneck threshold: for mitigation
+
+
 class ConsumerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -89,7 +97,7 @@ class ConsumerMetrics:
 
 
 class StreamConsumer:
-    def __init__(self, detector: DiagnosisModel, config: ConsumerConfig, metrics: ConsumerMetrics | None = None):
+    def __init__(self, detector: Detector, config: ConsumerConfig, metrics: ConsumerMetrics | None = None):
         if config.encoding not in ENCODINGS:
             raise ValueError(f"encoding {config.encoding!r}: expected one of {sorted(ENCODINGS)}")
         self.detector = detector
@@ -215,38 +223,41 @@ class StreamConsumer:
             results = self._diagnose(batch)
         for trace in batch:
             outcome = results.get(trace.trace_id)
-            if isinstance(outcome, TraceDiagnosis):
-                self._send_diagnosis(outcome)
+            if isinstance(outcome, DiagnosedTrace):
+                self._send_diagnosis(trace.trace_id, outcome)
             else:
                 self._dead_letter(trace.trace_id.encode(), to_otlp_proto_bytes(trace.table()),
                                   outcome or "the detector returned no diagnosis for this trace",
                                   origin=f"trace {trace.trace_id}")
         return batch
 
-    def _diagnose(self, batch: list[PendingTrace]) -> dict[str, TraceDiagnosis | str]:
+    def _diagnose(self, batch: list[PendingTrace]) -> dict[str, DiagnosedTrace | str]:
         """Each trace's diagnosis, or the reason it could not be diagnosed."""
         try:
-            diagnosis = self.detector.diagnose(pa.concat_tables([part for t in batch for part in t.parts]))
+            document = self.detector.diagnosis_document(pa.concat_tables([part for t in batch for part in t.parts]))
         except Exception as error:  # noqa: BLE001 - a bad trace must not stop the stream: find it
             if len(batch) == 1:
                 return {batch[0].trace_id: _reason(error, batch[0].trace_id)}
-            results: dict[str, TraceDiagnosis | str] = {}
+            results: dict[str, DiagnosedTrace | str] = {}
             for trace in batch:
                 results.update(self._diagnose([trace]))
             return results
-        return {trace.trace_id: trace for trace in diagnosis.traces}
+        return {
+            trace["trace_id"]: DiagnosedTrace(
+                single_trace_json(document, trace), trace["anomalous"],
+                trace["anomalous"] and any(score["bottleneck"] for score in trace["bottlenecks"]))
+            for trace in document["traces"]
+        }
 
-    def _send_diagnosis(self, trace: TraceDiagnosis) -> None:
-        value = Diagnosis(model_version=self.detector.version, application=self.detector.application,
-                          traces=[trace]).model_dump_json()
-        key = trace.trace_id.encode()
-        self.producer.send(self.config.diagnoses_topic, key=key, value=value.encode())
+    def _send_diagnosis(self, trace_id: str, diagnosed: DiagnosedTrace) -> None:
+        key = trace_id.encode()
+        self.producer.send(self.config.diagnoses_topic, key=key, value=diagnosed.json)
         self.metrics.traces.inc()
-        if trace.anomalous:
+        if diagnosed.anomalous:
             self.metrics.anomalies.inc()
-            if any(score.bottleneck for score in trace.bottlenecks):
-                self.producer.send(self.config.mitigations_topic, key=key, value=value.encode())
-                self.metrics.mitigations.inc()
+        if diagnosed.has_bottleneck:
+            self.producer.send(self.config.mitigations_topic, key=key, value=diagnosed.json)
+            self.metrics.mitigations.inc()
 
     def _dead_letter(self, key: bytes | None, value: bytes, reason: str, origin: str) -> None:
         log.warning("dead-lettered %s: %s", origin, reason)
