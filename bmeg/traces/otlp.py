@@ -160,8 +160,10 @@ def _rows_mentioning(raw_spans: list[bytes], needles: tuple[bytes, ...]) -> list
 
 def _status_codes(statuses: list[bytes], ids: dict[str, list], source: str) -> list[int]:
     codes = [0] * len(statuses)
+    if not any(statuses):  # empty for the usual unset status: nothing to decode
+        return codes
     for row, raw in enumerate(statuses):
-        if raw:  # empty for the usual unset status
+        if raw:
             try:
                 codes[row] = Status.FromString(raw).code
             except DecodeError as error:
