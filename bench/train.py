@@ -3,7 +3,7 @@
 Prints, in one run on the same data:
 - training throughput of each stage (graphs/s, mini-batches of 128) and the projected time of
   a thesis-size run (790,000 traces) at the epochs given;
-- inference: `Detector.score` at batch 256 (traces/s) and `Detector.diagnose` of one trace at a
+- inference: `Detector.diagnose` at batch 256 (traces/s, median of 20 calls) and `Detector.diagnose` of one trace at a
   time (p50 / p99 latency), and the ratio of batch-256 to batch-1 throughput.
 
     python bench/train.py [--traces 5000] [--epochs-790k 5] [--model RUN_DIR]
@@ -39,6 +39,7 @@ def main() -> None:
     os.environ.setdefault("BMEG_CACHE", os.path.join(tempfile.gettempdir(), "bmeg-bench-cache"))
 
     from bmeg.datasets.loader import load_dataset
+    from bmeg.serving.model import freeze_heap
     from bmeg.training import train
     from bmeg.training.graphset import GraphSet
     from bmeg.training.trainer import logits_and_labels
@@ -70,11 +71,15 @@ def main() -> None:
     spans = data.forest.spans
     batch = spans.filter(pc.is_in(spans["trace_id"], value_set=batch_ids))
     detector.diagnose(batch)  # warm-up
-    started = time.perf_counter()
-    repeats = 5
-    for _ in range(repeats):
+    # As the server and the consumer do: the dataset and the model out of the collector's sight
+    # (a full pass over them landing in one of a few timed calls swung this figure 3x).
+    freeze_heap()
+    calls = []
+    for _ in range(20):
+        started = time.perf_counter()
         detector.diagnose(batch)
-    batch_rate = 256 * repeats / (time.perf_counter() - started)
+        calls.append(time.perf_counter() - started)
+    batch_rate = 256 / float(np.median(calls))
     latencies = []
     for trace_id in ids.slice(256, 200).to_pylist():
         one = spans.filter(pc.equal(spans["trace_id"], pa.scalar(trace_id)))
@@ -82,7 +87,8 @@ def main() -> None:
         detector.diagnose(one)
         latencies.append(time.perf_counter() - started)
     p50, p99 = np.percentile(latencies, [50, 99]) * 1e3
-    print(f"inference, diagnose at batch 256: {batch_rate:,.0f} traces/s (target >= 2,000 on one core)")
+    print(f"inference, diagnose at batch 256 (median of 20 calls): {batch_rate:,.0f} traces/s "
+          f"(target >= 2,000 on one core)")
     print(f"inference, diagnose at batch 1: p50 {p50:.1f} ms, p99 {p99:.1f} ms per trace "
           f"({1e3 / p50:,.0f} traces/s); batch-256 / batch-1 throughput: {batch_rate * p50 / 1e3:.1f}x")
 
