@@ -172,14 +172,15 @@ def test_split_by_trace_keeps_every_span_once(trace_ids):
 # -- offsets -----------------------------------------------------------------------------
 def test_the_commit_point_stops_at_the_lowest_message_with_a_trace_pending():
     tracker = OffsetTracker()
-    tracker.received("p", 0, 1)
-    tracker.received("p", 1, 2)
-    tracker.received("p", 2, 0)  # e.g. dead-lettered
+    first, second, third = (tracker.source("p", offset) for offset in range(3))
+    tracker.received(first, 1)
+    tracker.received(second, 2)
+    tracker.received(third, 0)  # e.g. dead-lettered
     assert tracker.commit_points() == {"p": 0}
-    tracker.release("p", 1)
-    tracker.release("p", 0)
+    tracker.release(second)
+    tracker.release(first)
     assert tracker.commit_points() == {"p": 1}
-    tracker.release("p", 1)
+    tracker.release(second)
     assert tracker.commit_points() == {"p": 3}
     tracker.forget(["p"])
     assert tracker.commit_points() == {}
@@ -187,9 +188,25 @@ def test_the_commit_point_stops_at_the_lowest_message_with_a_trace_pending():
 
 def test_offsets_must_arrive_in_order():
     tracker = OffsetTracker()
-    tracker.received("p", 5, 1)
+    tracker.received(tracker.source("p", 5), 1)
     with pytest.raises(ValueError, match="out of order"):
-        tracker.received("p", 5, 1)
+        tracker.received(tracker.source("p", 5), 1)
+
+
+def test_a_trace_of_a_revoked_assignment_does_not_release_the_message_read_again():
+    tracker = OffsetTracker()
+    before = tracker.source("p", 0)
+    tracker.received(before, 1)  # its trace is being diagnosed when a rebalance takes "p" away
+    polled_before = tracker.source("p", 1)
+    tracker.forget(["p"])
+    tracker.received(polled_before, 1)  # polled before the rebalance: not tracked any more
+    assert tracker.commit_points() == {}
+    again = tracker.source("p", 0)  # "p" comes back: the message is read again
+    tracker.received(again, 1)
+    tracker.release(before)  # the old trace is published: a no-op now
+    assert tracker.commit_points() == {"p": 0}
+    tracker.release(again)
+    assert tracker.commit_points() == {"p": 1}
 
 
 @settings(max_examples=100)
@@ -203,20 +220,25 @@ def test_never_commits_past_a_message_whose_trace_is_unpublished(data):
     next_offset = {"p0": 0, "p1": 0}
     pending = []
     for _ in range(data.draw(st.integers(1, 25))):
-        if data.draw(st.booleans()) or not len(assembler):
-            partition = data.draw(st.sampled_from(["p0", "p1"]))
-            offset = next_offset[partition]
+        action = data.draw(st.sampled_from(["receive", "receive", "publish", "rebalance"]))
+        partition = data.draw(st.sampled_from(["p0", "p1"]))
+        if action == "receive" or not len(assembler) and not pending:
+            source = tracker.source(partition, next_offset[partition])
             next_offset[partition] += 1
             traces = data.draw(st.lists(st.sampled_from("abcdef"), min_size=0, max_size=4))
-            tracker.received(partition, offset, assembler.add(spans_of(traces), (partition, offset)) if traces else 0)
-        else:
+            tracker.received(source, assembler.add(spans_of(traces), source) if traces else 0)
+        elif action == "publish":
             clock.now += 1
             pending += assembler.finished()
             if pending:
                 done = pending.pop(data.draw(st.integers(0, len(pending) - 1)))
-                for partition, offset in done.sources:
-                    tracker.release(partition, offset)
+                for source in done.sources:
+                    tracker.release(source)
+        else:  # taken away and given back: read again from the furthest point it could have committed
+            next_offset[partition] = tracker.commit_points().get(partition, next_offset[partition])
+            tracker.forget([partition])
         points = tracker.commit_points()
         for trace in [*pending, *assembler]:
-            for partition, offset in trace.sources:
-                assert points[partition] <= offset
+            for source in trace.sources:
+                if source.assignment == tracker.source(source.partition, 0).assignment:
+                    assert points[source.partition] <= source.offset

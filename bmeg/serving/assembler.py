@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-Source = Hashable  # (partition, offset) of a message
+Source = Hashable  # a message: `bmeg.serving.offsets.Source` in the consumer
 
 
 @dataclass

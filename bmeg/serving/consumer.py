@@ -21,7 +21,9 @@ that gets all its spans, so producers should key by trace id (the collector's
 messages are read again by the new owner: delivery is at least once, so a trace in flight
 at that moment may be diagnosed twice (consumers of `bmeg.diagnoses` key by trace id).
 kafka-python runs rebalance listeners on its network thread, where no blocking work
-(diagnosing, committing) may run, so the listener only forgets the partitions.
+(diagnosing, committing) may run, so the listener only forgets the partitions; each message
+is tracked under its partition's assignment (`OffsetTracker`), so a trace still in flight
+from a revoked partition never releases a message read again after it comes back.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class StreamConsumer:
     # -- messages in -------------------------------------------------------------------------
     def _take(self, partition: TopicPartition, message) -> None:
         self.metrics.messages.inc()
+        source = self.offsets.source(partition, message.offset)
         origin = f"{partition.topic}/{partition.partition}@{message.offset}"
         try:
             spans = self._decode(message)
@@ -182,11 +185,10 @@ class StreamConsumer:
                 log.error("reading %s failed", origin, exc_info=error)
                 reason = f"reader failed: {type(error).__name__}: {error}"
             self._dead_letter(message.key, message.value or b"", reason, origin)
-            self.offsets.received(partition, message.offset, 0)
+            self.offsets.received(source, 0)
             return
         self.metrics.spans.inc(spans.num_rows)
-        traces = self.assembler.add(spans, (partition, message.offset))
-        self.offsets.received(partition, message.offset, traces)
+        self.offsets.received(source, self.assembler.add(spans, source))
         self.metrics.pending.set(len(self.assembler))
 
     def _decode(self, message) -> pa.Table:
@@ -214,8 +216,8 @@ class StreamConsumer:
 
     def _release(self, published: list[PendingTrace]) -> None:
         for trace in published:
-            for partition, offset in trace.sources:
-                self.offsets.release(partition, offset)
+            for source in trace.sources:
+                self.offsets.release(source)
 
     def _publish(self, batch: list[PendingTrace]) -> list[PendingTrace]:
         """On the diagnosing thread: diagnose a batch and send each result (or its dead letter)."""
