@@ -197,3 +197,65 @@ def _consume_process(bootstrap: str, config: ConsumerConfig, run_dir: Path, log:
                "--diagnoses-topic", config.diagnoses_topic, "--mitigations-topic", config.mitigations_topic,
                "--dead-letter-topic", config.dead_letter_topic, "--idle-timeout", "0.5", *extra]
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_a_rebalance_keeps_the_traces_of_kept_partitions_safe_and_hands_over_the_others(
+        kafka_bootstrap, trained_run_dir, hotel_dataset):
+    """A second consumer joins while the first holds assembled traces. The first keeps half the
+    partitions, with their traces, and their offsets stay held below those traces while newer
+    messages arrive; it drops the traces of the half it lost, which the second reads and
+    diagnoses. Every trace is diagnosed whole."""
+    from bmeg.models.detector import Detector
+
+    config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces finish only at the stop
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[110:130]
+    spans = traces_of(hotel_dataset.spans, trace_ids)
+    early, late = trace_ids[:16], trace_ids[16:]
+    produce(kafka_bootstrap, config.topic, _keyed_messages(spans, early, partitions=range(PARTITIONS)))
+
+    first = StreamConsumer(Detector.load(trained_run_dir, device="cpu"), config)
+    deadline = time.monotonic() + 60
+    while len(first.assembler) < len(early):
+        assert time.monotonic() < deadline, "the first consumer read nothing"
+        first.step()
+    second = StreamConsumer(Detector.load(trained_run_dir, device="cpu"), config)
+    stop = threading.Event()
+    thread = threading.Thread(target=second.run, args=(stop,))
+    thread.start()
+    try:
+        while len(first.consumer.assignment()) != PARTITIONS // 2 or len(second.consumer.assignment()) != PARTITIONS // 2:
+            assert time.monotonic() < deadline + 60, "the group did not rebalance"
+            first.step()  # the rebalance runs inside its polls
+        kept = sorted(tp.partition for tp in first.consumer.assignment())
+        assert sorted(trace.trace_id for trace in first.assembler) == sorted(
+            trace_id for i, trace_id in enumerate(early) if i % PARTITIONS in kept)
+        produce(kafka_bootstrap, config.topic, _keyed_messages(spans, late, partitions=kept))
+        while len(first.assembler) < len(early) // 2 + len(late):
+            assert time.monotonic() < deadline + 120, "the first consumer did not read the later traces"
+            first.step()
+        first.commit()
+        points = committed(kafka_bootstrap, config)
+        assert all(points[p] in (None, 0) for p in kept), points  # held below the early traces
+        first.close()
+    finally:
+        stop.set()
+        thread.join(30)
+
+    records = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))
+    expected_spans = Counter(spans["trace_id"].to_pylist())
+    assert {record.key.decode() for record in records} == set(trace_ids)
+    for record in records:
+        (trace,) = Diagnosis.model_validate_json(record.value).traces
+        assert trace.spans == expected_spans[trace.trace_id] and not trace.warnings, trace.warnings
+
+
+def _keyed_messages(spans: pa.Table, trace_ids: list[str], partitions) -> list[tuple[int, bytes]]:
+    """Each trace in three messages, all on one partition (as when keyed by trace id), the
+    traces dealt over `partitions` in turn."""
+    partitions, messages = list(partitions), []
+    for i, trace_id in enumerate(trace_ids):
+        trace = traces_of(spans, [trace_id])
+        third = (trace.num_rows + 2) // 3
+        partition = partitions[i % len(partitions)]
+        messages += [(partition, to_otlp_proto_bytes(trace.slice(start, third))) for start in range(0, trace.num_rows, third)]
+    return messages

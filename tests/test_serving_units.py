@@ -242,3 +242,15 @@ def test_never_commits_past_a_message_whose_trace_is_unpublished(data):
             for source in trace.sources:
                 if source.assignment == tracker.source(source.partition, 0).assignment:
                     assert points[source.partition] <= source.offset
+
+
+def test_traces_assembled_from_revoked_partitions_alone_are_dropped():
+    tracker = OffsetTracker()
+    assembler = TraceAssembler(idle_timeout_s=60, max_spans=10_000)
+    from_p0, from_p1 = tracker.source("p0", 0), tracker.source("p1", 0)
+    assembler.add(spans_of(["a", "b"]), from_p0)
+    assembler.add(spans_of(["b", "c"]), from_p1)
+    tracker.forget(["p0"])
+    dropped = assembler.discard(lambda trace: not any(map(tracker.is_current, trace.sources)))
+    assert dropped == 1
+    assert sorted(trace.trace_id for trace in assembler) == ["b", "c"]  # "b" also has spans from p1

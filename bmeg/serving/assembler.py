@@ -78,6 +78,16 @@ class TraceAssembler:
             done.append(self._pending.popitem(last=False)[1])
         return done
 
+    def discard(self, unwanted: Callable[[PendingTrace], bool]) -> int:
+        """Drop the traces held that are `unwanted`; returns how many."""
+        kept_full = [trace for trace in self._full if not unwanted(trace)]
+        dropped = [trace_id for trace_id, trace in self._pending.items() if unwanted(trace)]
+        for trace_id in dropped:
+            del self._pending[trace_id]
+        count = len(self._full) - len(kept_full) + len(dropped)
+        self._full = kept_full
+        return count
+
     def drain(self) -> list[PendingTrace]:
         """Every trace, finished or not (shutdown, rebalance)."""
         done = self._full + list(self._pending.values())

@@ -20,10 +20,13 @@ that gets all its spans, so producers should key by trace id (the collector's
 `partition_traces_by_id: true`). When a rebalance takes partitions away, their uncommitted
 messages are read again by the new owner: delivery is at least once, so a trace in flight
 at that moment may be diagnosed twice (consumers of `bmeg.diagnoses` key by trace id).
-kafka-python runs rebalance listeners on its network thread, where no blocking work
-(diagnosing, committing) may run, so the listener only forgets the partitions; each message
-is tracked under its partition's assignment (`OffsetTracker`), so a trace still in flight
-from a revoked partition never releases a message read again after it comes back.
+kafka-python runs rebalance listeners on its network thread (while the loop waits in `poll`),
+where no blocking work (diagnosing, committing) may run, so the listener only forgets the
+partitions that went to another consumer; those it keeps keep their offsets and their traces.
+Each message is tracked under its partition's assignment (`OffsetTracker`), so a trace still in
+flight from a partition taken away never releases a message read again after it comes back;
+after the poll, the loop drops the traces being assembled from partitions taken away alone
+(their messages are uncommitted: their new owner reads them again).
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ class StreamConsumer:
         self.consumer.subscribe([config.topic], listener=_Rebalance(self))
         self._diagnoser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bmeg-diagnoser")
         self._in_flight: deque[Future[list[PendingTrace]]] = deque()  # oldest first
+        self._revoked = threading.Event()  # set by the rebalance listener, handled by the loop
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -136,6 +140,9 @@ class StreamConsumer:
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
         batches = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        if self._revoked.is_set():  # a rebalance ran inside that poll: before its messages are added
+            self._revoked.clear()
+            self._drop_revoked()
         for partition, messages in batches.items():
             for message in messages:
                 self._take(partition, message)
@@ -274,10 +281,22 @@ class StreamConsumer:
                 self.metrics.lag.labels(str(tp.partition)).set(max(end - position, 0))
 
     def forget(self, partitions: Iterable[TopicPartition]) -> None:
+        """Partitions taken away (on kafka-python's network thread): their messages are no
+        longer ours to commit; the loop drops the traces assembled from them alone."""
         partitions = list(partitions)
         self.offsets.forget(partitions)
         for tp in partitions:
             self._committed.pop(tp, None)
+        self._revoked.set()
+
+    def _drop_revoked(self) -> None:
+        """Traces whose every message came from partitions taken away: their new owner reads
+        those messages again (none was committed) and diagnoses them; keeping them here would
+        diagnose them twice, or whole with the spans read again."""
+        dropped = self.assembler.discard(lambda trace: not any(map(self.offsets.is_current, trace.sources)))
+        if dropped:
+            log.info("dropped %d traces being assembled from revoked partitions (their new owner reads them)", dropped)
+        self.metrics.pending.set(len(self.assembler))
 
 
 def _reason(error: Exception, trace_id: str) -> str:
@@ -288,14 +307,28 @@ def _reason(error: Exception, trace_id: str) -> str:
 
 
 class _Rebalance(ConsumerRebalanceListener):
-    """Runs on kafka-python's network thread: cheap bookkeeping only (see the module docstring)."""
+    """Runs on kafka-python's network thread: cheap bookkeeping only (see the module docstring).
+
+    Under the eager protocol every partition is "revoked" before each rebalance, and those
+    assigned again keep their read positions: only the partitions revoked and not assigned
+    again (or lost outright) are forgotten. Their messages are read again by their next owner,
+    from the last commit."""
 
     def __init__(self, owner: StreamConsumer):
         self.owner = owner
+        self.revoking: set[TopicPartition] = set()
 
     def on_partitions_revoked(self, revoked) -> None:
         log.info("revoked partitions %s", sorted(tp.partition for tp in revoked))
-        self.owner.forget(revoked)
+        self.revoking |= set(revoked)
 
     def on_partitions_assigned(self, assigned) -> None:
         log.info("assigned partitions %s", sorted(tp.partition for tp in assigned))
+        gone, self.revoking = self.revoking - set(assigned), set()
+        if gone:
+            self.owner.forget(gone)
+
+    def on_partitions_lost(self, lost) -> None:
+        log.info("lost partitions %s", sorted(tp.partition for tp in lost))
+        self.revoking -= set(lost)
+        self.owner.forget(lost)

@@ -64,6 +64,11 @@ class OffsetTracker:
             if offsets[source.offset] <= 0:
                 del offsets[source.offset]
 
+    def is_current(self, source: Source) -> bool:
+        """Whether `source` was read under its partition's current assignment."""
+        with self._lock:
+            return not self._is_stale(source)
+
     def commit_points(self) -> dict[Partition, int]:
         """Per partition, the offset to commit (Kafka's convention: the next offset to read)."""
         with self._lock:
