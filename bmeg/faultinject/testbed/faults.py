@@ -1,0 +1,340 @@
+"""The testbed's faults, each done by a real mechanism and undone cleanly.
+
+| source            | mechanism                                                                 | undo                       |
+|-------------------|---------------------------------------------------------------------------|----------------------------|
+| interference      | a `stress-ng --cpu 1` hog pinned to the target's CPU, in a cgroup whose   | kill the hog, remove its   |
+|                   | `cpu.shares` is (factor - 1) x the service's: the target keeps ~1/factor  | cgroup                     |
+|                   | of its CPU while both want it (its CPU neighbours lose as much)           |                            |
+| saturation        | the target's `cpu.cfs_quota_us` cut to `capacity` x its quota             | the quota restored         |
+| network           | the delay (ms +- jitter) set on the target's front proxy, which every     | delay 0                    |
+|                   | caller goes through (`bandwidth_kbit`: the front proxy restarted with its |                            |
+|                   | upstream through a relay in a network namespace shaped by `tc tbf`)       | proxy restored, netns gone |
+| misconfiguration  | `pool_size`: workers (and db_pool where the service has a database) set  | the normal config, SIGHUP  |
+|                   | to it; `hit_ratio`: cache_items cut to a few entries; config + SIGHUP     |                            |
+| background        | SIGSTOP/SIGCONT pauses of `pause_ms` every ~`every_ms` (a pauser process) | pauser stopped, SIGCONT    |
+| code              | `POST /_admin/fault` {"operation", "mode": return or error}              | mode none                  |
+
+Every fault writes its undo record into the state file *before* it changes anything
+(write-ahead), so `undo_all` (run by `up`, `down` and every campaign start) can undo a fault
+whose campaign was killed at any point. Undo is idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from bmeg.faultinject.testbed import system
+from bmeg.faultinject.testbed.deployment import (
+    CFS_PERIOD_US,
+    DEFAULT_QUOTA_CORES,
+    POSTGRES,
+    SERVICES,
+    service_cpu,
+)
+from bmeg.faultinject.testbed.state import TestbedState, netns_prefix
+from bmeg.faultinject.testbed.system import ProcessRecord, TestbedError, spawn
+
+#: cgroup v1 cpu.shares of a service's cgroup (the kernel's default)
+SERVICE_SHARES = 1024
+#: cache size a `hit_ratio` misconfiguration sets: a cache of a handful of entries
+SMALL_CACHE_ITEMS = 4
+#: hogs and pausers end by themselves this long after the fault should have: a safety net
+SAFETY_MARGIN_S = 30.0
+TESTBED_SOURCES = ("interference", "saturation", "network", "misconfiguration", "background", "code")
+
+
+def admin_post(address: str, path: str, body: dict, timeout_s: float = 5.0) -> None:
+    request = urllib.request.Request(f"http://{address}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            if response.status >= 300:
+                raise TestbedError(f"POST {address}{path} answered {response.status}")
+    except urllib.error.HTTPError as error:
+        raise TestbedError(f"POST {address}{path} {body} answered {error.code}: {error.read()[:200]!r}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise TestbedError(f"POST {address}{path} failed: {error}") from None
+
+
+def _service_record(state: TestbedState, service: str) -> ProcessRecord:
+    if service not in SERVICES:
+        raise TestbedError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
+    record = state.processes.get(service)
+    if record is None or not record.alive():
+        raise TestbedError(f"{service} is not running (bmeg testbed status)")
+    return record
+
+
+def apply_fault(testbed, state: TestbedState, fault_id: str, service: str, source: str,
+                parameters: dict[str, float], until_s: float, seed: int = 0) -> dict:
+    """Start a fault now; `until_s` (Unix seconds) bounds hogs and pausers should nobody undo it."""
+    if fault_id in state.faults:
+        raise TestbedError(f"fault {fault_id} is already applied")
+    if source not in TESTBED_SOURCES:
+        raise TestbedError(f"unknown fault source {source!r}; known: {', '.join(TESTBED_SOURCES)}")
+    record = _service_record(state, service)
+    undo: dict = {"service": service, "source": source, "parameters": dict(parameters)}
+    state.faults[fault_id] = undo
+    state.save()  # write-ahead: whatever happens next, undo_all sees this fault
+    try:
+        _APPLY[source](testbed, state, fault_id, record, parameters, until_s, seed, undo)
+    except BaseException:
+        undo_fault(testbed, state, fault_id)
+        raise
+    undo["applied_ns"] = time.time_ns()
+    state.save()
+    return undo
+
+
+def undo_fault(testbed, state: TestbedState, fault_id: str) -> int | None:
+    """Undo one fault (idempotent); returns when it ended (ns), None when it was not applied."""
+    undo = state.faults.get(fault_id)
+    if undo is None:
+        return None
+    _UNDO[undo["source"]](testbed, state, fault_id, undo)
+    del state.faults[fault_id]
+    state.save()
+    return time.time_ns()
+
+
+def undo_all(testbed, state: TestbedState) -> list[str]:
+    done = []
+    for fault_id in list(state.faults):
+        undo = state.faults[fault_id]
+        try:
+            undo_fault(testbed, state, fault_id)
+            done.append(f"undid {undo['source']} fault {fault_id} on {undo['service']}")
+        except TestbedError as error:  # e.g. the service is gone: nothing of the fault is left in it
+            done.append(f"fault {fault_id}: {error}")
+            del state.faults[fault_id]
+            state.save()
+    return done
+
+
+# --- interference: a CPU hog on the target's CPU -----------------------------------------
+
+
+def _interference(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
+    factor = float(parameters.get("factor", 3.0))
+    cpu = record.cpu if record.cpu is not None else service_cpu(undo["service"])
+    cgroup = testbed.cgroup(f"hog-{fault_id}")
+    undo["cgroup"] = str(cgroup)
+    state.save()
+    system.make_cgroup(cgroup, None, CFS_PERIOD_US)
+    (cgroup / "cpu.shares").write_text(str(max(2, int(SERVICE_SHARES * (factor - 1)))))
+    seconds = max(1, int(until_s - time.time() + SAFETY_MARGIN_S))
+    hog = spawn(f"hog:{fault_id}", "hog", ["stress-ng", "--cpu", "1", "--cpu-method", "int64", "--taskset", str(cpu),
+                                           "--timeout", f"{seconds}s", "--quiet"],
+                Path(state.run_dir) / "logs" / "hogs.log", cpu=cpu, cgroup=cgroup)
+    undo["hog"] = hog.to_json()
+
+
+def _undo_interference(testbed, state, fault_id, undo) -> None:
+    if "hog" in undo:
+        system.stop(ProcessRecord(**undo["hog"]), timeout_s=2)
+    if "cgroup" in undo:
+        system.remove_cgroup_tree(Path(undo["cgroup"]))
+
+
+# --- saturation: the CPU quota cut -------------------------------------------------------
+
+
+def _saturation(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
+    cgroup = Path(record.cgroup or testbed.cgroup(undo["service"]))
+    before = system.quota_cores(cgroup)
+    undo["cgroup"], undo["quota_cores"] = str(cgroup), before
+    state.save()
+    system.set_quota(cgroup, (before or DEFAULT_QUOTA_CORES) * float(parameters.get("capacity", 0.2)))
+
+
+def _undo_saturation(testbed, state, fault_id, undo) -> None:
+    cgroup = Path(undo.get("cgroup", ""))
+    if "quota_cores" in undo and cgroup.is_dir():
+        system.set_quota(cgroup, undo["quota_cores"])
+
+
+# --- network: delay on the front proxy, bandwidth through a shaped namespace ---------------
+
+
+def _proxy_admin(testbed, service: str) -> str:
+    return f"127.0.0.1:{testbed.ports.proxy_admin(service)}"
+
+
+def _network(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
+    service = undo["service"]
+    delay = float(parameters.get("delay_ms", 0.0))
+    if delay > 0:
+        undo["delay"] = True
+        state.save()
+        admin_post(_proxy_admin(testbed, service), "/_admin/delay",
+                   {"ms": delay, "jitter_ms": float(parameters.get("jitter_ms", 0.0))})
+    if parameters.get("bandwidth_kbit"):
+        _shape_bandwidth(testbed, state, fault_id, service, int(parameters["bandwidth_kbit"]), undo)
+
+
+def _undo_network(testbed, state, fault_id, undo) -> None:
+    service = undo["service"]
+    if undo.get("delay"):
+        proxy = state.processes.get(f"proxy:{service}")
+        if proxy is not None and proxy.alive():
+            admin_post(_proxy_admin(testbed, service), "/_admin/delay", {"ms": 0})
+    if "netns" in undo:
+        _unshape_bandwidth(testbed, state, fault_id, undo)
+
+
+def _netns_addresses(testbed, service: str) -> tuple[str, str]:
+    """A /30 per service in 10.213.0.0/16 (10.213.<port base % 64 * 4 + ...>)."""
+    index = SERVICES.index(service)
+    third = (testbed.base // 100) % 256
+    return f"10.213.{third}.{4 * index + 1}", f"10.213.{third}.{4 * index + 2}"
+
+
+def _shape_bandwidth(testbed, state, fault_id, service: str, kbit: int, undo: dict) -> None:
+    """callers -> front proxy -> relay in the shaped namespace (ns side) -> host relay -> service.
+
+    The front proxy is restarted with the namespace relay as its upstream (its TCP connections
+    end, callers reconnect); both directions cross the veth pair and its tbf qdiscs."""
+    from bmeg.faultinject.testbed.supervisor import _cgroup, _record
+
+    name = f"{netns_prefix(testbed.base)}{SERVICES.index(service)}"
+    host_ip, ns_ip = _netns_addresses(testbed, service)
+    undo["netns"] = name
+    state.save()
+    system.make_shaped_netns(name, host_ip, ns_ip, kbit)
+    ports, logs, binary = testbed.ports, Path(state.run_dir) / "logs", state.binary
+    relays = _cgroup(testbed, "relays")
+    port = ports.relay(service)
+    host_relay = spawn(f"relay-host:{service}", "relay", [binary, "proxy", "--listen", f"{host_ip}:{port}",
+                       "--upstream", f"127.0.0.1:{ports.service(service)}"], logs / f"relay-{service}.log", cgroup=relays)
+    undo["relays"] = [host_relay.to_json()]
+    state.save()
+    ns_relay = spawn(f"relay-ns:{service}", "relay", ["ip", "netns", "exec", name, binary, "proxy", "--listen",
+                     f"{ns_ip}:{port}", "--upstream", f"{host_ip}:{port}"], logs / f"relay-{service}.log", cgroup=relays)
+    undo["relays"].append(ns_relay.to_json())
+    state.save()
+    _restart_proxy(testbed, state, service, f"{ns_ip}:{port}")
+
+
+def _unshape_bandwidth(testbed, state, fault_id, undo: dict) -> None:
+    service = undo["service"]
+    proxy = state.processes.get(f"proxy:{service}")
+    if proxy is not None and proxy.command[proxy.command.index("--upstream") + 1] != f"127.0.0.1:{testbed.ports.service(service)}":
+        _restart_proxy(testbed, state, service, f"127.0.0.1:{testbed.ports.service(service)}")
+    for relay in undo.get("relays", []):
+        system.stop(ProcessRecord(**relay), timeout_s=2)
+    system.remove_netns(undo["netns"])
+
+
+def _restart_proxy(testbed, state: TestbedState, service: str, upstream: str) -> None:
+    from bmeg.faultinject.testbed.stores import wait_port
+    from bmeg.faultinject.testbed.supervisor import _record
+
+    old = state.processes[f"proxy:{service}"]
+    system.stop(old, timeout_s=2)
+    command = list(old.command)
+    command[command.index("--upstream") + 1] = upstream
+    new = _record(state, spawn(old.name, "proxy", command, Path(old.log), cgroup=Path(old.cgroup) if old.cgroup else None))
+    wait_port(testbed.ports.proxy(service), 10, f"proxy of {service}", new.alive)
+
+
+# --- misconfiguration: the service's config, reloaded -------------------------------------
+
+
+def misconfiguration_overrides(service: str, parameters: dict[str, float]) -> dict[str, int]:
+    overrides: dict[str, int] = {}
+    if parameters.get("pool_size") is not None:
+        overrides["workers"] = int(parameters["pool_size"])
+        if service in POSTGRES:
+            overrides["db_pool"] = int(parameters["pool_size"])
+    if parameters.get("hit_ratio") is not None:
+        overrides["cache_items"] = SMALL_CACHE_ITEMS
+    return overrides
+
+
+def reload_service(testbed, state: TestbedState, service: str) -> None:
+    """Rewrite the service's config with its overrides in force and SIGHUP it (it re-reads
+    workers, db_pool and cache_items without dropping requests)."""
+    from bmeg.faultinject.testbed.deployment import service_config
+
+    record = state.processes.get(service)
+    config = service_config(service, testbed.ports, state.otlp_endpoint).to_json()
+    config.update(state.overrides.get(service, {}))
+    path = testbed.config_path(service)
+    path.write_text(json.dumps(config, indent=1))
+    if record is not None:
+        system.signal_process(record, signal.SIGHUP)
+
+
+def _misconfiguration(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
+    service = undo["service"]
+    undo["overrides_before"] = dict(state.overrides.get(service, {}))
+    state.save()
+    state.overrides[service] = {**undo["overrides_before"], **misconfiguration_overrides(service, parameters)}
+    state.save()
+    reload_service(testbed, state, service)
+
+
+def _undo_misconfiguration(testbed, state, fault_id, undo) -> None:
+    service = undo["service"]
+    if "overrides_before" not in undo:
+        return
+    if undo["overrides_before"]:
+        state.overrides[service] = undo["overrides_before"]
+    else:
+        state.overrides.pop(service, None)
+    state.save()
+    reload_service(testbed, state, service)
+
+
+# --- background: stop-the-world pauses ---------------------------------------------------
+
+
+def _background(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
+    undo["target"] = record.to_json()
+    state.save()
+    pauser = spawn(f"pauser:{fault_id}", "pauser", [
+        sys.executable, str(Path(__file__).with_name("pauser.py")), str(record.pid), str(record.ticks),
+        f"{float(parameters.get('pause_ms', 100.0)):g}", f"{float(parameters.get('every_ms', 500.0)):g}",
+        str(seed), f"{until_s:.3f}"], Path(state.run_dir) / "logs" / "pausers.log", cgroup=testbed.cgroup("load"))
+    undo["pauser"] = pauser.to_json()
+
+
+def _undo_background(testbed, state, fault_id, undo) -> None:
+    if "pauser" in undo:
+        system.stop(ProcessRecord(**undo["pauser"]), timeout_s=2)
+    if "target" in undo:  # the pauser may have been SIGKILLed while the target was stopped
+        system.signal_process(ProcessRecord(**undo["target"]), signal.SIGCONT)
+
+
+# --- code faults: an operation returns early or fails -------------------------------------
+
+
+def _code(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
+    service = undo["service"]
+    operation = parameters.get("operation")
+    if not operation:
+        raise TestbedError(f"a code fault on {service} needs an operation")
+    undo["operation"] = operation
+    state.save()
+    mode = "error" if float(parameters.get("error", 1.0)) >= 0.5 else "return"
+    admin_post(f"127.0.0.1:{testbed.ports.service(service)}", "/_admin/fault", {"operation": operation, "mode": mode})
+
+
+def _undo_code(testbed, state, fault_id, undo) -> None:
+    service = undo["service"]
+    record = state.processes.get(service)
+    if "operation" in undo and record is not None and record.alive():
+        admin_post(f"127.0.0.1:{testbed.ports.service(service)}", "/_admin/fault",
+                   {"operation": undo["operation"], "mode": "none"})
+
+
+_APPLY = {"interference": _interference, "saturation": _saturation, "network": _network,
+          "misconfiguration": _misconfiguration, "background": _background, "code": _code}
+_UNDO = {"interference": _undo_interference, "saturation": _undo_saturation, "network": _undo_network,
+         "misconfiguration": _undo_misconfiguration, "background": _undo_background, "code": _undo_code}

@@ -1,0 +1,84 @@
+"""The testbed's state file: what runs and what a fault changed, so another process can undo it.
+
+`<run dir>/state.json` is rewritten atomically (write a temporary file, rename) *before* a
+change is made where the change could be left behind (a fault's undo record is written
+before the fault is applied), and after a process starts. Whatever kills the process that
+made a change (SIGTERM, SIGKILL, a crash), the next `up`, `down` or campaign reads the file
+and undoes it (`bmeg.faultinject.testbed.supervisor.repair`).
+
+Names that need no state file to be found: every process the testbed starts lives in the
+cgroup tree `/sys/fs/cgroup/cpu/bmeg-testbed-<port base>/`, and every network namespace is
+called `bmegtb<port base>-<n>`, so even a state file lost mid-write leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bmeg.faultinject.testbed.deployment import port_base
+from bmeg.faultinject.testbed.system import ProcessRecord
+
+STATE_FILE = "state.json"
+
+
+def run_dir(base: int | None = None) -> Path:
+    """`BMEG_TESTBED_RUN_DIR`, or `${TMPDIR:-/tmp}/bmeg-testbed-<user>-<port base>`."""
+    if "BMEG_TESTBED_RUN_DIR" in os.environ:
+        return Path(os.environ["BMEG_TESTBED_RUN_DIR"])
+    user = os.environ.get("USER") or str(os.getuid())
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"bmeg-testbed-{user}-{base or port_base()}"
+
+
+def cgroup_group(base: int) -> str:
+    return f"bmeg-testbed-{base}"
+
+
+def netns_prefix(base: int) -> str:
+    return f"bmegtb{base}-"
+
+
+@dataclass
+class TestbedState:
+    """What `up` started and what faults are applied now (undo records)."""
+
+    base: int
+    run_dir: str
+    rate: float = 0.0
+    binary: str = ""
+    otlp_endpoint: str = ""
+    spans_file: str = ""
+    started_at: float = 0.0
+    processes: dict[str, ProcessRecord] = field(default_factory=dict)
+    #: fault id -> its undo record (see `bmeg.faultinject.testbed.faults`)
+    faults: dict[str, dict] = field(default_factory=dict)
+    #: service -> configuration overrides in force (misconfiguration faults, retunes)
+    overrides: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.run_dir) / STATE_FILE
+
+    def save(self) -> None:
+        path = self.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        document = {**{k: v for k, v in self.__dict__.items() if k != "processes"},
+                    "processes": {name: record.to_json() for name, record in self.processes.items()}}
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(document, indent=1))
+        os.replace(temporary, path)
+
+    @classmethod
+    def load(cls, directory: Path) -> TestbedState | None:
+        path = directory / STATE_FILE
+        if not path.exists():
+            return None
+        try:
+            document = json.loads(path.read_text())
+            processes = {name: ProcessRecord(**record) for name, record in document.pop("processes", {}).items()}
+            return cls(**document, processes=processes)
+        except (json.JSONDecodeError, TypeError) as error:
+            raise ValueError(f"{path} is not a testbed state file ({error}); remove it after "
+                             f"`bmeg testbed down` repaired what it could") from None

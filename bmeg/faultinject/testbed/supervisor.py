@@ -1,0 +1,260 @@
+"""`bmeg testbed up / down / status`: start, stop and describe the socialnet testbed.
+
+`up` first repairs whatever an earlier run left (`repair`: its processes, CPU hogs, quotas,
+paused processes, relays, network namespaces), then starts, in order: Kafka (shared, through
+`scripts/kafka.sh`; left running by `down`), the OpenTelemetry Collector (`scripts/otelcol.sh`),
+Redis, memcached and PostgreSQL (`stores`), the twelve services, each in its own cgroup v1
+`cpu` cgroup with a quota of `DEFAULT_QUOTA_CORES` and pinned to one CPU, a front proxy per
+service, and the open-loop load generator at `rate` requests/s against nginx-web-server's
+proxy. Everything the testbed starts lives in the cgroup tree named after the port base
+(see `state`), and `down` stops it all and removes the tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from bmeg.faultinject.testbed import system
+from bmeg.faultinject.testbed.deployment import (
+    CFS_PERIOD_US,
+    DEFAULT_MIX,
+    DEFAULT_QUOTA_CORES,
+    ENTRY,
+    SERVICES,
+    Ports,
+    port_base,
+    service_config,
+    service_cpu,
+)
+from bmeg.faultinject.testbed.state import TestbedState, cgroup_group, netns_prefix, run_dir
+from bmeg.faultinject.testbed.stores import start_stores, wait_port
+from bmeg.faultinject.testbed.system import ProcessRecord, TestbedError, spawn
+from bmeg.paths import PROJECT_ROOT
+
+DEFAULT_RATE = 50.0
+#: order in which `down` stops roles: the load first, stores and the Collector last (spans flush)
+STOP_ORDER = ("load", "pauser", "hog", "replica", "service", "relay", "proxy", "store", "collector")
+HEALTH_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """Where one testbed lives: its port base and run directory."""
+
+    base: int
+    run: Path
+
+    @classmethod
+    def default(cls) -> Testbed:
+        base = port_base()
+        return cls(base, run_dir(base))
+
+    @property
+    def ports(self) -> Ports:
+        return Ports(self.base)
+
+    @property
+    def group(self) -> Path:
+        return system.cgroup_path(cgroup_group(self.base))
+
+    def cgroup(self, name: str) -> Path:
+        return self.group / name
+
+    def state(self) -> TestbedState | None:
+        return TestbedState.load(self.run)
+
+    def config_path(self, service: str, instance: int = 0) -> Path:
+        return self.run / "configs" / (f"{service}.json" if instance == 0 else f"{service}-{instance}.json")
+
+
+def build_binary() -> str:
+    """`bash testbed/build.sh` (it rebuilds only when the sources changed); the binary's path."""
+    script = PROJECT_ROOT / "testbed" / "build.sh"
+    if not script.is_file():
+        raise TestbedError(f"{script} is missing: the socialnet application is not in this checkout")
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines or not Path(lines[-1]).is_file():
+        raise TestbedError(f"testbed/build.sh failed (exit {result.returncode}): {result.stderr.strip()[-800:]}")
+    return lines[-1]
+
+
+def ensure_kafka() -> None:
+    script = PROJECT_ROOT / "scripts" / "kafka.sh"
+    if subprocess.run(["bash", str(script), "status"], capture_output=True).returncode == 0:
+        return
+    result = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise TestbedError(f"scripts/kafka.sh start failed: {result.stderr.strip()[-800:]}")
+
+
+# --- repair ----------------------------------------------------------------------------
+
+
+def repair(testbed: Testbed) -> list[str]:
+    """Undo everything a testbed (running, or left by a killed run) changed; returns what was done."""
+    from bmeg.faultinject.testbed.faults import undo_all
+
+    done: list[str] = []
+    state = testbed.state()
+    if state is not None:
+        done += undo_all(testbed, state)
+        for role in STOP_ORDER:
+            for record in [r for r in state.processes.values() if r.role == role]:
+                if record.alive():
+                    system.stop(record)
+                    done.append(f"stopped {record.name} (pid {record.pid})")
+    killed = system.kill_cgroup_tree(testbed.group)
+    if killed:
+        done.append(f"killed {killed} processes left in {testbed.group}")
+    system.remove_cgroup_tree(testbed.group)
+    for name in system.list_netns(netns_prefix(testbed.base)):
+        system.remove_netns(name)
+        done.append(f"removed network namespace {name}")
+    if state is not None:
+        state.path.unlink(missing_ok=True)
+    return done
+
+
+# --- up / down / status ----------------------------------------------------------------
+
+
+def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, seed: int = 0) -> TestbedState:
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, not {rate}")
+    repairs = repair(testbed)
+    binary = build_binary()
+    ensure_kafka()
+    testbed.run.mkdir(parents=True, exist_ok=True)
+    testbed.run.chmod(0o755)  # the stores run as nobody
+    system.make_cgroup(testbed.group, None, CFS_PERIOD_US)
+    state = TestbedState(base=testbed.base, run_dir=str(testbed.run), rate=rate, binary=binary, started_at=time.time())
+    state.save()
+    try:
+        _start_all(testbed, state, mix, seed)
+    except BaseException:
+        repair(testbed)
+        raise
+    if repairs:
+        (testbed.run / "logs" / "repairs.log").write_text("\n".join(repairs) + "\n")
+    return state
+
+
+def _record(state: TestbedState, record: ProcessRecord) -> ProcessRecord:
+    state.processes[record.name] = record
+    state.save()
+    return record
+
+
+def _cgroup(testbed: Testbed, name: str, quota_cores: float | None = None) -> Path:
+    path = testbed.cgroup(name)
+    system.make_cgroup(path, quota_cores, CFS_PERIOD_US)
+    return path
+
+
+def _start_all(testbed: Testbed, state: TestbedState, mix: str, seed: int) -> None:
+    from bmeg.faultinject.testbed.collector import start_collector
+
+    ports, logs = testbed.ports, testbed.run / "logs"
+    collector = start_collector(testbed, _cgroup(testbed, "collector"))
+    state.otlp_endpoint, state.spans_file = collector.otlp_endpoint, str(collector.spans_file)
+    _record(state, collector.record)
+    for record in start_stores(testbed.run, ports, lambda name: _cgroup(testbed, name)):
+        _record(state, record)
+    for service in SERVICES:
+        start_service(testbed, state, service)
+    proxies = _cgroup(testbed, "proxies")
+    for service in SERVICES:
+        _record(state, spawn(f"proxy:{service}", "proxy", [
+            state.binary, "proxy", "--listen", f"127.0.0.1:{ports.proxy(service)}",
+            "--upstream", f"127.0.0.1:{ports.service(service)}", "--admin", f"127.0.0.1:{ports.proxy_admin(service)}"],
+            logs / f"proxy-{service}.log", cgroup=proxies))
+    for service in SERVICES:
+        wait_healthy(state, service, f"127.0.0.1:{ports.service(service)}")
+        wait_port(ports.proxy(service), 10, f"proxy of {service}", state.processes[f"proxy:{service}"].alive)
+    _record(state, spawn("load", "load", [
+        state.binary, "load", "--target", f"http://127.0.0.1:{ports.proxy(ENTRY)}", "--rate", f"{state.rate:g}",
+        "--duration", "240h", "--mix", mix, "--seed", str(seed)], logs / "load.log", cgroup=_cgroup(testbed, "load")))
+
+
+def start_service(testbed: Testbed, state: TestbedState, service: str, instance: int = 0) -> ProcessRecord:
+    """Write the service's configuration (with the overrides in force) and start it in its cgroup."""
+    config = service_config(service, testbed.ports, state.otlp_endpoint, instance).to_json()
+    config.update(state.overrides.get(service, {}))
+    if instance:
+        config["instance"] = f"{service}-{instance}"
+    path = testbed.config_path(service, instance)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=1))
+    name = service if instance == 0 else f"{service}-{instance}"
+    cgroup = _cgroup(testbed, name, DEFAULT_QUOTA_CORES)
+    return _record(state, spawn(name, "service" if instance == 0 else "replica",
+                                [state.binary, "service", "--config", str(path)],
+                                testbed.run / "logs" / f"{name}.log", cpu=service_cpu(service), cgroup=cgroup))
+
+
+def wait_healthy(state: TestbedState, name: str, address: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    record = state.processes[name]
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not record.alive():
+            raise TestbedError(f"{name} exited while starting; see {record.log}:\n{_tail(record.log)}")
+        try:
+            with urllib.request.urlopen(f"http://{address}/healthz", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as error:
+            last = str(error)
+        time.sleep(0.2)
+    raise TestbedError(f"{name} was not healthy within {timeout_s:.0f} s ({last}); see {record.log}")
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def down(testbed: Testbed) -> list[str]:
+    return repair(testbed)
+
+
+def status(testbed: Testbed) -> dict:
+    """What runs: each process (pid, alive, port, cgroup quota and CPU used), the load rate, faults."""
+    state = testbed.state()
+    leftovers = [p.name for p in system.cgroup_tree(testbed.group)]
+    if state is None:
+        return {"running": False, "run_dir": str(testbed.run), "port_base": testbed.base,
+                "leftover_cgroups": leftovers, "leftover_netns": system.list_netns(netns_prefix(testbed.base))}
+    system.reap()
+    ports = testbed.ports
+    processes = []
+    for record in state.processes.values():
+        entry = {"name": record.name, "role": record.role, "pid": record.pid, "alive": record.alive(),
+                 "state": system.process_state(record.pid) if record.alive() else None, "cpu": record.cpu}
+        service = record.name.split(":", 1)[-1]
+        if record.role == "service":
+            entry["port"] = ports.service(service)
+        elif record.role == "proxy":
+            entry["port"], entry["admin_port"] = ports.proxy(service), ports.proxy_admin(service)
+        elif record.role == "store":
+            entry["port"] = getattr(ports, record.name)
+        if record.cgroup and Path(record.cgroup).is_dir():
+            entry["cpu_quota_cores"] = system.quota_cores(Path(record.cgroup))
+            entry["cpu_used_s"] = round(system.cpu_usage_s(Path(record.cgroup)), 3)
+        processes.append(entry)
+    return {"running": all(p["alive"] for p in processes if p["role"] != "hog"),
+            "run_dir": state.run_dir, "port_base": state.base, "rate": state.rate,
+            "entry": f"http://127.0.0.1:{ports.proxy(ENTRY)}", "otlp_endpoint": state.otlp_endpoint,
+            "spans_file": state.spans_file, "uptime_s": round(time.time() - state.started_at, 1),
+            "processes": processes, "faults": state.faults, "overrides": state.overrides,
+            "pid": os.getpid()}

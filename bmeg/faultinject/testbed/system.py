@@ -1,0 +1,286 @@
+"""The operating-system mechanisms the testbed uses, each small and undoable.
+
+- Processes: started in a session (process group) of their own, so stopping one stops its
+  children too (stress-ng's workers); pinned to a CPU and placed in a cgroup *before* they
+  exec (so every thread they create inherits both). A `ProcessRecord` keeps the pid with the
+  process's start time (`/proc/PID/stat` field 22), so a pid the kernel reused for another
+  process is never signalled.
+- cgroup v1 `cpu` controller: one cgroup per service under `/sys/fs/cgroup/cpu/<group>/`;
+  the CPU limit is `cpu.cfs_quota_us` over `cpu.cfs_period_us`.
+- Network namespaces with a veth pair and a `tc tbf` qdisc on both ends (this kernel has no
+  netem): bandwidth faults route an edge through a relay inside the namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CPU_CGROUP_ROOT = Path(os.environ.get("BMEG_CPU_CGROUP_ROOT", "/sys/fs/cgroup/cpu"))
+
+
+class TestbedError(RuntimeError):
+    """Something the testbed needs is missing or failed (the message says what to do)."""
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot; None when no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+    return int(text[text.rindex(")") + 2 :].split()[19])
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter (R, S, T for stopped, Z...), None when gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return text[text.rindex(")") + 2]
+
+
+@dataclass
+class ProcessRecord:
+    """A process the testbed started: enough to find it again from another process."""
+
+    name: str
+    role: str  # service, proxy, store, collector, load, hog, relay, pauser
+    pid: int
+    ticks: int
+    command: list[str]
+    log: str
+    cgroup: str | None = None
+    cpu: int | None = None
+
+    def alive(self) -> bool:
+        return start_ticks(self.pid) == self.ticks and process_state(self.pid) not in (None, "Z")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def spawn(name: str, role: str, command: list[str], log: Path, *, cpu: int | None = None,
+          cgroup: Path | None = None, user: str | None = None, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> ProcessRecord:
+    """Start `command` in its own session, pinned to `cpu` and inside `cgroup` from its first instruction."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    procs = str(cgroup / "cgroup.procs") if cgroup else None
+
+    def place() -> None:  # runs in the child between fork and exec
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+        if procs:
+            with open(procs, "w") as handle:
+                handle.write(str(os.getpid()))
+
+    if user is not None:  # drop privileges after `place` ran as root (cgroup.procs is root's)
+        command = ["setpriv", f"--reuid={user}", f"--regid={_group_of(user)}", "--clear-groups", "--", *command]
+    with open(log, "ab") as out:
+        try:
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True, preexec_fn=place, env=env, cwd=cwd)
+        except (OSError, subprocess.SubprocessError) as error:
+            raise TestbedError(f"cannot start {name} ({' '.join(command)}): {error}") from None
+    ticks = start_ticks(process.pid)
+    # Popen's object is dropped: the process outlives this one; reaped by init when we exit
+    _children.append(process)
+    return ProcessRecord(name, role, process.pid, ticks if ticks is not None else -1, command, str(log),
+                         str(cgroup) if cgroup else None, cpu)
+
+
+#: Popen objects of processes started here (polled so that exited ones do not linger as zombies)
+_children: list[subprocess.Popen] = []
+
+
+def reap() -> None:
+    for child in list(_children):
+        if child.poll() is not None:
+            _children.remove(child)
+
+
+def _group_of(user: str) -> str:
+    import grp
+    import pwd
+
+    return grp.getgrgid(pwd.getpwnam(user).pw_gid).gr_name
+
+
+def signal_group(record: ProcessRecord, signum: int) -> bool:
+    """Send `signum` to the record's process group, only if the record's process still runs."""
+    if not record.alive():
+        return False
+    try:
+        os.killpg(record.pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def signal_process(record: ProcessRecord, signum: int) -> bool:
+    if not record.alive():
+        return False
+    try:
+        os.kill(record.pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop(record: ProcessRecord, timeout_s: float = 5.0) -> None:
+    """SIGTERM the process group (SIGCONT first: a paused process cannot exit), SIGKILL after `timeout_s`."""
+    if not record.alive():
+        return
+    signal_group(record, signal.SIGCONT)
+    signal_group(record, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reap()
+        if not record.alive():
+            return
+        time.sleep(0.05)
+    signal_group(record, signal.SIGKILL)
+    while record.alive() and time.monotonic() < deadline + 5:
+        reap()
+        time.sleep(0.05)
+
+
+# --- cgroup v1 cpu ----------------------------------------------------------------------
+
+
+def cgroup_path(group: str, name: str | None = None) -> Path:
+    return CPU_CGROUP_ROOT / group / name if name else CPU_CGROUP_ROOT / group
+
+
+def make_cgroup(path: Path, quota_cores: float | None, period_us: int) -> None:
+    if not CPU_CGROUP_ROOT.is_dir():
+        raise TestbedError(f"no cgroup v1 cpu controller at {CPU_CGROUP_ROOT} (set BMEG_CPU_CGROUP_ROOT)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "cpu.cfs_period_us").write_text(str(period_us))
+    except OSError as error:
+        raise TestbedError(f"cannot create cgroup {path}: {error} (the testbed needs root)") from None
+    set_quota(path, quota_cores)
+
+
+def set_quota(path: Path, cores: float | None) -> None:
+    """CPU limit in cores (None: unlimited)."""
+    period = int((path / "cpu.cfs_period_us").read_text())
+    quota = -1 if cores is None else max(1000, int(round(cores * period)))
+    (path / "cpu.cfs_quota_us").write_text(str(quota))
+
+
+def quota_cores(path: Path) -> float | None:
+    quota = int((path / "cpu.cfs_quota_us").read_text())
+    if quota < 0:
+        return None
+    return quota / int((path / "cpu.cfs_period_us").read_text())
+
+
+def cpu_usage_s(path: Path) -> float:
+    """CPU seconds the cgroup's tasks used (cpuacct is mounted apart; cpu.stat has no usage on v1)."""
+    usage = CPU_CGROUP_ROOT.parent / "cpuacct" / path.relative_to(CPU_CGROUP_ROOT) / "cpuacct.usage"
+    return int(usage.read_text()) / 1e9 if usage.exists() else float("nan")
+
+
+def throttled_s(path: Path) -> float:
+    """Seconds the cgroup spent throttled by its quota."""
+    for line in (path / "cpu.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "throttled_time":
+            return int(value) / 1e9
+    return 0.0
+
+
+def cgroup_tree(path: Path) -> list[Path]:
+    """The cgroup and its descendants, deepest first."""
+    if not path.is_dir():
+        return []
+    return sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [path]
+
+
+def kill_cgroup_tree(path: Path, timeout_s: float = 5.0) -> int:
+    """SIGCONT then SIGKILL every task left in the cgroup tree (every process the testbed
+    started lives in it, so this finds what a killed run left even without its state file);
+    returns how many processes were killed."""
+    killed = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = {int(pid) for group in cgroup_tree(path) for pid in (group / "cgroup.procs").read_text().split()}
+        if not pids:
+            break
+        for pid in pids:
+            for signum in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+        killed |= pids
+        reap()
+        time.sleep(0.05)
+    return len(killed)
+
+
+def remove_cgroup_tree(path: Path) -> None:
+    """Kill what runs in a cgroup tree and remove it (deepest first)."""
+    kill_cgroup_tree(path)
+    for group in cgroup_tree(path):
+        try:
+            group.rmdir()
+        except OSError as error:
+            raise TestbedError(f"cannot remove cgroup {group}: {error}") from None
+
+
+# --- network namespaces and tc tbf ------------------------------------------------------
+
+
+def run(command: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise TestbedError(f"{command[0]} is not installed (bash scripts/apt-install.sh iproute2)") from None
+    if check and result.returncode != 0:
+        raise TestbedError(f"{' '.join(command)} failed: {result.stderr.strip()}")
+    return result
+
+
+def netns_exists(name: str) -> bool:
+    return Path("/run/netns", name).exists()
+
+
+def make_shaped_netns(name: str, host_ip: str, ns_ip: str, rate_kbit: int) -> None:
+    """A namespace `name` joined to the host by a veth pair (host_ip <-> ns_ip, a /30), with
+    `tc tbf` at `rate_kbit` on both ends: traffic either way between them is shaped."""
+    host_if, ns_if = f"{name[:11]}h", f"{name[:11]}n"
+    run(["ip", "netns", "add", name])
+    run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if])
+    run(["ip", "link", "set", ns_if, "netns", name])
+    run(["ip", "addr", "add", f"{host_ip}/30", "dev", host_if])
+    run(["ip", "link", "set", host_if, "up"])
+    run(["ip", "netns", "exec", name, "ip", "addr", "add", f"{ns_ip}/30", "dev", ns_if])
+    run(["ip", "netns", "exec", name, "ip", "link", "set", ns_if, "up"])
+    run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"])
+    # burst: at least one MTU-sized packet per timer tick; latency bounds the queue
+    tbf = ["tbf", "rate", f"{rate_kbit}kbit", "burst", "16kb", "latency", "200ms"]
+    run(["tc", "qdisc", "add", "dev", host_if, "root", *tbf])
+    run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", ns_if, "root", *tbf])
+
+
+def remove_netns(name: str) -> None:
+    """Delete the namespace (its veth end goes with it, and with it the host end)."""
+    host_if = f"{name[:11]}h"
+    if Path("/sys/class/net", host_if).exists():
+        run(["ip", "link", "del", host_if], check=False)
+    if netns_exists(name):
+        run(["ip", "netns", "del", name], check=False)
+
+
+def list_netns(prefix: str) -> list[str]:
+    directory = Path("/run/netns")
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(prefix)) if directory.is_dir() else []
