@@ -24,6 +24,7 @@ COMMANDS = {
     "serve": "bmeg.cli.serving:serve",
     "consume": "bmeg.cli.serving:consume",
     "mitigate": "bmeg.cli.mitigate:mitigate",
+    "testbed": "bmeg.cli.testbed:testbed",
 }
 
 

@@ -266,6 +266,7 @@ def reload_service(testbed, state: TestbedState, service: str) -> None:
     config = service_config(service, testbed.ports, state.otlp_endpoint).to_json()
     config.update(state.overrides.get(service, {}))
     path = testbed.config_path(service)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=1))
     if record is not None:
         system.signal_process(record, signal.SIGHUP)
@@ -296,12 +297,14 @@ def _undo_misconfiguration(testbed, state, fault_id, undo) -> None:
 
 
 def _background(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
-    undo["target"] = record.to_json()
+    cgroup = testbed.cgroup(f"pauser-{fault_id}")
+    undo["target"], undo["cgroup"] = record.to_json(), str(cgroup)
     state.save()
+    system.make_cgroup(cgroup, None, CFS_PERIOD_US)
     pauser = spawn(f"pauser:{fault_id}", "pauser", [
         sys.executable, str(Path(__file__).with_name("pauser.py")), str(record.pid), str(record.ticks),
         f"{float(parameters.get('pause_ms', 100.0)):g}", f"{float(parameters.get('every_ms', 500.0)):g}",
-        str(seed), f"{until_s:.3f}"], Path(state.run_dir) / "logs" / "pausers.log", cgroup=testbed.cgroup("load"))
+        str(seed), f"{until_s:.3f}"], Path(state.run_dir) / "logs" / "pausers.log", cgroup=cgroup)
     undo["pauser"] = pauser.to_json()
 
 
@@ -310,6 +313,8 @@ def _undo_background(testbed, state, fault_id, undo) -> None:
         system.stop(ProcessRecord(**undo["pauser"]), timeout_s=2)
     if "target" in undo:  # the pauser may have been SIGKILLed while the target was stopped
         system.signal_process(ProcessRecord(**undo["target"]), signal.SIGCONT)
+    if "cgroup" in undo:
+        system.remove_cgroup_tree(Path(undo["cgroup"]))
 
 
 # --- code faults: an operation returns early or fails -------------------------------------

@@ -28,7 +28,9 @@ def run_dir(base: int | None = None) -> Path:
     """`BMEG_TESTBED_RUN_DIR`, or `${TMPDIR:-/tmp}/bmeg-testbed-<user>-<port base>`."""
     if "BMEG_TESTBED_RUN_DIR" in os.environ:
         return Path(os.environ["BMEG_TESTBED_RUN_DIR"])
-    user = os.environ.get("USER") or str(os.getuid())
+    import pwd
+
+    user = os.environ.get("USER") or pwd.getpwuid(os.getuid()).pw_name
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"bmeg-testbed-{user}-{base or port_base()}"
 
 
@@ -43,6 +45,8 @@ def netns_prefix(base: int) -> str:
 @dataclass
 class TestbedState:
     """What `up` started and what faults are applied now (undo records)."""
+
+    __test__ = False  # not a pytest class
 
     base: int
     run_dir: str

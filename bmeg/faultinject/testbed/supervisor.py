@@ -48,6 +48,8 @@ HEALTH_TIMEOUT_S = 60.0
 class Testbed:
     """Where one testbed lives: its port base and run directory."""
 
+    __test__ = False  # not a pytest class
+
     base: int
     run: Path
 

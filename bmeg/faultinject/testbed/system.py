@@ -184,9 +184,17 @@ def quota_cores(path: Path) -> float | None:
 
 
 def cpu_usage_s(path: Path) -> float:
-    """CPU seconds the cgroup's tasks used (cpuacct is mounted apart; cpu.stat has no usage on v1)."""
-    usage = CPU_CGROUP_ROOT.parent / "cpuacct" / path.relative_to(CPU_CGROUP_ROOT) / "cpuacct.usage"
-    return int(usage.read_text()) / 1e9 if usage.exists() else float("nan")
+    """CPU seconds used so far by the processes now in the cgroup (user + system, all threads;
+    cpuacct is a hierarchy of its own on this machine, so /proc is read instead)."""
+    ticks = 0
+    for pid in (path / "cgroup.procs").read_text().split():
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def throttled_s(path: Path) -> float:
@@ -257,7 +265,7 @@ def netns_exists(name: str) -> bool:
 def make_shaped_netns(name: str, host_ip: str, ns_ip: str, rate_kbit: int) -> None:
     """A namespace `name` joined to the host by a veth pair (host_ip <-> ns_ip, a /30), with
     `tc tbf` at `rate_kbit` on both ends: traffic either way between them is shaped."""
-    host_if, ns_if = f"{name[:11]}h", f"{name[:11]}n"
+    host_if, ns_if = _veth(name, "h"), _veth(name, "n")
     run(["ip", "netns", "add", name])
     run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if])
     run(["ip", "link", "set", ns_if, "netns", name])
@@ -272,9 +280,14 @@ def make_shaped_netns(name: str, host_ip: str, ns_ip: str, rate_kbit: int) -> No
     run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", ns_if, "root", *tbf])
 
 
+def _veth(netns: str, end: str) -> str:
+    """Interface names (at most 15 characters): `bt<base><n>h` on the host, `...n` inside."""
+    return "bt" + netns.removeprefix("bmegtb").replace("-", "")[:12] + end
+
+
 def remove_netns(name: str) -> None:
     """Delete the namespace (its veth end goes with it, and with it the host end)."""
-    host_if = f"{name[:11]}h"
+    host_if = _veth(name, "h")
     if Path("/sys/class/net", host_if).exists():
         run(["ip", "link", "del", host_if], check=False)
     if netns_exists(name):
