@@ -22,12 +22,24 @@ from bmeg.cli.output import json_option, print_json, print_table
               help="i/n: generate the i-th of n shares of the traces, with its own seeds. Give each shard "
                    "its own --out under one parent folder; loading the parent reads them all.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Processes.")
+@click.option("--backend", type=click.Choice(["simulator", "testbed"]), default="simulator", show_default=True,
+              help="testbed: inject real faults into the running socialnet testbed (socialnet only; "
+                   "scenarios testbed-single, testbed-multiple, testbed-cascading) and label its real traces.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True),
+              help="testbed: load in requests/s when the campaign starts the testbed itself (default 50).")
+@click.option("--calibration", "calibration_s", type=click.FloatRange(min=1), default=20.0, show_default=True,
+              help="testbed: seconds of fault-free traffic that calibrate the labels.")
 @json_option
-def generate(topology, traces, imbalance, seed, out, scenario, shard, workers, as_json) -> None:
-    """Simulate TOPOLOGY (socialnet, hotelreservation, trainticket, or a spec file) under faults."""
+def generate(topology, traces, imbalance, seed, out, scenario, shard, workers, backend, rate, calibration_s,
+             as_json) -> None:
+    """Simulate TOPOLOGY (socialnet, hotelreservation, trainticket, or a spec file) under faults,
+    or (--backend testbed) inject real faults into the socialnet testbed."""
     from bmeg.datasets.generate import Shard, generate_dataset
     from bmeg.faultinject.errors import SpecError
 
+    if backend == "testbed":
+        _testbed_campaign(topology, traces, seed, out, scenario, rate, calibration_s, as_json)
+        return
     try:
         card = generate_dataset(out, topology, traces, imbalance, seed, scenario, Shard.parse(shard), workers,
                                 progress=not as_json)
@@ -45,4 +57,24 @@ def generate(topology, traces, imbalance, seed, out, scenario, shard, workers, a
         {"what": "traces/s", "value": card["generation"]["traces_per_second"]},
     ]
     rows += [{"what": f"source {name}", "value": count} for name, count in card["fault_sources"].items()]
+    print_table(rows, title=f"{card['name']} -> {out}")
+
+
+def _testbed_campaign(topology, traces, seed, out, scenario, rate, calibration_s, as_json) -> None:
+    from bmeg.faultinject.errors import SpecError
+    from bmeg.faultinject.testbed.campaign import run_campaign
+    from bmeg.faultinject.testbed.system import TestbedError
+
+    if topology != "socialnet":
+        raise click.UsageError("--backend testbed runs socialnet only")
+    try:
+        card = run_campaign(out, scenario, traces, seed, rate, calibration_s,
+                            progress=(lambda line: None) if as_json else click.echo)
+    except (SpecError, ValueError, TestbedError) as error:
+        raise click.ClickException(str(error)) from None
+    if as_json:
+        print_json(card)
+        return
+    rows = [{"what": key, "value": card[key]} for key in ("traces", "anomalous_traces", "exposed_traces", "faults")]
+    rows += [{"what": f"faults {name}", "value": count} for name, count in card["faults_per_source"].items()]
     print_table(rows, title=f"{card['name']} -> {out}")

@@ -1,0 +1,222 @@
+"""A fault campaign on the running testbed: `bmeg generate socialnet --backend testbed ...`.
+
+1. The testbed runs (started here if it was not, and stopped at the end then); faults a
+   killed campaign left are undone first.
+2. A fault-free calibration period (`calibration_s`) gives each operation's normal times.
+3. Episodes of the scenario run one after another in real time, each with its faults drawn
+   by `plan_faults` (the simulator's campaign files and rules; the testbed scenarios list
+   which services may be hit), applied and undone by `faults` at their wall-clock times,
+   until the requested traces have been served (rate x episode length per episode).
+4. The Collector's file exporter is read back through bmeg's OTLP reader; traces are
+   assembled and labelled (`labels`), and the dataset is written in the simulator's layout:
+   spans/traces/nodes Parquet and `dataset.json`, plus `faults.json` (each fault as it ran)
+   and `fault_list.json` (Nezha's format, which `bmeg evaluate rca` reads; pods are called
+   `<service>-testbed-<n>`, so the default two-part pod suffix yields the service).
+SIGTERM and SIGINT undo the faults in force before the campaign exits; after a SIGKILL the
+next campaign, `up` or `down` does (the state file holds every fault's undo record).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from bmeg.faultinject.scenario import load_scenario, plan_faults, scenario_path
+from bmeg.faultinject.spec import load_topology
+from bmeg.faultinject.tables import NODES_SCHEMA, NORMAL, TRACES_SCHEMA
+from bmeg.faultinject.testbed import labels as labelling
+from bmeg.faultinject.testbed.deployment import SERVICES
+from bmeg.faultinject.testbed.faults import apply_fault, undo_all, undo_fault
+from bmeg.faultinject.testbed.supervisor import DEFAULT_RATE, Testbed, down, up
+from bmeg.faultinject.testbed.system import TestbedError
+from bmeg.traces import read_spans
+from bmeg.traces.schema import conform
+
+#: Nezha fault types for the fault list (`bmeg.evaluation.faults.LATENCY_FAULTS` are latency faults)
+INJECT_TYPES = {"interference": "cpu_contention", "saturation": "cpu_consumed", "network": "network_delay",
+                "misconfiguration": "misconfiguration", "background": "gc_pause", "code": "exception"}
+FLUSH_S = 3.0  # the SDK's batch delay (5 s max) is cut by the services' shutdown, the Collector's by 200 ms
+
+
+class _Stop(Exception):
+    """SIGTERM: leave the campaign's loop, undo the faults."""
+
+
+def run_campaign(out: str | Path, scenario: str | Path, traces: int, seed: int = 0, rate: float | None = None,
+                 calibration_s: float = 20.0, testbed: Testbed | None = None, progress=print) -> dict:
+    if traces < 1:
+        raise ValueError(f"traces must be at least 1, not {traces}")
+    bed = testbed or Testbed.default()
+    plan, plan_file = load_scenario(scenario), scenario_path(scenario)
+    topology = load_topology("socialnet")
+    unknown = set(plan.campaign.services or []) - set(SERVICES) if plan.campaign else set()
+    unknown |= {f.service for f in plan.faults} - set(SERVICES)
+    if unknown:
+        raise ValueError(f"scenario {plan.name!r} names services the testbed does not run: {sorted(unknown)}")
+    state = bed.state()
+    started_here = state is None or not all(r.alive() for r in state.processes.values() if r.role != "hog")
+    if started_here:
+        state = up(bed, rate=rate or DEFAULT_RATE, seed=seed)
+    elif rate is not None and rate != state.rate:
+        raise ValueError(f"the testbed runs at {state.rate:g} req/s; stop it (bmeg testbed down) to use --rate {rate:g}")
+    assert state is not None
+    for line in undo_all(bed, state):
+        progress(f"repaired: {line}")
+    per_episode = state.rate * (plan.duration_s - plan.warmup_s)
+    episodes = max(1, math.ceil(traces / per_episode))
+    rng = np.random.default_rng(seed)
+    applied: list[labelling.AppliedFault] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def stop(signum, frame):
+        raise _Stop()
+
+    for sig in previous:
+        signal.signal(sig, stop)
+    began = time.time_ns()
+    try:
+        progress(f"calibrating for {calibration_s:g} s (no faults)")
+        time.sleep(calibration_s)
+        calibration_end = time.time_ns()
+        for episode in range(episodes):
+            faults = plan_faults(plan, topology, rng)
+            progress(f"episode {episode + 1}/{episodes}: {len(faults)} faults")
+            applied += _run_episode(bed, state, faults, plan.duration_s, episode, seed, len(applied))
+        ended = time.time_ns()
+    except _Stop:
+        raise TestbedError("campaign stopped by a signal; its faults were undone") from None
+    finally:
+        undo_all(bed, state)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    time.sleep(FLUSH_S)
+    try:
+        card = _write_dataset(Path(out), bed, state, plan, plan_file, applied, began, calibration_end, ended, traces, seed)
+    finally:
+        if started_here:
+            down(bed)
+    return card
+
+
+def _run_episode(bed, state, faults, duration_s: float, episode: int, seed: int, first: int) -> list[labelling.AppliedFault]:
+    """Apply and undo the episode's faults at their times; returns them as they really ran."""
+    t0 = time.monotonic()
+    events = sorted([(f.start_s, 1, i) for i, f in enumerate(faults)] + [(f.end_s, 0, i) for i, f in enumerate(faults)])
+    started: dict[int, int] = {}
+    done = []
+    for at, is_start, index in events:
+        time.sleep(max(0.0, t0 + at - time.monotonic()))
+        fault, fault_id = faults[index], f"e{episode}-{index}"
+        if is_start:
+            until = time.time() + (fault.end_s - fault.start_s)
+            apply_fault(bed, state, fault_id, fault.service, fault.source, fault.parameters, until, seed + first + index)
+            started[index] = time.time_ns()
+        elif index in started:
+            end = undo_fault(bed, state, fault_id) or time.time_ns()
+            done.append(labelling.AppliedFault(first + len(done), fault.service, fault.source, fault.kind,
+                                               started[index], end, dict(fault.parameters)))
+    time.sleep(max(0.0, t0 + duration_s - time.monotonic()))
+    return sorted(done, key=lambda f: f.start_ns)
+
+
+def _write_dataset(out: Path, bed, state, plan, plan_file, faults, began, calibration_end, ended, requested, seed) -> dict:
+    spans = conform(read_spans(Path(state.spans_file), "otlp-json"))
+    starts = spans["start_ns"]
+    spans = spans.filter(pc.and_(pc.greater_equal(starts, began), pc.less(starts, ended)))
+    frame = labelling.node_frame(spans)
+    forest = frame.forest
+    root = forest.parent < 0
+    trace_start = np.zeros(forest.num_traces, dtype=np.int64)
+    trace_start[forest.trace_index[root]] = frame.start_ns[root]
+    calibration = labelling.calibrate(frame, trace_start[forest.trace_index] < calibration_end)
+    labels = labelling.label(frame, faults, calibration)
+    keep = trace_start >= calibration_end  # the dataset holds the campaign's traces, not the calibration's
+    out.mkdir(parents=True, exist_ok=True)
+    table = forest.spans
+    span_keep = keep[forest.trace_index]
+    pq.write_table(table.filter(pa.array(span_keep)), out / "spans.parquet")
+    nodes = pa.Table.from_arrays([table["trace_id"], table["span_id"], pa.array(frame.node_service.astype(str)),
+                                  pa.array(labels.span_bottleneck)], schema=NODES_SCHEMA)
+    pq.write_table(nodes.filter(pa.array(span_keep & frame.is_node)), out / "nodes.parquet")
+    traces = _traces_table(frame, labels, faults, trace_start, keep, plan.duration_s, calibration_end)
+    pq.write_table(traces, out / "traces.parquet")
+    (out / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
+    (out / "fault_list.json").write_text(json.dumps(_fault_list(faults), indent=1))
+    anomalous = int(pc.sum(traces["anomalous"]).as_py() or 0)
+    card = {
+        "name": f"socialnet-testbed-{plan.name}-n{traces.num_rows}-s{seed}",
+        "backend": "testbed",
+        "topology": {"name": "socialnet", "services": list(SERVICES), "rate": state.rate},
+        "scenario": {"name": plan.name, "kind": plan.kind, "file": str(plan_file),
+                     "sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()},
+        "traces": traces.num_rows, "requested_traces": requested,
+        "anomalous_traces": anomalous, "normal_traces": traces.num_rows - anomalous,
+        "exposed_traces": int(labels.trace_exposed[keep].sum()),
+        "achieved_imbalance": anomalous / max(1, traces.num_rows - anomalous),
+        "faults": len(faults), "faults_per_source": _count(f.source for f in faults),
+        "fault_sources": _count(traces["fault_source"].to_pylist()),
+        "seed": seed, "labels": labelling.LABEL_RULE,
+        "calibration_p99_local_us": {k: round(v / 1e3, 1) for k, v in sorted(calibration.local_high.items())},
+        "files": {"spans": "spans.parquet", "traces": "traces.parquet", "nodes": "nodes.parquet",
+                  "faults": "faults.json", "fault_list": "fault_list.json"},
+        "generation": {"seconds": round((ended - began) / 1e9, 1), "calibration_s": round((calibration_end - began) / 1e9, 1)},
+        "assembly_warnings": len(forest.warnings),
+    }
+    (out / "dataset.json").write_text(json.dumps(card, indent=2))
+    return card
+
+
+def _count(values) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _traces_table(frame, labels, faults, trace_start, keep, episode_s: float, calibration_end: int) -> pa.Table:
+    forest = frame.forest
+    root = np.flatnonzero(forest.parent < 0)
+    chosen = np.flatnonzero(keep)
+    order = np.empty(forest.num_traces, dtype=np.int64)
+    order[forest.trace_index[root]] = root
+    roots = order[chosen]
+    end = frame.start_ns + frame.inclusive_ns.astype(np.int64)
+    kinds, sources, services = [], [], []
+    for trace in chosen.tolist():
+        hit = [faults[i] for i in labels.trace_faults[trace]]
+        kinds.append("+".join(sorted({f.kind for f in hit})) or NORMAL)
+        sources.append("+".join(sorted({f.source for f in hit})) or NORMAL)
+        services.append(sorted({f.service for f in hit}))
+    episode = ((trace_start[chosen] - calibration_end) // int(episode_s * 1e9)).astype(np.int32)
+    return pa.Table.from_arrays([
+        pa.array([forest.trace_ids[t] for t in chosen.tolist()], pa.string()),
+        pa.array(forest.spans["operation"].to_numpy(zero_copy_only=False)[roots].astype(str)),
+        pa.array(trace_start[chosen]),
+        pa.array(end[roots] - frame.start_ns[roots]),
+        pa.array(frame.error[roots]),
+        pa.array(labels.trace_anomalous[chosen]),
+        pa.array(kinds, pa.string()), pa.array(sources, pa.string()), pa.array(services, pa.list_(pa.string())),
+        pa.array(episode),
+    ], schema=TRACES_SCHEMA)
+
+
+def _fault_list(faults) -> dict[str, list[dict]]:
+    hours: dict[str, list[dict]] = {}
+    for fault in faults:
+        hour = time.strftime("%Y-%m-%d %H", time.gmtime(fault.start_ns / 1e9))
+        hours.setdefault(hour, []).append({"inject_timestamp": f"{fault.start_ns / 1e9:.3f}",
+                                           "inject_pod": f"{fault.service}-testbed-0",
+                                           "inject_type": INJECT_TYPES[fault.source],
+                                           "end_timestamp": f"{fault.end_ns / 1e9:.3f}",
+                                           "source": fault.source, "kind": fault.kind})
+    return hours
