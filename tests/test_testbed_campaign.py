@@ -42,7 +42,7 @@ FAULT_S, GAP_S = 8.0, 4.0
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
-    testbed = Testbed(27300 + os.getpid() % 20 * 2 * 100 // 100, tmp_path_factory.mktemp("testbed"))
+    testbed = Testbed(26000 + os.getpid() % 10 * 200, tmp_path_factory.mktemp("testbed"))  # own ports per process
     try:
         up(testbed, rate=40)
         yield testbed
