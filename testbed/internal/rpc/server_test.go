@@ -233,7 +233,10 @@ func TestQueueingIsOutsideTheServerSpan(t *testing.T) {
 		t.Fatal("with one worker the second request must start after the first ended")
 	}
 	var stats map[string]json.RawMessage
-	resp, _ := http.Get(ts.URL + "/_admin/stats")
+	resp, err := http.Get(ts.URL + "/_admin/stats")
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer resp.Body.Close()
 	if err := json.NewDecoder(resp.Body).Decode(&stats); err != nil || stats["pool"] == nil {
 		t.Fatalf("stats: %v %v", stats, err)
