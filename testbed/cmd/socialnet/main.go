@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -91,6 +92,9 @@ func runService(args []string, log *slog.Logger) error {
 	if *path == "" {
 		return usageError{errors.New("service: --config FILE is required")}
 	}
+	if _, _, err := app.Load(*path); err != nil {
+		return usageError{err}
+	}
 	return app.Run(context.Background(), *path, log)
 }
 
@@ -115,14 +119,15 @@ func runLoad(args []string, stdout io.Writer) error {
 	o := load.Options{}
 	fs.StringVar(&o.Target, "target", "", "nginx-web-server's base URL, http://host:port")
 	fs.Float64Var(&o.Rate, "rate", 100, "requests per second")
-	fs.DurationVar(&o.Duration, "duration", 30*time.Second, "length of the run (Go duration: 30s, 5m)")
+	o.Duration, o.Timeout = 30*time.Second, 10*time.Second
+	fs.Var((*seconds)(&o.Duration), "duration", "length of the run: seconds (60) or a Go duration (5m)")
 	mix := fs.String("mix", load.DefaultMix, "request kinds and shares: compose, home, user, login, follow")
 	fs.StringVar(&o.Arrivals, "arrivals", load.Constant, "constant (wrk2) or poisson")
 	fs.Uint64Var(&o.Seed, "seed", 1, "random seed (users, texts, arrivals)")
 	fs.IntVar(&o.Users, "users", 962, "user ids 1..N (962: DeathStarBench's socfb-Reed98 graph)")
 	fs.BoolVar(&o.Init, "init", false, "register the users and their follows before the run")
 	fs.IntVar(&o.Follows, "follows", 10, "followees per user registered by --init")
-	fs.DurationVar(&o.Timeout, "timeout", 10*time.Second, "per-request timeout")
+	fs.Var((*seconds)(&o.Timeout), "timeout", "per-request timeout: seconds or a Go duration")
 	fs.IntVar(&o.MaxInFlight, "max-in-flight", 4096, "requests in flight beyond which due ones are dropped")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -140,4 +145,22 @@ func runLoad(args []string, stdout io.Writer) error {
 	enc := json.NewEncoder(stdout)
 	enc.SetIndent("", "  ")
 	return enc.Encode(sum)
+}
+
+// seconds is a duration flag that also takes a plain number of seconds ("60", "0.5").
+type seconds time.Duration
+
+func (s *seconds) String() string { return time.Duration(*s).String() }
+
+func (s *seconds) Set(v string) error {
+	if d, err := time.ParseDuration(v); err == nil {
+		*s = seconds(d)
+		return nil
+	}
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil {
+		return fmt.Errorf("want seconds or a duration such as 30s, got %q", v)
+	}
+	*s = seconds(time.Duration(f * float64(time.Second)))
+	return nil
 }

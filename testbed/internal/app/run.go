@@ -29,16 +29,9 @@ const oldStoresGrace = 2 * callTimeout
 // arrives; SIGHUP re-reads the file and applies workers, queue_limit, cache_items, peers and
 // db_pool (new store pools; the old ones close once their calls are done).
 func Run(ctx context.Context, path string, log *slog.Logger) error {
-	cfg, err := config.Load(path)
+	cfg, svc, err := Load(path)
 	if err != nil {
 		return err
-	}
-	svc, err := Lookup(cfg.Service)
-	if err != nil {
-		return err
-	}
-	if err := svc.Check(cfg); err != nil {
-		return fmt.Errorf("config %s: %w", path, err)
 	}
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
@@ -86,6 +79,23 @@ func Run(ctx context.Context, path string, log *slog.Logger) error {
 		st.Close()
 	}
 	return errors.Join(err, shutdownTracing(shutCtx)) // flushes the spans still batched
+}
+
+// Load reads a service's configuration and checks it names a known service with the peers
+// and stores that service needs.
+func Load(path string) (*config.Config, Service, error) {
+	cfg, err := config.Load(path)
+	if err != nil {
+		return nil, Service{}, err
+	}
+	svc, err := Lookup(cfg.Service)
+	if err == nil {
+		err = svc.Check(cfg)
+	}
+	if err != nil {
+		return nil, Service{}, fmt.Errorf("config %s: %w", path, err)
+	}
+	return cfg, svc, nil
 }
 
 func ignoreClosed(err error) error {
@@ -152,12 +162,9 @@ func (p *process) createSchema(ctx context.Context, st *stores.Stores) error {
 }
 
 func (p *process) reload(ctx context.Context, path string) {
-	next, err := config.Load(path)
+	next, _, err := Load(path)
 	if err == nil && (next.Service != p.cfg.Service || next.Listen != p.cfg.Listen) {
 		err = errors.New(`"service" and "listen" change only with a restart`)
-	}
-	if err == nil {
-		err = p.svc.Check(next)
 	}
 	if err != nil {
 		p.log.Error("reload rejected, keeping the running configuration", "error", err)
