@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/extra/redisotel/v9"
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 	"go.opentelemetry.io/otel/attribute"
 )
 
@@ -56,11 +57,22 @@ func Open(ctx context.Context, spec Spec) (*Stores, error) {
 	if spec.Redis != "" {
 		s.Redis = redis.NewClient(&redis.Options{Addr: spec.Redis, DB: spec.RedisDB, PoolSize: spec.Pool,
 			MinIdleConns: 1,
-			// Debian 12's Redis 7.0 rejects CLIENT SETINFO, which would add an error span per connection.
-			DisableIdentity: true})
+			// Debian 12's Redis 7.0 rejects CLIENT SETINFO and CLIENT MAINT_NOTIFICATIONS, which
+			// go-redis sends on each new connection: each would be an error span.
+			DisableIdentity:          true,
+			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}})
 		err := redisotel.InstrumentTracing(s.Redis,
 			redisotel.WithAttributes(attribute.String("peer.service", PeerName(spec.Service, "redis"))),
-			redisotel.WithDialFilter(true), redisotel.WithCallerEnabled(false))
+			redisotel.WithDialFilter(true), redisotel.WithCallerEnabled(false),
+			redisotel.WithCommandFilter(untracedCommand),
+			redisotel.WithCommandsFilter(func(cmds []redis.Cmder) bool {
+				for _, c := range cmds {
+					if !untracedCommand(c) {
+						return false
+					}
+				}
+				return true
+			}))
 		if err != nil {
 			s.Close()
 			return nil, fmt.Errorf("redis tracing: %w", err)
@@ -90,6 +102,17 @@ func Open(ctx context.Context, spec Spec) (*Stores, error) {
 		return nil, err
 	}
 	return s, nil
+}
+
+// untracedCommand leaves out of traces what is not a request's work: AUTH (as redisotel's
+// default), the PING of health checks, and the HELLO/SELECT that set up a connection (as the
+// dial, filtered too): made by the pool in the background, they would be one-span traces.
+func untracedCommand(cmd redis.Cmder) bool {
+	switch cmd.Name() {
+	case "ping", "hello", "select":
+		return true
+	}
+	return redisotel.DefaultCommandFilter(cmd)
 }
 
 // Ping checks that every open store answers.
