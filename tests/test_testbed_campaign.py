@@ -18,15 +18,15 @@ from bmeg.faultinject.testbed.deployment import SERVICES, service_cpu
 from bmeg.faultinject.testbed.faults import apply_fault, undo_fault
 from bmeg.faultinject.testbed.labels import AppliedFault, calibrate, label, node_frame
 from bmeg.faultinject.testbed.state import netns_prefix
+from bmeg.faultinject.testbed.system import SOURCE_ROOT
 from bmeg.faultinject.testbed.supervisor import Testbed, down, status, up
-from bmeg.paths import PROJECT_ROOT
 from bmeg.traces import read_spans
 from bmeg.traces.schema import conform
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root (cgroups, namespaces)"),
-    pytest.mark.skipif(not (PROJECT_ROOT / "testbed" / "build.sh").is_file(), reason="no testbed/build.sh"),
+    pytest.mark.skipif(not (SOURCE_ROOT / "testbed" / "build.sh").is_file(), reason="no testbed/build.sh"),
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="bash scripts/apt-install.sh redis-server ..."),
 ]
 TARGET = "post-storage-service"  # on every read path: home and user timelines

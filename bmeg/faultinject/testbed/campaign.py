@@ -63,13 +63,14 @@ def run_campaign(out: str | Path, scenario: str | Path, traces: int, seed: int =
     unknown |= {f.service for f in plan.faults} - set(SERVICES)
     if unknown:
         raise ValueError(f"scenario {plan.name!r} names services the testbed does not run: {sorted(unknown)}")
-    state = bed.state()
-    started_here = state is None or not all(r.alive() for r in state.processes.values() if r.role != "hog")
-    if started_here:
+    running = bed.state()
+    started_here = running is None or not all(r.alive() for r in running.processes.values() if r.role != "hog")
+    if running is None or started_here:
         state = up(bed, rate=rate or DEFAULT_RATE, seed=seed)
-    elif rate is not None and rate != state.rate:
-        raise ValueError(f"the testbed runs at {state.rate:g} req/s; stop it (bmeg testbed down) to use --rate {rate:g}")
-    assert state is not None
+    elif rate is not None and rate != running.rate:
+        raise ValueError(f"the testbed runs at {running.rate:g} req/s; stop it (bmeg testbed down) to use --rate {rate:g}")
+    else:
+        state = running
     for line in undo_all(bed, state):
         progress(f"repaired: {line}")
     per_episode = state.rate * (plan.duration_s - plan.warmup_s)
@@ -113,7 +114,7 @@ def _run_episode(bed, state, faults, duration_s: float, episode: int, seed: int,
     t0 = time.monotonic()
     events = sorted([(f.start_s, 1, i) for i, f in enumerate(faults)] + [(f.end_s, 0, i) for i, f in enumerate(faults)])
     started: dict[int, int] = {}
-    done = []
+    done: list[labelling.AppliedFault] = []
     for at, is_start, index in events:
         time.sleep(max(0.0, t0 + at - time.monotonic()))
         fault, fault_id = faults[index], f"e{episode}-{index}"

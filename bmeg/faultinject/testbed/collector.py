@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bmeg.faultinject.testbed.stores import wait_port
-from bmeg.faultinject.testbed.system import ProcessRecord, TestbedError, spawn
-from bmeg.paths import PROJECT_ROOT
+from bmeg.faultinject.testbed.system import SOURCE_ROOT, ProcessRecord, TestbedError, spawn
 
 CONFIG = """\
 receivers:
@@ -55,7 +54,7 @@ class Collector:
 
 def collector_binary() -> str:
     """The Collector built by `scripts/otelcol.sh` (cached; built on first use)."""
-    script = PROJECT_ROOT / "scripts" / "otelcol.sh"
+    script = SOURCE_ROOT / "scripts" / "otelcol.sh"
     if not script.is_file():
         raise TestbedError(f"{script} is missing: the Collector build script is not in this checkout")
     result = subprocess.run(["bash", str(script), "build"], capture_output=True, text=True)

@@ -37,7 +37,8 @@ from bmeg.faultinject.testbed.deployment import (
     SERVICES,
     service_cpu,
 )
-from bmeg.faultinject.testbed.state import TestbedState, netns_prefix
+from bmeg.faultinject.testbed.state import TestbedState, netns_prefix, record_process, service_cgroup
+from bmeg.faultinject.testbed.stores import wait_port
 from bmeg.faultinject.testbed.system import ProcessRecord, TestbedError, spawn
 
 #: cgroup v1 cpu.shares of a service's cgroup (the kernel's default)
@@ -62,7 +63,7 @@ def admin_post(address: str, path: str, body: dict, timeout_s: float = 5.0) -> N
         raise TestbedError(f"POST {address}{path} failed: {error}") from None
 
 
-def _service_record(state: TestbedState, service: str) -> ProcessRecord:
+def _servicerecord_process(state: TestbedState, service: str) -> ProcessRecord:
     if service not in SERVICES:
         raise TestbedError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
     record = state.processes.get(service)
@@ -78,7 +79,7 @@ def apply_fault(testbed, state: TestbedState, fault_id: str, service: str, sourc
         raise TestbedError(f"fault {fault_id} is already applied")
     if source not in TESTBED_SOURCES:
         raise TestbedError(f"unknown fault source {source!r}; known: {', '.join(TESTBED_SOURCES)}")
-    record = _service_record(state, service)
+    record = _servicerecord_process(state, service)
     undo: dict = {"service": service, "source": source, "parameters": dict(parameters)}
     state.faults[fault_id] = undo
     state.save()  # write-ahead: whatever happens next, undo_all sees this fault
@@ -200,15 +201,13 @@ def _shape_bandwidth(testbed, state, fault_id, service: str, kbit: int, undo: di
 
     The front proxy is restarted with the namespace relay as its upstream (its TCP connections
     end, callers reconnect); both directions cross the veth pair and its tbf qdiscs."""
-    from bmeg.faultinject.testbed.supervisor import _cgroup, _record
-
     name = f"{netns_prefix(testbed.base)}{SERVICES.index(service)}"
     host_ip, ns_ip = _netns_addresses(testbed, service)
     undo["netns"] = name
     state.save()
     system.make_shaped_netns(name, host_ip, ns_ip, kbit)
     ports, logs, binary = testbed.ports, Path(state.run_dir) / "logs", state.binary
-    relays = _cgroup(testbed, "relays")
+    relays = service_cgroup(testbed, "relays")
     port = ports.relay(service)
     host_relay = spawn(f"relay-host:{service}", "relay", [binary, "proxy", "--listen", f"{host_ip}:{port}",
                        "--upstream", f"127.0.0.1:{ports.service(service)}"], logs / f"relay-{service}.log", cgroup=relays)
@@ -232,14 +231,12 @@ def _unshape_bandwidth(testbed, state, fault_id, undo: dict) -> None:
 
 
 def _restart_proxy(testbed, state: TestbedState, service: str, upstream: str) -> None:
-    from bmeg.faultinject.testbed.stores import wait_port
-    from bmeg.faultinject.testbed.supervisor import _record
 
     old = state.processes[f"proxy:{service}"]
     system.stop(old, timeout_s=2)
     command = list(old.command)
     command[command.index("--upstream") + 1] = upstream
-    new = _record(state, spawn(old.name, "proxy", command, Path(old.log), cgroup=Path(old.cgroup) if old.cgroup else None))
+    new = record_process(state, spawn(old.name, "proxy", command, Path(old.log), cgroup=Path(old.cgroup) if old.cgroup else None))
     wait_port(testbed.ports.proxy(service), 10, f"proxy of {service}", new.alive)
 
 

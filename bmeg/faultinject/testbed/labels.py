@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from bmeg.graphs import assemble, node_services
+from bmeg.graphs.assemble import SpanForest
 from bmeg.graphs.features import self_time_ns
 
 LABEL_RULE = (
@@ -57,7 +58,7 @@ class AppliedFault:
 class NodeFrame:
     """Per span of a forest: node service, caller service, key, local and inclusive time."""
 
-    forest: object
+    forest: SpanForest
     node_service: np.ndarray
     caller_service: np.ndarray
     key: np.ndarray

@@ -18,7 +18,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bmeg.faultinject.testbed.deployment import port_base
+from bmeg.faultinject.testbed import system
+from bmeg.faultinject.testbed.deployment import CFS_PERIOD_US, Ports, port_base
 from bmeg.faultinject.testbed.system import ProcessRecord
 
 STATE_FILE = "state.json"
@@ -86,3 +87,49 @@ class TestbedState:
         except (json.JSONDecodeError, TypeError) as error:
             raise ValueError(f"{path} is not a testbed state file ({error}); remove it after "
                              f"`bmeg testbed down` repaired what it could") from None
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """Where one testbed lives: its port base and run directory."""
+
+    __test__ = False  # not a pytest class
+
+    base: int
+    run: Path
+
+    @classmethod
+    def default(cls) -> Testbed:
+        base = port_base()
+        return cls(base, run_dir(base))
+
+    @property
+    def ports(self) -> Ports:
+        return Ports(self.base)
+
+    @property
+    def group(self) -> Path:
+        return system.cgroup_path(cgroup_group(self.base))
+
+    def cgroup(self, name: str) -> Path:
+        return self.group / name
+
+    def state(self) -> TestbedState | None:
+        return TestbedState.load(self.run)
+
+    def config_path(self, service: str, instance: int = 0) -> Path:
+        return self.run / "configs" / (f"{service}.json" if instance == 0 else f"{service}-{instance}.json")
+
+
+def record_process(state: TestbedState, record: ProcessRecord) -> ProcessRecord:
+    """Note a process the testbed started in the state file (at once: a crash must not lose it)."""
+    state.processes[record.name] = record
+    state.save()
+    return record
+
+
+def service_cgroup(testbed: Testbed, name: str, quota_cores: float | None = None) -> Path:
+    """The cgroup `name` in the testbed's tree, made if missing, with that CPU quota (None: no limit)."""
+    path = testbed.cgroup(name)
+    system.make_cgroup(path, quota_cores, CFS_PERIOD_US)
+    return path

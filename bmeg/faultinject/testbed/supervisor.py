@@ -18,7 +18,6 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 from bmeg.faultinject.testbed import system
@@ -28,15 +27,13 @@ from bmeg.faultinject.testbed.deployment import (
     DEFAULT_QUOTA_CORES,
     ENTRY,
     SERVICES,
-    Ports,
-    port_base,
     service_config,
     service_cpu,
 )
-from bmeg.faultinject.testbed.state import TestbedState, cgroup_group, netns_prefix, run_dir
+from bmeg.faultinject.testbed.faults import undo_all
+from bmeg.faultinject.testbed.state import Testbed, TestbedState, netns_prefix, record_process, service_cgroup
 from bmeg.faultinject.testbed.stores import start_stores, wait_port
-from bmeg.faultinject.testbed.system import ProcessRecord, TestbedError, spawn
-from bmeg.paths import PROJECT_ROOT
+from bmeg.faultinject.testbed.system import SOURCE_ROOT, ProcessRecord, TestbedError, spawn
 
 DEFAULT_RATE = 50.0
 #: order in which `down` stops roles: the load first, stores and the Collector last (spans flush)
@@ -44,41 +41,9 @@ STOP_ORDER = ("load", "pauser", "hog", "replica", "service", "relay", "proxy", "
 HEALTH_TIMEOUT_S = 60.0
 
 
-@dataclass(frozen=True)
-class Testbed:
-    """Where one testbed lives: its port base and run directory."""
-
-    __test__ = False  # not a pytest class
-
-    base: int
-    run: Path
-
-    @classmethod
-    def default(cls) -> Testbed:
-        base = port_base()
-        return cls(base, run_dir(base))
-
-    @property
-    def ports(self) -> Ports:
-        return Ports(self.base)
-
-    @property
-    def group(self) -> Path:
-        return system.cgroup_path(cgroup_group(self.base))
-
-    def cgroup(self, name: str) -> Path:
-        return self.group / name
-
-    def state(self) -> TestbedState | None:
-        return TestbedState.load(self.run)
-
-    def config_path(self, service: str, instance: int = 0) -> Path:
-        return self.run / "configs" / (f"{service}.json" if instance == 0 else f"{service}-{instance}.json")
-
-
 def build_binary() -> str:
     """`bash testbed/build.sh` (it rebuilds only when the sources changed); the binary's path."""
-    script = PROJECT_ROOT / "testbed" / "build.sh"
+    script = SOURCE_ROOT / "testbed" / "build.sh"
     if not script.is_file():
         raise TestbedError(f"{script} is missing: the socialnet application is not in this checkout")
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
@@ -89,7 +54,7 @@ def build_binary() -> str:
 
 
 def ensure_kafka() -> None:
-    script = PROJECT_ROOT / "scripts" / "kafka.sh"
+    script = SOURCE_ROOT / "scripts" / "kafka.sh"
     if subprocess.run(["bash", str(script), "status"], capture_output=True).returncode == 0:
         return
     result = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True)
@@ -102,8 +67,6 @@ def ensure_kafka() -> None:
 
 def repair(testbed: Testbed) -> list[str]:
     """Undo everything a testbed (running, or left by a killed run) changed; returns what was done."""
-    from bmeg.faultinject.testbed.faults import undo_all
-
     done: list[str] = []
     state = testbed.state()
     if state is not None:
@@ -149,41 +112,29 @@ def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, see
     return state
 
 
-def _record(state: TestbedState, record: ProcessRecord) -> ProcessRecord:
-    state.processes[record.name] = record
-    state.save()
-    return record
-
-
-def _cgroup(testbed: Testbed, name: str, quota_cores: float | None = None) -> Path:
-    path = testbed.cgroup(name)
-    system.make_cgroup(path, quota_cores, CFS_PERIOD_US)
-    return path
-
-
 def _start_all(testbed: Testbed, state: TestbedState, mix: str, seed: int) -> None:
     from bmeg.faultinject.testbed.collector import start_collector
 
     ports, logs = testbed.ports, testbed.run / "logs"
-    collector = start_collector(testbed, _cgroup(testbed, "collector"))
+    collector = start_collector(testbed, service_cgroup(testbed, "collector"))
     state.otlp_endpoint, state.spans_file = collector.otlp_endpoint, str(collector.spans_file)
-    _record(state, collector.record)
-    for record in start_stores(testbed.run, ports, lambda name: _cgroup(testbed, name)):
-        _record(state, record)
+    record_process(state, collector.record)
+    for record in start_stores(testbed.run, ports, lambda name: service_cgroup(testbed, name)):
+        record_process(state, record)
     for service in SERVICES:
         start_service(testbed, state, service)
-    proxies = _cgroup(testbed, "proxies")
+    proxies = service_cgroup(testbed, "proxies")
     for service in SERVICES:
-        _record(state, spawn(f"proxy:{service}", "proxy", [
+        record_process(state, spawn(f"proxy:{service}", "proxy", [
             state.binary, "proxy", "--listen", f"127.0.0.1:{ports.proxy(service)}",
             "--upstream", f"127.0.0.1:{ports.service(service)}", "--admin", f"127.0.0.1:{ports.proxy_admin(service)}"],
             logs / f"proxy-{service}.log", cgroup=proxies))
     for service in SERVICES:
         wait_healthy(state, service, f"127.0.0.1:{ports.service(service)}")
         wait_port(ports.proxy(service), 10, f"proxy of {service}", state.processes[f"proxy:{service}"].alive)
-    _record(state, spawn("load", "load", [
+    record_process(state, spawn("load", "load", [
         state.binary, "load", "--target", f"http://127.0.0.1:{ports.proxy(ENTRY)}", "--rate", f"{state.rate:g}",
-        "--duration", "240h", "--mix", mix, "--seed", str(seed)], logs / "load.log", cgroup=_cgroup(testbed, "load")))
+        "--duration", "240h", "--mix", mix, "--seed", str(seed)], logs / "load.log", cgroup=service_cgroup(testbed, "load")))
 
 
 def start_service(testbed: Testbed, state: TestbedState, service: str, instance: int = 0) -> ProcessRecord:
@@ -196,8 +147,8 @@ def start_service(testbed: Testbed, state: TestbedState, service: str, instance:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=1))
     name = service if instance == 0 else f"{service}-{instance}"
-    cgroup = _cgroup(testbed, name, DEFAULT_QUOTA_CORES)
-    return _record(state, spawn(name, "service" if instance == 0 else "replica",
+    cgroup = service_cgroup(testbed, name, DEFAULT_QUOTA_CORES)
+    return record_process(state, spawn(name, "service" if instance == 0 else "replica",
                                 [state.binary, "service", "--config", str(path)],
                                 testbed.run / "logs" / f"{name}.log", cpu=service_cpu(service), cgroup=cgroup))
 

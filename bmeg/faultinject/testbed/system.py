@@ -21,6 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 CPU_CGROUP_ROOT = Path(os.environ.get("BMEG_CPU_CGROUP_ROOT", "/sys/fs/cgroup/cpu"))
+#: the testbed runs from a source checkout: the Go application (`testbed/`) and the Kafka and
+#: Collector scripts (`scripts/`) are not part of the installed package
+SOURCE_ROOT = Path(__file__).resolve().parents[3]
 
 
 class TestbedError(RuntimeError):
