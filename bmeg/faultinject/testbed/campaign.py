@@ -37,7 +37,7 @@ from bmeg.faultinject.tables import NODES_SCHEMA, NORMAL, TRACES_SCHEMA
 from bmeg.faultinject.testbed import labels as labelling
 from bmeg.faultinject.testbed.deployment import SERVICES
 from bmeg.faultinject.testbed.faults import apply_fault, undo_all, undo_fault
-from bmeg.faultinject.testbed.supervisor import DEFAULT_RATE, Testbed, down, up
+from bmeg.faultinject.testbed.supervisor import DEFAULT_RATE, Testbed, down, start_load, up
 from bmeg.faultinject.testbed.system import TestbedError
 from bmeg.traces import read_spans
 from bmeg.traces.schema import conform
@@ -64,13 +64,14 @@ def run_campaign(out: str | Path, scenario: str | Path, traces: int, seed: int =
     if unknown:
         raise ValueError(f"scenario {plan.name!r} names services the testbed does not run: {sorted(unknown)}")
     running = bed.state()
-    started_here = running is None or not all(r.alive() for r in running.processes.values() if r.role != "hog")
+    started_here = running is None or not all(r.alive() for r in running.processes.values() if r.role not in ("hog", "load"))
     if running is None or started_here:
         state = up(bed, rate=rate or DEFAULT_RATE, seed=seed)
     elif rate is not None and rate != running.rate:
         raise ValueError(f"the testbed runs at {running.rate:g} req/s; stop it (bmeg testbed down) to use --rate {rate:g}")
     else:
         state = running
+        start_load(bed, state)  # a fresh generator: its per-request records start empty
     for line in undo_all(bed, state):
         progress(f"repaired: {line}")
     per_episode = state.rate * (plan.duration_s - plan.warmup_s)

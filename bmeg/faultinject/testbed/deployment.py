@@ -51,11 +51,13 @@ SERVICES: tuple[str, ...] = tuple(EDGES)
 ENTRY = "nginx-web-server"
 #: service -> the stores it uses (redis value: its database number)
 REDIS_DB = {"social-graph-service": 1, "home-timeline-service": 2, "user-timeline-service": 3}
-MEMCACHED = {"post-storage-service", "url-shorten-service", "user-service", "user-mention-service"}
+MEMCACHED = {"post-storage-service", "user-service", "user-mention-service"}
 POSTGRES = {"social-graph-service", "post-storage-service", "user-timeline-service", "url-shorten-service",
-            "user-service", "user-mention-service", "media-service"}
-#: services with an in-process/memcached cache whose size `cache_items` sets
-CACHES = MEMCACHED
+            "user-service", "user-mention-service"}
+#: services with a store connection pool (`db_pool`)
+STORE_USERS = set(REDIS_DB) | MEMCACHED | POSTGRES
+#: the services with an in-process cache whose size `cache_items` sets (only post-storage has one)
+CACHES = {"post-storage-service"}
 STORES = ("redis", "memcached", "postgres")
 POSTGRES_USER = "bmeg"
 POSTGRES_DB = "socialnet"

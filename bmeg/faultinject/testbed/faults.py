@@ -33,8 +33,9 @@ from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.deployment import (
     CFS_PERIOD_US,
     DEFAULT_QUOTA_CORES,
-    POSTGRES,
+    CACHES,
     SERVICES,
+    STORE_USERS,
     service_cpu,
 )
 from bmeg.faultinject.testbed.state import TestbedState, netns_prefix, record_process, service_cgroup
@@ -244,13 +245,17 @@ def _restart_proxy(testbed, state: TestbedState, service: str, upstream: str) ->
 
 
 def misconfiguration_overrides(service: str, parameters: dict[str, float]) -> dict[str, int]:
+    """`hit_ratio` on the service with a cache: the cache cut to a few entries; otherwise (or
+    with `pool_size`) the worker pool, and the store pool where the service has stores, set to
+    `pool_size` (1 when not given)."""
     overrides: dict[str, int] = {}
-    if parameters.get("pool_size") is not None:
-        overrides["workers"] = int(parameters["pool_size"])
-        if service in POSTGRES:
-            overrides["db_pool"] = int(parameters["pool_size"])
-    if parameters.get("hit_ratio") is not None:
+    if parameters.get("hit_ratio") is not None and service in CACHES:
         overrides["cache_items"] = SMALL_CACHE_ITEMS
+    if parameters.get("pool_size") is not None or not overrides:
+        size = int(parameters.get("pool_size", 1))
+        overrides["workers"] = size
+        if service in STORE_USERS:
+            overrides["db_pool"] = size
     return overrides
 
 

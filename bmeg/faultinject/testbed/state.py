@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bmeg.faultinject.testbed import system
-from bmeg.faultinject.testbed.deployment import CFS_PERIOD_US, Ports, port_base
+from bmeg.faultinject.testbed.deployment import CFS_PERIOD_US, DEFAULT_MIX, Ports, port_base
 from bmeg.faultinject.testbed.system import ProcessRecord
 
 STATE_FILE = "state.json"
@@ -52,6 +52,8 @@ class TestbedState:
     base: int
     run_dir: str
     rate: float = 0.0
+    mix: str = DEFAULT_MIX
+    seed: int = 0
     binary: str = ""
     otlp_endpoint: str = ""
     spans_file: str = ""

@@ -39,6 +39,11 @@ DEFAULT_RATE = 50.0
 #: order in which `down` stops roles: the load first, stores and the Collector last (spans flush)
 STOP_ORDER = ("load", "pauser", "hog", "replica", "service", "relay", "proxy", "store", "collector")
 HEALTH_TIMEOUT_S = 60.0
+#: the reference's user count (DeathStarBench's socfb-Reed98 graph has 962 users), 10 followees each
+USERS, FOLLOWS = 962, 10
+INIT_TIMEOUT_S = 300.0
+#: the load generator's longest run (~35 MB of per-request records per hour at 200 req/s)
+LOAD_MAX_S = 4 * 3600.0
 
 
 def build_binary() -> str:
@@ -100,10 +105,11 @@ def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, see
     testbed.run.mkdir(parents=True, exist_ok=True)
     testbed.run.chmod(0o755)  # the stores run as nobody
     system.make_cgroup(testbed.group, None, CFS_PERIOD_US)
-    state = TestbedState(base=testbed.base, run_dir=str(testbed.run), rate=rate, binary=binary, started_at=time.time())
+    state = TestbedState(base=testbed.base, run_dir=str(testbed.run), rate=rate, binary=binary, started_at=time.time(),
+                         mix=mix, seed=seed)
     state.save()
     try:
-        _start_all(testbed, state, mix, seed)
+        _start_all(testbed, state)
     except BaseException:
         repair(testbed)
         raise
@@ -112,7 +118,7 @@ def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, see
     return state
 
 
-def _start_all(testbed: Testbed, state: TestbedState, mix: str, seed: int) -> None:
+def _start_all(testbed: Testbed, state: TestbedState) -> None:
     from bmeg.faultinject.testbed.collector import start_collector
 
     ports, logs = testbed.ports, testbed.run / "logs"
@@ -132,9 +138,39 @@ def _start_all(testbed: Testbed, state: TestbedState, mix: str, seed: int) -> No
     for service in SERVICES:
         wait_healthy(state, service, f"127.0.0.1:{ports.service(service)}")
         wait_port(ports.proxy(service), 10, f"proxy of {service}", state.processes[f"proxy:{service}"].alive)
-    record_process(state, spawn("load", "load", [
-        state.binary, "load", "--target", f"http://127.0.0.1:{ports.proxy(ENTRY)}", "--rate", f"{state.rate:g}",
-        "--duration", "240h", "--mix", mix, "--seed", str(seed)], logs / "load.log", cgroup=service_cgroup(testbed, "load")))
+    init_users(testbed, state)
+    start_load(testbed, state)
+
+
+def init_users(testbed: Testbed, state: TestbedState) -> dict:
+    """Register the users and their follows (`socialnet load --init`, closed loop): a fresh
+    database has none, and home timelines stay empty without follows."""
+    command = [state.binary, "load", "--target", f"http://127.0.0.1:{testbed.ports.proxy(ENTRY)}", "--init",
+               "--users", str(USERS), "--follows", str(FOLLOWS), "--rate", "1", "--duration", "0.001"]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=INIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise TestbedError(f"registering {USERS} users took over {INIT_TIMEOUT_S:.0f} s") from None
+    try:
+        summary = json.loads(result.stdout)["init"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise TestbedError(f"socialnet load --init failed (exit {result.returncode}): {result.stderr.strip()[-500:]}") from None
+    if result.returncode != 0 or summary.get("errors"):
+        raise TestbedError(f"socialnet load --init: {summary.get('errors')} errors, first: {summary.get('first_error')}")
+    (testbed.run / "logs" / "init.json").write_text(json.dumps(summary))
+    return summary
+
+
+def start_load(testbed: Testbed, state: TestbedState) -> ProcessRecord:
+    """(Re)start the open-loop load generator at the testbed's rate. It keeps a record per request
+    until it ends, so it runs at most `LOAD_MAX_S`; campaigns restart it when they begin."""
+    old = state.processes.get("load")
+    if old is not None and old.alive():
+        system.stop(old)
+    return record_process(state, spawn("load", "load", [
+        state.binary, "load", "--target", f"http://127.0.0.1:{testbed.ports.proxy(ENTRY)}", "--rate", f"{state.rate:g}",
+        "--duration", f"{LOAD_MAX_S:g}", "--users", str(USERS), "--mix", state.mix, "--seed", str(state.seed)],
+        testbed.run / "logs" / "load.log", cgroup=service_cgroup(testbed, "load")))
 
 
 def start_service(testbed: Testbed, state: TestbedState, service: str, instance: int = 0) -> ProcessRecord:
