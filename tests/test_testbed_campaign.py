@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,14 +15,13 @@ import pyarrow.compute as pc
 import pytest
 
 from bmeg.faultinject.testbed import system
+from bmeg.faultinject.testbed.collector import read_collector_spans
 from bmeg.faultinject.testbed.deployment import SERVICES, service_cpu
 from bmeg.faultinject.testbed.faults import apply_fault, undo_fault
 from bmeg.faultinject.testbed.labels import AppliedFault, calibrate, label, node_frame
 from bmeg.faultinject.testbed.state import netns_prefix
 from bmeg.faultinject.testbed.system import SOURCE_ROOT
 from bmeg.faultinject.testbed.supervisor import Testbed, down, status, up
-from bmeg.traces import read_spans
-from bmeg.traces.schema import conform
 
 pytestmark = [
     pytest.mark.integration,
@@ -30,34 +30,58 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="bash scripts/apt-install.sh redis-server ..."),
 ]
 TARGET = "post-storage-service"  # on every read path: home and user timelines
-FAULTS = {
-    "interference": {"factor": 6.0},
+RATE = 100.0
+#: one fault of each source on the target; a pool of 1 plus a cache of 4 entries, so that the
+#: misconfiguration shows at this rate (each operation takes ~1 ms: a pool of 1 alone barely queues)
+FAULTS: dict[str, dict] = {
+    "interference": {"factor": 10.0},
     "saturation": {"capacity": 0.05},
     "network": {"delay_ms": 30.0, "jitter_ms": 2.0},
-    "misconfiguration": {"pool_size": 1},
+    "misconfiguration": {"pool_size": 1, "hit_ratio": 0.1},
     "background": {"pause_ms": 150.0, "every_ms": 300.0},
+    "code": {"operation": "/read_posts", "error": 1.0},
 }
-FAULT_S, GAP_S = 8.0, 4.0
+FAULT_S, GAP_S, CALIBRATION_S = 8.0, 4.0, 15.0
 
 
 @pytest.fixture(scope="module")
-def bed(tmp_path_factory):
-    testbed = Testbed(26000 + os.getpid() % 10 * 200, tmp_path_factory.mktemp("testbed"))  # own ports per process
+def bed():
+    # own ports per process; a run dir that the stores (user nobody) can reach: pytest's are 0700
+    run = Path(tempfile.mkdtemp(prefix="bmeg-testbed-test-"))
+    testbed = Testbed(26000 + os.getpid() % 10 * 200, run)
+    started: list[system.ProcessRecord] = []
     try:
-        up(testbed, rate=40)
+        state = up(testbed, rate=RATE)
+        started = list(state.processes.values())
         yield testbed
     finally:
         down(testbed)
     assert not testbed.group.exists()
     assert not system.list_netns(netns_prefix(testbed.base))
     assert testbed.state() is None
+    assert not [r.name for r in started if r.alive()]
+    shutil.rmtree(run)
 
 
-def test_each_source_slows_the_target_and_not_the_others(bed):
+def _p95(values: np.ndarray) -> float:
+    return float(np.quantile(values, 0.95)) if len(values) else float("nan")
+
+
+def _share_calling_stores(frame, mask: np.ndarray) -> float:
+    """The share of the target's server spans (in `mask`) that call one of its stores."""
+    kind = frame.forest.spans["kind"].to_numpy(zero_copy_only=False)
+    served = mask & (frame.node_service == TARGET) & (kind == "server")
+    calls = mask & (frame.node_service != TARGET) & (frame.forest.parent >= 0)
+    calling = np.zeros(len(served), dtype=bool)
+    calling[frame.forest.parent[calls]] = True
+    return float((calling & served).sum()) / max(1, int(served.sum()))
+
+
+def test_each_source_changes_the_target_and_not_the_others(bed):
     state = bed.state()
     assert status(bed)["running"]
     began = time.time_ns()
-    time.sleep(15)  # calibration
+    time.sleep(CALIBRATION_S)
     calibration_end = time.time_ns()
     applied = []
     for index, (source, parameters) in enumerate(FAULTS.items()):
@@ -65,25 +89,32 @@ def test_each_source_slows_the_target_and_not_the_others(bed):
         apply_fault(bed, state, f"t{index}", TARGET, source, parameters, time.time() + FAULT_S)
         time.sleep(FAULT_S)
         end = undo_fault(bed, state, f"t{index}")
+        assert end is not None
         applied.append(AppliedFault(index, TARGET, source, "single", start, end, parameters))
         time.sleep(GAP_S)
     assert not bed.state().faults
-    time.sleep(4)  # spans flushed by the SDK's batcher and the Collector
-    spans = conform(read_spans(Path(state.spans_file), "otlp-json"))
+    time.sleep(6)  # spans flushed by the SDK's batcher (5 s) and the Collector
+    spans = read_collector_spans(Path(state.spans_file))
     spans = spans.filter(pc.greater_equal(spans["start_ns"], began))
     frame = node_frame(spans)
     normal = frame.start_ns < calibration_end
-    calibration = calibrate(frame, normal)
-    labels = label(frame, applied, calibration)
+    labels = label(frame, applied, calibrate(frame, normal))
     report = {}
     for fault in applied:
         during = (frame.start_ns >= fault.start_ns) & (frame.start_ns < fault.end_ns) & frame.is_node
         target = during & (frame.caller_service == TARGET)
         base = normal & frame.is_node & (frame.caller_service == TARGET)
-        ratio = np.quantile(frame.local_ns[target], 0.95) / np.quantile(frame.local_ns[base], 0.95)
-        report[fault.source] = {"target_p95_ratio": round(float(ratio), 2),
+        ratio = _p95(frame.local_ns[target]) / _p95(frame.local_ns[base])
+        errors = float(frame.error[target].mean())
+        store_share = (_share_calling_stores(frame, target), _share_calling_stores(frame, base))
+        report[fault.source] = {"target_p95_local_ratio": round(ratio, 2), "target_error_share": round(errors, 3),
+                                "share_calling_stores": [round(x, 2) for x in store_share],
                                 "bottleneck_nodes": int(labels.span_bottleneck[during].sum())}
-        assert ratio > 1.5, (fault.source, report)
+        # slower, or changed: a cache too small sends reads to the stores (a pool of 1 barely
+        # queues at this rate, each operation taking ~1 ms); a code fault makes error spans
+        changed = {"misconfiguration": store_share[0] > max(0.8, store_share[1] + 0.2), "code": errors > 0.5}.get(fault.source, ratio > 1.3)
+        assert changed, (fault.source, report)
+        assert labels.span_bottleneck[target].sum() > 0, (fault.source, report)
         assert set(frame.caller_service[labels.span_bottleneck & during].tolist()) == {TARGET}
         # services the fault did not touch (for a CPU hog: those on the other CPU) keep their local times
         others = [s for s in SERVICES if s != TARGET and (fault.source != "interference" or service_cpu(s) != service_cpu(TARGET))]
@@ -92,5 +123,5 @@ def test_each_source_slows_the_target_and_not_the_others(bed):
             usual = normal & (frame.node_service == other) & (frame.caller_service == other) & frame.is_node
             if mine.sum() >= 20 and usual.sum() >= 20:
                 other_ratio = np.quantile(frame.local_ns[mine], 0.5) / np.quantile(frame.local_ns[usual], 0.5)
-                assert other_ratio < 2.0, (fault.source, other, other_ratio)
+                assert other_ratio < 2.0, (fault.source, other, other_ratio, report)
     print(report)

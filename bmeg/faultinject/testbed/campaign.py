@@ -35,12 +35,11 @@ from bmeg.faultinject.scenario import load_scenario, plan_faults, scenario_path
 from bmeg.faultinject.spec import load_topology
 from bmeg.faultinject.tables import NODES_SCHEMA, NORMAL, TRACES_SCHEMA
 from bmeg.faultinject.testbed import labels as labelling
+from bmeg.faultinject.testbed.collector import read_collector_spans
 from bmeg.faultinject.testbed.deployment import SERVICES
 from bmeg.faultinject.testbed.faults import apply_fault, undo_all, undo_fault
 from bmeg.faultinject.testbed.supervisor import DEFAULT_RATE, Testbed, down, start_load, up
 from bmeg.faultinject.testbed.system import TestbedError
-from bmeg.traces import read_spans
-from bmeg.traces.schema import conform
 
 #: Nezha fault types for the fault list (`bmeg.evaluation.faults.LATENCY_FAULTS` are latency faults)
 INJECT_TYPES = {"interference": "cpu_contention", "saturation": "cpu_consumed", "network": "network_delay",
@@ -132,7 +131,7 @@ def _run_episode(bed, state, faults, duration_s: float, episode: int, seed: int,
 
 
 def _write_dataset(out: Path, bed, state, plan, plan_file, faults, began, calibration_end, ended, requested, seed) -> dict:
-    spans = conform(read_spans(Path(state.spans_file), "otlp-json"))
+    spans = read_collector_spans(Path(state.spans_file))
     starts = spans["start_ns"]
     spans = spans.filter(pc.and_(pc.greater_equal(starts, began), pc.less(starts, ended)))
     frame = labelling.node_frame(spans)

@@ -99,6 +99,7 @@ def repair(testbed: Testbed) -> list[str]:
 def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, seed: int = 0) -> TestbedState:
     if rate <= 0:
         raise ValueError(f"rate must be positive, not {rate}")
+    _check_reachable(testbed.run)
     repairs = repair(testbed)
     binary = build_binary()
     ensure_kafka()
@@ -116,6 +117,14 @@ def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, see
     if repairs:
         (testbed.run / "logs" / "repairs.log").write_text("\n".join(repairs) + "\n")
     return state
+
+
+def _check_reachable(run: Path) -> None:
+    """The stores run as nobody: every folder above the run dir must let others through."""
+    for folder in run.resolve().parents:
+        if folder.exists() and not folder.stat().st_mode & 0o001:
+            raise TestbedError(f"{folder} is not searchable by others (mode {folder.stat().st_mode & 0o777:o}): "
+                               f"the stores run as nobody; put the run dir elsewhere (BMEG_TESTBED_RUN_DIR)")
 
 
 def _start_all(testbed: Testbed, state: TestbedState) -> None:
