@@ -151,6 +151,7 @@ def _wait_for(condition, timeout_s: float = 10.0) -> None:
 def test_misconfiguration_overrides_per_service():
     assert misconfiguration_overrides("unique-id-service", {"pool_size": 2}) == {"workers": 2}
     assert misconfiguration_overrides("post-storage-service", {"hit_ratio": 0.1}) == {"cache_items": 4}
+    assert misconfiguration_overrides("post-storage-service", {"pool_size": 1}) == {"cache_items": 4, "workers": 1, "db_pool": 1}
     # only post-storage has a cache: elsewhere a small cache becomes a pool of 1
     assert misconfiguration_overrides("url-shorten-service", {"hit_ratio": 0.1}) == {"workers": 1, "db_pool": 1}
 

@@ -27,22 +27,30 @@ def evaluate(detector: Detector, data: Labelled, raw: Scores | None = None) -> d
     metrics: dict = {}
     for name, (anomalous, service) in verdicts.items():
         metrics[name] = {**classification_table(y, anomalous[test]), **_ranking_metrics(raw, service, truth, test[y == 1])}
-    kinds = data.traces["fault_kind"].to_numpy(zero_copy_only=False)
-    metrics["by_fault_kind"] = {
-        kind: {
-            name: {"n": int(np.sum(kinds[test] == kind)),
-                   "br": float(np.mean(anomalous[test][kinds[test] == kind])),
-                   **_ranking_metrics(raw, service, truth, test[(kinds[test] == kind) & (y == 1)])}
-            for name, (anomalous, service) in verdicts.items()
-        }
-        for kind in sorted(set(kinds[test][y == 1]))
-    }
+    for column in ("fault_kind", "fault_source"):
+        metrics[f"by_{column}"] = _by_label(data, raw, truth, verdicts, column)
     metrics["routing"] = {"svm_max_services": detector.svm_max_services,
                           "share_to_svm": float(np.mean(routed.to_svm[test]))}
     metrics["thresholds"] = dict(detector.thresholds)
     metrics["test_traces"] = int(len(test))
     metrics["test_anomalous"] = int(np.sum(y))
     return metrics
+
+
+def _by_label(data: Labelled, raw: Scores, truth: np.ndarray, verdicts: dict, column: str) -> dict:
+    """Per value of a trace label (fault kind, fault source) among the held-out bottlenecked
+    traces: how many, the share flagged (recall, `br`) and the ranking metrics."""
+    values = data.traces[column].to_numpy(zero_copy_only=False)[data.test]
+    test, y = data.test, data.y[data.test]
+    return {
+        value: {
+            name: {"n": int(np.sum(values == value)),
+                   "br": float(np.mean(anomalous[test][values == value])),
+                   **_ranking_metrics(raw, service, truth, test[(values == value) & (y == 1)])}
+            for name, (anomalous, service) in verdicts.items()
+        }
+        for value in sorted(set(values[y == 1]))
+    }
 
 
 def true_services(data: Labelled, scores: Scores) -> np.ndarray:

@@ -23,7 +23,7 @@ import json
 import math
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +31,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from bmeg.faultinject.scenario import load_scenario, plan_faults, scenario_path
-from bmeg.faultinject.spec import load_topology
+from bmeg.faultinject.errors import SpecError
+from bmeg.faultinject.scenario import Fault, Scenario, parse_scenario, plan_faults, scenario_path
+from bmeg.faultinject.spec import load_topology, read_yaml
 from bmeg.faultinject.tables import NODES_SCHEMA, NORMAL, TRACES_SCHEMA
 from bmeg.faultinject.testbed import labels as labelling
 from bmeg.faultinject.testbed.collector import read_collector_spans
-from bmeg.faultinject.testbed.deployment import SERVICES
+from bmeg.faultinject.testbed.deployment import CODE_OPERATIONS, SERVICES
 from bmeg.faultinject.testbed.faults import apply_fault, undo_all, undo_fault
 from bmeg.faultinject.testbed.supervisor import DEFAULT_RATE, Testbed, down, start_load, up
 from bmeg.faultinject.testbed.system import TestbedError
@@ -45,6 +46,35 @@ from bmeg.faultinject.testbed.system import TestbedError
 INJECT_TYPES = {"interference": "cpu_contention", "saturation": "cpu_consumed", "network": "network_delay",
                 "misconfiguration": "misconfiguration", "background": "gc_pause", "code": "exception"}
 FLUSH_S = 3.0  # the SDK's batch delay (5 s max) is cut by the services' shutdown, the Collector's by 200 ms
+
+
+def load_testbed_scenario(path: Path) -> tuple[Scenario, float]:
+    """A campaign file, and the share of its drawn faults that become code faults.
+
+    A testbed campaign may add `testbed: {code_share: S}` to the simulator's format: code
+    faults (an operation returns early or fails) are a source only real processes have."""
+    data = read_yaml(path)
+    extra = data.pop("testbed", None) if isinstance(data, dict) else None
+    extra = extra or {}
+    if not isinstance(extra, dict) or set(extra) - {"code_share"}:
+        raise SpecError(f"{path}: testbed: takes only code_share, not {extra!r}")
+    share = extra.get("code_share", 0.0)
+    if not isinstance(share, int | float) or not 0 <= share <= 1:
+        raise SpecError(f"{path}: testbed.code_share must be a number in [0, 1], not {share!r}")
+    return parse_scenario(data, str(path)), float(share)
+
+
+def with_code_faults(faults: list[Fault], share: float, rng: np.random.Generator) -> list[Fault]:
+    """Each fault becomes, with probability `share`, a code fault on the same service and
+    times: one of its operations (`CODE_OPERATIONS`) fails (error) or returns early, even odds."""
+    drawn = []
+    for fault in faults:
+        operations = CODE_OPERATIONS.get(fault.service, ())
+        if operations and rng.random() < share:
+            fault = Fault(fault.service, "code", fault.kind, fault.start_s, fault.end_s,
+                          {"operation": float(rng.integers(len(operations))), "error": float(rng.integers(2))})
+        drawn.append(fault)
+    return drawn
 
 
 class _Stop(Exception):
@@ -56,7 +86,8 @@ def run_campaign(out: str | Path, scenario: str | Path, traces: int, seed: int =
     if traces < 1:
         raise ValueError(f"traces must be at least 1, not {traces}")
     bed = testbed or Testbed.default()
-    plan, plan_file = load_scenario(scenario), scenario_path(scenario)
+    plan_file = scenario_path(scenario)
+    plan, code_share = load_testbed_scenario(plan_file)
     topology = load_topology("socialnet")
     unknown = set(plan.campaign.services or []) - set(SERVICES) if plan.campaign else set()
     unknown |= {f.service for f in plan.faults} - set(SERVICES)
@@ -90,9 +121,9 @@ def run_campaign(out: str | Path, scenario: str | Path, traces: int, seed: int =
         time.sleep(calibration_s)
         calibration_end = time.time_ns()
         for episode in range(episodes):
-            faults = plan_faults(plan, topology, rng)
+            faults = with_code_faults(plan_faults(plan, topology, rng), code_share, rng)
             progress(f"episode {episode + 1}/{episodes}: {len(faults)} faults")
-            applied += _run_episode(bed, state, faults, plan.duration_s, episode, seed, len(applied))
+            applied += _run_episode(bed, state, faults, plan.duration_s, episode, seed, len(applied), progress)
         ended = time.time_ns()
     except _Stop:
         raise TestbedError("campaign stopped by a signal; its faults were undone") from None
@@ -109,8 +140,11 @@ def run_campaign(out: str | Path, scenario: str | Path, traces: int, seed: int =
     return card
 
 
-def _run_episode(bed, state, faults, duration_s: float, episode: int, seed: int, first: int) -> list[labelling.AppliedFault]:
-    """Apply and undo the episode's faults at their times; returns them as they really ran."""
+def _run_episode(bed, state, faults, duration_s: float, episode: int, seed: int, first: int,
+                 progress) -> list[labelling.AppliedFault]:
+    """Apply and undo the episode's faults at their times; returns them as they really ran. A
+    fault that cannot be applied (its mechanism failed: the message says why) is left out of
+    the labels and the campaign goes on."""
     t0 = time.monotonic()
     events = sorted([(f.start_s, 1, i) for i, f in enumerate(faults)] + [(f.end_s, 0, i) for i, f in enumerate(faults)])
     started: dict[int, int] = {}
@@ -120,14 +154,18 @@ def _run_episode(bed, state, faults, duration_s: float, episode: int, seed: int,
         fault, fault_id = faults[index], f"e{episode}-{index}"
         if is_start:
             until = time.time() + (fault.end_s - fault.start_s)
-            apply_fault(bed, state, fault_id, fault.service, fault.source, fault.parameters, until, seed + first + index)
+            try:
+                apply_fault(bed, state, fault_id, fault.service, fault.source, fault.parameters, until, seed + first + index)
+            except TestbedError as error:
+                progress(f"fault {fault_id} ({fault.source} on {fault.service}) not applied: {error}")
+                continue
             started[index] = time.time_ns()
         elif index in started:
             end = undo_fault(bed, state, fault_id) or time.time_ns()
-            done.append(labelling.AppliedFault(first + len(done), fault.service, fault.source, fault.kind,
+            done.append(labelling.AppliedFault(0, fault.service, fault.source, fault.kind,
                                                started[index], end, dict(fault.parameters)))
     time.sleep(max(0.0, t0 + duration_s - time.monotonic()))
-    return sorted(done, key=lambda f: f.start_ns)
+    return [replace(f, index=first + i) for i, f in enumerate(sorted(done, key=lambda f: f.start_ns))]
 
 
 def _write_dataset(out: Path, bed, state, plan, plan_file, faults, began, calibration_end, ended, requested, seed) -> dict:

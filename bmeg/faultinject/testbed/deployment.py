@@ -59,6 +59,20 @@ STORE_USERS = set(REDIS_DB) | MEMCACHED | POSTGRES
 #: the services with an in-process cache whose size `cache_items` sets (only post-storage has one)
 CACHES = {"post-storage-service"}
 STORES = ("redis", "memcached", "postgres")
+#: the operations a drawn code fault may break, per service (the routes the load's mix reaches)
+CODE_OPERATIONS: dict[str, tuple[str, ...]] = {
+    "compose-post-service": ("/compose_post",),
+    "text-service": ("/compose_text",),
+    "url-shorten-service": ("/compose_urls",),
+    "user-mention-service": ("/compose_user_mentions",),
+    "unique-id-service": ("/compose_unique_id",),
+    "media-service": ("/compose_media",),
+    "user-service": ("/compose_creator",),
+    "social-graph-service": ("/get_followers",),
+    "post-storage-service": ("/read_posts", "/store_post"),
+    "home-timeline-service": ("/read_home_timeline", "/write_home_timeline"),
+    "user-timeline-service": ("/read_user_timeline", "/write_user_timeline"),
+}
 POSTGRES_USER = "bmeg"
 POSTGRES_DB = "socialnet"
 

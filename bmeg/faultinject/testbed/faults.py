@@ -34,6 +34,7 @@ from bmeg.faultinject.testbed.deployment import (
     CFS_PERIOD_US,
     DEFAULT_QUOTA_CORES,
     CACHES,
+    CODE_OPERATIONS,
     SERVICES,
     STORE_USERS,
     service_cpu,
@@ -245,11 +246,12 @@ def _restart_proxy(testbed, state: TestbedState, service: str, upstream: str) ->
 
 
 def misconfiguration_overrides(service: str, parameters: dict[str, float]) -> dict[str, int]:
-    """`hit_ratio` on the service with a cache: the cache cut to a few entries; otherwise (or
-    with `pool_size`) the worker pool, and the store pool where the service has stores, set to
-    `pool_size` (1 when not given)."""
+    """The service with a cache gets it cut to a few entries (whatever was drawn: the simulator's
+    campaigns draw `hit_ratio` for its stores, not for it); `pool_size`, or a `hit_ratio` on a
+    service without a cache, sets the worker pool, and the store pool where the service has
+    stores, to `pool_size` (1 when not given)."""
     overrides: dict[str, int] = {}
-    if parameters.get("hit_ratio") is not None and service in CACHES:
+    if service in CACHES:
         overrides["cache_items"] = SMALL_CACHE_ITEMS
     if parameters.get("pool_size") is not None or not overrides:
         size = int(parameters.get("pool_size", 1))
@@ -322,11 +324,20 @@ def _undo_background(testbed, state, fault_id, undo) -> None:
 # --- code faults: an operation returns early or fails -------------------------------------
 
 
+def code_operation(service: str, value: str | float | None) -> str:
+    """A code fault's operation: a route as given, or an index into `CODE_OPERATIONS[service]`
+    (campaigns draw numbers: fault parameters are numeric)."""
+    if isinstance(value, str) and value:
+        return value
+    choices = CODE_OPERATIONS.get(service, ())
+    if value is None or not choices:
+        raise TestbedError(f"a code fault on {service} needs an operation")
+    return choices[int(value) % len(choices)]
+
+
 def _code(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
     service = undo["service"]
-    operation = parameters.get("operation")
-    if not operation:
-        raise TestbedError(f"a code fault on {service} needs an operation")
+    operation = code_operation(service, parameters.get("operation"))
     undo["operation"] = operation
     state.save()
     mode = "error" if float(parameters.get("error", 1.0)) >= 0.5 else "return"

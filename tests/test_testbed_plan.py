@@ -1,0 +1,51 @@
+"""Testbed campaign files: the simulator's format plus `testbed: {code_share}`, and the code
+faults drawn from it (fast; no processes)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import yaml
+
+from bmeg.faultinject.errors import SpecError
+from bmeg.faultinject.scenario import Fault, plan_faults, scenario_path
+from bmeg.faultinject.spec import load_topology
+from bmeg.faultinject.testbed.campaign import load_testbed_scenario, with_code_faults
+from bmeg.faultinject.testbed.deployment import CODE_OPERATIONS
+from bmeg.faultinject.testbed.faults import code_operation
+
+
+def test_dataset_campaign_draws_every_source_thirty_times_in_seventeen_episodes():
+    plan, share = load_testbed_scenario(scenario_path("testbed-dataset"))
+    topology, rng = load_topology("socialnet"), np.random.default_rng(0)
+    counts: Counter[str] = Counter()
+    for _ in range(17):
+        counts.update(f.source for f in with_code_faults(plan_faults(plan, topology, rng), share, rng))
+    assert set(counts) == {"interference", "saturation", "network", "misconfiguration", "background", "code"}
+    assert min(counts.values()) >= 30, counts
+
+
+def test_code_faults_keep_service_and_times_and_name_an_operation():
+    faults = [Fault("post-storage-service", "network", "multiple", 2.0, 8.0, {"delay_ms": 20.0})] * 50
+    drawn = with_code_faults(faults, 1.0, np.random.default_rng(1))
+    assert {(f.service, f.source, f.start_s, f.end_s) for f in drawn} == {("post-storage-service", "code", 2.0, 8.0)}
+    assert {code_operation(f.service, f.parameters["operation"]) for f in drawn} == set(CODE_OPERATIONS["post-storage-service"])
+    assert {f.parameters["error"] for f in drawn} == {0.0, 1.0}
+    assert with_code_faults(faults, 0.0, np.random.default_rng(1)) == faults
+
+
+@pytest.mark.parametrize("extra", [{"code_share": 2}, {"code_share": "half"}, {"share": 0.1}, ["code_share"]])
+def test_bad_testbed_section_is_a_clear_error(tmp_path, extra):
+    document = yaml.safe_load(scenario_path("testbed-single").read_text())
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**document, "testbed": extra}))
+    with pytest.raises(SpecError, match="testbed"):
+        load_testbed_scenario(path)
+
+
+def test_code_operation_needs_one():
+    assert code_operation("unique-id-service", "/compose_unique_id") == "/compose_unique_id"
+    with pytest.raises(Exception, match="needs an operation"):
+        code_operation("nginx-web-server", 0.0)
