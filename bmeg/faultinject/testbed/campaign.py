@@ -5,11 +5,13 @@
 2. A fault-free calibration period (`calibration_s`) gives each operation's normal times.
 3. Episodes of the scenario run one after another in real time, each with its faults drawn
    by `plan_faults` (the simulator's campaign files and rules; the testbed scenarios list
-   which services may be hit), applied and undone by `faults` at their wall-clock times,
+   which services may be hit; `testbed: {code_share}` turns that share into code faults),
+   applied and undone by `faults` at their wall-clock times,
    until the requested traces have been served (rate x episode length per episode).
 4. The Collector's file exporter is read back through bmeg's OTLP reader; traces are
    assembled and labelled (`labels`), and the dataset is written in the simulator's layout:
-   spans/traces/nodes Parquet and `dataset.json`, plus `faults.json` (each fault as it ran)
+   spans/traces/nodes Parquet and `dataset.json`, plus `normal.parquet` (the calibration
+   period's fault-free spans, for `--normal` and `bmeg bootstrap`), `faults.json` (each fault as it ran)
    and `fault_list.json` (Nezha's format, which `bmeg evaluate rca` reads; pods are called
    `<service>-testbed-<n>`, so the default two-part pod suffix yields the service).
 SIGTERM and SIGINT undo the faults in force before the campaign exits; after a SIGKILL the
@@ -184,6 +186,8 @@ def _write_dataset(out: Path, bed, state, plan, plan_file, faults, began, calibr
     table = forest.spans
     span_keep = keep[forest.trace_index]
     pq.write_table(table.filter(pa.array(span_keep)), out / "spans.parquet")
+    # the calibration period's traces: fault-free, for `bmeg evaluate rca --normal` and `bmeg bootstrap`
+    pq.write_table(table.filter(pa.array(~span_keep)), out / "normal.parquet")
     nodes = pa.Table.from_arrays([table["trace_id"], table["span_id"], pa.array(frame.node_service.astype(str)),
                                   pa.array(labels.span_bottleneck)], schema=NODES_SCHEMA)
     pq.write_table(nodes.filter(pa.array(span_keep & frame.is_node)), out / "nodes.parquet")
@@ -207,8 +211,10 @@ def _write_dataset(out: Path, bed, state, plan, plan_file, faults, began, calibr
         "seed": seed, "labels": labelling.LABEL_RULE,
         "calibration_p99_local_us": {k: round(v / 1e3, 1) for k, v in sorted(calibration.local_high.items())},
         "files": {"spans": "spans.parquet", "traces": "traces.parquet", "nodes": "nodes.parquet",
-                  "faults": "faults.json", "fault_list": "fault_list.json"},
-        "generation": {"seconds": round((ended - began) / 1e9, 1), "calibration_s": round((calibration_end - began) / 1e9, 1)},
+                  "faults": "faults.json", "fault_list": "fault_list.json",
+                  "normal": "normal.parquet"},
+        "generation": {"seconds": round((ended - began) / 1e9, 1), "calibration_s": round((calibration_end - began) / 1e9, 1),
+                       "began_ns": began, "calibration_end_ns": calibration_end, "ended_ns": ended},
         "assembly_warnings": len(forest.warnings),
     }
     (out / "dataset.json").write_text(json.dumps(card, indent=2))

@@ -13,6 +13,7 @@ proxy. Everything the testbed starts lives in the cgroup tree named after the po
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import time
@@ -223,7 +224,15 @@ def _tail(path: str, lines: int = 15) -> str:
 
 
 def down(testbed: Testbed) -> list[str]:
-    return repair(testbed)
+    """Stop everything, undo every fault, and delete the stores' data and the spans file (the
+    logs stay in the run dir; the spans went to Kafka too)."""
+    done = repair(testbed)
+    data = [testbed.run / "stores", testbed.run / "spans.otlp"]
+    for path in data:
+        if path.is_dir():
+            shutil.rmtree(path)
+        path.unlink(missing_ok=True)
+    return done
 
 
 def status(testbed: Testbed) -> dict:
