@@ -154,13 +154,16 @@ def fit_twin(spans: pa.Table, name: str = "twin", description: str | None = None
         services[svc]["busy_s"] += seconds_of_work[key]
     duration_s = _observed_seconds(forest)
     instances = _instances(table)
+    # a service that serves requests itself is not a store, although its callers' client
+    # spans name it in peer.service (otelhttp does, as the testbed's services show)
+    serving = set(service[is_server].tolist())
     fitted = {}
     for svc, parts in services.items():
         replicas = max(1, instances.get(svc, 1))
         load = parts["busy_s"] / duration_s / replicas  # busy cores per replica
         fitted[svc] = Service(
             replicas=replicas, cores=float(max(1, math.ceil(load / TARGET_UTILISATION))), workers=64,
-            storage=_db_system(table, svc), operations=parts["operations"],
+            storage=None if svc in serving else _db_system(table, svc), operations=parts["operations"],
         )
     return TopologySpec(
         name=name,
