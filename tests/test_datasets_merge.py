@@ -22,14 +22,14 @@ from bmeg.cli import main
 from bmeg.datasets import Shard, generate_dataset, read_dataset
 from bmeg.datasets.merge import ShardMismatch, check_shards, merge_shards
 
-#: Short episodes (2 s, a fault round every 0.3 s), so a few thousand traces span many
+#: Short episodes (2 s, a fault round every 0.15 s), so a few thousand traces span many
 #: episodes and fault rounds: the fault mix is then a sample, not one episode's draw.
 SHORT_SCENARIO = {
     "name": "short",
     "kind": "single",
     "duration_s": 2,
     "warmup_s": 0.2,
-    "campaign": {"start_s": 0.2, "every_s": 0.3, "burst_s": 0.25, "faults_per_round": [1, 1],
+    "campaign": {"start_s": 0.2, "every_s": 0.15, "burst_s": 0.12, "faults_per_round": [1, 1],
                  "sources": {"interference": {"factor": [2, 6]}, "saturation": {"capacity": [0.1, 0.3]},
                              "network": {"delay_ms": [20, 50], "jitter_ms": [0, 5]},
                              "background": {"pause_ms": [50, 200], "every_ms": [300, 1000]}}},
@@ -195,13 +195,18 @@ def _assert_same_share(first, second, source: str) -> None:
     """Share of anomalous traces with this fault source, equal within 3 standard errors.
 
     Traces of one fault round share its source, so the independent draws are the rounds
-    (episode, source, services), not the traces: the standard error counts rounds."""
-    shares, rounds = [], []
+    (episode, source, services), not the traces: the share is a ratio of per-round sums and
+    its standard error is the cluster-robust (linearised) one over rounds."""
+    shares, variances = [], []
     for traces in (first, second):
         anomalous = traces.filter(traces["anomalous"]).to_pandas()
-        shares.append(float((anomalous["fault_source"] == source).mean()))
-        keys = anomalous["episode"].astype(str) + anomalous["fault_source"] + anomalous["fault_services"].map(tuple).astype(str)
-        rounds.append(keys.nunique())
-    pooled = float(np.mean(shares))
-    error = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / rounds[0] + 1 / rounds[1]))
-    assert abs(shares[0] - shares[1]) <= 3 * error, (source, shares, rounds)
+        rounds = anomalous.groupby([anomalous["episode"], anomalous["fault_source"],
+                                    anomalous["fault_services"].map(tuple)]).size()
+        totals = rounds.to_numpy(dtype=float)
+        hits = np.where(rounds.index.get_level_values(1) == source, totals, 0.0)
+        share = hits.sum() / totals.sum()
+        n = len(totals)
+        shares.append(share)
+        variances.append(n / (n - 1) * np.sum((hits - share * totals) ** 2) / totals.sum() ** 2)
+    error = math.sqrt(sum(variances))
+    assert abs(shares[0] - shares[1]) <= 3 * error, (source, shares, error)
