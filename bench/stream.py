@@ -29,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import torch
 from kafka import KafkaConsumer, KafkaProducer
@@ -103,7 +104,7 @@ def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> N
     source = dataset_traces(detector) if args.dataset_traces else trace_tables(random_traces(2_000, args.spans_per_trace))
     messages, _ = build_messages(source, args.traces, args.traces_per_message)
     spawn = multiprocessing.get_context("spawn")
-    rates = {}
+    rates: dict[int, list[float]] = {}
     for count in counts:
         name = f"bmeg-bench-{uuid.uuid4().hex[:8]}"
         config = ConsumerConfig(bootstrap=args.bootstrap, topic=name, group_id=f"{name}-group",
@@ -129,14 +130,16 @@ def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> N
         stop.set()
         for worker in workers:
             worker.join(60)
-        rates[count] = received / (last_at - started)
+        rates.setdefault(count, []).append(received / (last_at - started))
         partitions = len(KafkaConsumer(bootstrap_servers=args.bootstrap).partitions_for_topic(name) or ())
         print(f"{count} consumer process(es), {partitions} partitions: {received} traces in {last_at - started:.1f} s, "
-              f"{rates[count]:.0f} traces/s end to end, lost {args.traces - received} "
+              f"{rates[count][-1]:.0f} traces/s end to end, lost {args.traces - received} "
               f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
+    medians = {count: float(np.median(values)) for count, values in rates.items()}
     first = counts[0]
-    for count in counts[1:]:
-        print(f"{count} vs {first} consumer process(es): x{rates[count] / rates[first]:.2f}")
+    for count in sorted(set(counts) - {first}):
+        print(f"{count} vs {first} consumer process(es), medians of {len(rates[count])} and {len(rates[first])} runs: "
+              f"{medians[count]:.0f} vs {medians[first]:.0f} traces/s, x{medians[count] / medians[first]:.2f}")
 
 
 def consume_in_process(model: Path, config: ConsumerConfig, ready, go, stop) -> None:

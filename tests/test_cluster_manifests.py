@@ -16,7 +16,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest_infra import apply_objects, load_manifest
 
 pytestmark = pytest.mark.integration

@@ -51,7 +51,7 @@ def chain(tmp_path_factory) -> tuple[Path, Path, Path]:
 def shard(chain, name: str, index: int = 0, count: int = 2, **changes) -> Path:
     """One shard like the job's, with `changes` (seed, imbalance, traces, topology, scenario)."""
     topology, scenario, root = chain
-    options = dict(topology=topology, traces=300, imbalance=0.2, seed=1, scenario=scenario) | changes
+    options = {"topology": topology, "traces": 300, "imbalance": 0.2, "seed": 1, "scenario": scenario} | changes
     generate_dataset(root / name, shard=Shard(index, count), progress=False, **options)
     return root / name
 
@@ -86,7 +86,7 @@ def test_shards_of_another_job_are_refused(chain, tmp_path, change, message):
 
 
 def test_a_shard_of_another_spec_or_scenario_is_refused(chain, tmp_path):
-    topology, scenario, root = chain
+    root = chain[2]
     edited_topology, edited_scenario = root / "chain2.yaml", root / "quick2.yaml"
     edited_topology.write_text(yaml.safe_dump(chain_spec(rate=180)))
     edited_scenario.write_text(yaml.safe_dump({**SCENARIO, "warmup_s": 0.7}))
@@ -167,7 +167,8 @@ def test_merged_shards_have_the_unsharded_distribution(tmp_path):
     """socialnet, 8,000 traces at imbalance 0.3: once whole, once as 4 shards merged."""
     scenario = tmp_path / "short.yaml"
     scenario.write_text(yaml.safe_dump(SHORT_SCENARIO))
-    options = dict(topology="socialnet", traces=8000, imbalance=0.3, seed=4, scenario=scenario, progress=False)
+    options = {"topology": "socialnet", "traces": 8000, "imbalance": 0.3, "seed": 4, "scenario": scenario,
+               "progress": False}
     whole_card = generate_dataset(tmp_path / "whole", **options)
     for index in range(4):
         generate_dataset(tmp_path / "shards" / str(index), shard=Shard(index, 4), **options)

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -178,10 +177,11 @@ def fit(model: nn.Module, graphs: GraphSet, train: np.ndarray, val: np.ndarray, 
         device = _rank_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
         history = _train(rank, world, device, model, graphs, train, val, target, config, label)
         # every rank keeps rank 0's best epoch (their validation scores could differ in the last bits)
-        shared = [{"state": model.state_dict(), "history": history} if rank == 0 else None]
+        shared: list[Any] = [(model.state_dict(), history) if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
-        model.load_state_dict(shared[0]["state"])
-        return shared[0]["history"]
+        state, history = shared[0]
+        model.load_state_dict(state)
+        return history
     if config.nproc == 1:
         return _fit_process(0, 1, model, graphs, train, val, target, config, label, None)
     with tempfile.TemporaryDirectory() as scratch:
