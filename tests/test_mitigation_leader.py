@@ -137,3 +137,35 @@ def test_bad_timing_is_a_clear_error():
         Election(identity="a", lease_s=5, renew_s=5)
     with pytest.raises(ValueError, match="identity"):
         Election(identity="")
+
+
+def test_a_controller_that_stops_leading_leaves_the_rest_to_the_next(kafka_bootstrap):
+    """The feed handles no message once `stop` is set (leadership lost): what it did not handle
+    is not committed, and the next leader, in the same group, reads it."""
+    import threading
+
+    from kafka import KafkaProducer
+    from test_mitigation_closed_loop import CATALOGUE, _Deployments, _diagnosis
+
+    from bmeg.mitigation import AuditLog, Controller
+    from bmeg.mitigation.feed import consume, encode
+    from bmeg.mitigation.safety import SafetyPolicy
+
+    topic = f"bmeg.mitigations.leader-{uuid.uuid4().hex[:8]}"
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    for _ in range(3):
+        producer.send(topic, encode(_diagnosis()), key=b"socialnet")  # one key: one partition, in order
+    producer.flush()
+    producer.close()
+
+    def controller() -> Controller:
+        return Controller(_Deployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), AuditLog())
+
+    stop = threading.Event()
+    first = []
+    for outcomes in consume(controller(), kafka_bootstrap, topic, group=topic, idle_timeout_s=30, stop=stop):
+        first.append(outcomes)
+        stop.set()  # lost the lease after the first message
+    assert len(first) == 1
+    second = list(consume(controller(), kafka_bootstrap, topic, group=topic, max_messages=2, idle_timeout_s=30))
+    assert len(second) == 2 and all(len(outcomes) == 1 for outcomes in second)
