@@ -25,11 +25,12 @@ class ServingSettings(TorchSettings):
 
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="Largest request body accepted, after "
                                 "decompression too (413 above).")
-    max_spans: int = Field(100_000, gt=0, description="Most spans in one request (413 above).")
-    max_traces: int = Field(10_000, gt=0, description="Most traces in one request (413 above).")
+    max_spans: int = Field(50_000, gt=0, description="Most spans in one request (413 above).")
+    max_traces: int = Field(2_000, gt=0, description="Most traces in one request (413 above): their answer must fit "
+                            "in max_response_bytes (measured: up to ~5 KB per 25-span trace).")
     max_json_depth: int = Field(64, gt=0, description="Deepest nesting of a JSON body (400 above; OTLP/JSON needs ~12).")
     max_json_number_digits: int = Field(40, gt=0, description="Longest number in a JSON body, in digits (400 above).")
-    max_response_bytes: int = Field(16 * 1024 * 1024, gt=0, description="Largest answer (413 above: send fewer traces).")
+    max_response_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest answer (413 above: send fewer traces).")
     recent_bytes: int = Field(64 * 1024 * 1024, ge=0, description="Memory the recent diagnoses may hold, in bytes "
                               "(the oldest are dropped first).")
     request_timeout_s: float = Field(30.0, gt=0, description="A diagnosis taking longer answers 504.")
