@@ -29,8 +29,7 @@ from bmeg.serving.model import ModelSlot
 from bmeg.serving.payloads import Answer, Limits, Payload, RequestRefused, diagnose_payloads, split
 from bmeg.serving.recent import RecentDiagnoses
 from bmeg.traces import span_table, to_otlp_proto_bytes, write_spans
-from test_serving_fixtures import (  # noqa: F401 - fixtures
-    KEY_HEADER, StandInDetector, detector, flagged_trace, hotel_dataset, keyed_settings, trained_run_dir)
+from serving_fixtures import KEY_HEADER, StandInDetector, keyed_settings
 
 PROTOBUF = {"content-type": "application/x-protobuf"}
 JSON = {"content-type": "application/json"}
@@ -103,7 +102,7 @@ def test_recent_diagnoses_are_held_within_their_bytes():
     for i in range(200):
         spans = spans_of([tid(i)] * 20)
         ids.append(recent.add(detector.diagnose(spans), spans))
-        assert recent.bytes <= 50_000
+        assert recent.held_bytes <= 50_000
     assert recent.get(ids[0]) is None and recent.get(ids[-1]) is not None
     assert 0 < len(recent.summaries(1000)) < 200
 

@@ -21,7 +21,7 @@ from bmeg.serving.settings import ServingSettings
 class DeadlineProtocol(HttpToolsProtocol):
     read_timeout_s = 30.0  # set per server by `config`
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
         self._arm()

@@ -148,7 +148,7 @@ def _check_spans(spans: pa.Table) -> None:
             raise RequestRefused(422, f"invalid trace: a {column} name holds a control character: {name[:100]!r}")
     end = pc.add_checked(spans["start_ns"], pc.max_element_wise(spans["duration_ns"], 0))
     if pc.any(pc.or_(pc.less(spans["start_ns"], 0), pc.greater(end, MAX_TIME_NS))).as_py():
-        raise RequestRefused(422, f"invalid trace: a span starts before 1970 or ends after 2^62 ns (2116), "
+        raise RequestRefused(422, "invalid trace: a span starts before 1970 or ends after 2^62 ns (2116), "
                                   "past what clock-skew repair can shift within int64")
 
 

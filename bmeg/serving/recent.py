@@ -70,7 +70,7 @@ class RecentDiagnoses:
         self._ids = (f"{secrets.token_hex(4)}{n:08x}" for n in itertools.count())
 
     @property
-    def bytes(self) -> int:
+    def held_bytes(self) -> int:
         """Memory the kept diagnoses hold (their JSON and spans)."""
         return self._bytes
 
