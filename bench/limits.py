@@ -69,7 +69,12 @@ def start_server(model: Path, port: int, env: dict[str, str]) -> subprocess.Pope
     command = [str(Path(sys.executable).parent / "bmeg"), "serve", "--model", str(model), "--port", str(port),
                "--no-auth", "--device", "cpu", "--log-level", "warning"]
     server = subprocess.Popen(command, env={**os.environ, **env})
-    wait_ready(f"http://127.0.0.1:{port}")
+    try:
+        wait_ready(f"http://127.0.0.1:{port}")
+    except BaseException:  # never leave a server behind
+        server.terminate()
+        server.wait(30)
+        raise
     return server
 
 
