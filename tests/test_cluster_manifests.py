@@ -2,6 +2,8 @@
 each object is created with server-side dry run and strict field validation (what
 `kubectl apply --dry-run=server --validate=strict` sends), in a namespace of the test's own,
 so a misspelled field, a wrong type or an invalid combination fails here and not on a cluster.
+The namespace enforces the restricted Pod Security profile, and each Job's pod template is also
+created there as a Pod (dry run), so the API server's PodSecurity admission judges it.
 
 KEDA's ScaledObject is not a built-in kind: the API server is first given
 tests/manifests/keda-scaledobject-crd.yaml, a minimal structural CRD written for these tests
@@ -49,7 +51,9 @@ def namespace(kube_admin):
 
     name = f"bmeg-manifests-{uuid.uuid4().hex[:8]}"
     core = client.CoreV1Api(kube_admin)
-    core.create_namespace({"metadata": {"name": name}})
+    core.create_namespace({"metadata": {"name": name, "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
+    # no controller-manager here makes the namespace's default ServiceAccount, which admission looks up
+    core.create_namespaced_service_account(name, {"metadata": {"name": "default"}})
     yield name
     core.delete_namespace(name)
 
@@ -71,6 +75,10 @@ def test_manifest_passes_the_api_servers_validation(cluster, namespace, manifest
     for body in objects:
         stored = dry_run_create(cluster, namespace, body)
         assert (stored["kind"], stored["metadata"]["name"]) == (body["kind"], body["metadata"]["name"])
+        if body["kind"] == "Job":  # admission enforces the profile on pods, not on the Job itself
+            template = body["spec"]["template"]
+            dry_run_create(cluster, namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {
+                "name": body["metadata"]["name"], "labels": template["metadata"]["labels"]}, "spec": template["spec"]})
 
 
 def test_dry_run_stores_nothing(cluster, namespace):
