@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
+
 from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.collector import read_collector_spans
 from bmeg.faultinject.testbed.deployment import SERVICES, service_cpu
@@ -22,6 +23,7 @@ from bmeg.faultinject.testbed.labels import AppliedFault, calibrate, label, node
 from bmeg.faultinject.testbed.state import netns_prefix
 from bmeg.faultinject.testbed.system import SOURCE_ROOT
 from bmeg.faultinject.testbed.supervisor import Testbed, down, status, up
+from bmeg.graphs.features import self_time_ns
 
 pytestmark = [
     pytest.mark.integration,
@@ -99,6 +101,8 @@ def test_each_source_changes_the_target_and_not_the_others(bed):
     frame = node_frame(spans)
     normal = frame.start_ns < calibration_end
     labels = label(frame, applied, calibrate(frame, normal))
+    own = self_time_ns(frame.forest).astype(np.float64)
+    kind = frame.forest.spans["kind"].to_numpy(zero_copy_only=False)
     report = {}
     for fault in applied:
         during = (frame.start_ns >= fault.start_ns) & (frame.start_ns < fault.end_ns) & frame.is_node
@@ -116,12 +120,19 @@ def test_each_source_changes_the_target_and_not_the_others(bed):
         assert changed, (fault.source, report)
         assert labels.span_bottleneck[target].sum() > 0, (fault.source, report)
         assert set(frame.caller_service[labels.span_bottleneck & during].tolist()) == {TARGET}
-        # services the fault did not touch (for a CPU hog: those on the other CPU) keep their local times
+        # services the fault did not touch (for a CPU hog: those on the other CPU) keep their own
+        # times: their server spans' exclusive time (a local time also holds the caller's side of
+        # the call, and a caller on the hog's CPU is slowed as much as the target). A hog takes one
+        # of the two cores: the unpinned processes (proxies, Collector, load) crowd onto the other,
+        # so its services may slow a little too
         others = [s for s in SERVICES if s != TARGET and (fault.source != "interference" or service_cpu(s) != service_cpu(TARGET))]
+        limit = 3.0 if fault.source == "interference" else 2.0
         for other in others:
-            mine = during & (frame.node_service == other) & (frame.caller_service == other)
-            usual = normal & (frame.node_service == other) & (frame.caller_service == other) & frame.is_node
+            served = frame.is_node & (frame.node_service == other) & (kind == "server")
+            mine, usual = during & served, normal & served
             if mine.sum() >= 20 and usual.sum() >= 20:
-                other_ratio = np.quantile(frame.local_ns[mine], 0.5) / np.quantile(frame.local_ns[usual], 0.5)
-                assert other_ratio < 2.0, (fault.source, other, other_ratio, report)
+                # the median, with 0.5 ms of slack: unique-id's 30 us spans double with the
+                # machine's scheduling noise alone, while every fault here adds milliseconds
+                during_us, usual_us = np.median(own[mine]) / 1e3, np.median(own[usual]) / 1e3
+                assert during_us < limit * usual_us + 500, (fault.source, other, during_us, usual_us, report)
     print(report)
