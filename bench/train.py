@@ -41,8 +41,8 @@ def main() -> None:
     from bmeg.datasets.loader import load_dataset
     from bmeg.serving.model import freeze_heap
     from bmeg.training import train
-    from bmeg.training.graphset import GraphSet
-    from bmeg.training.trainer import logits_and_labels
+    from bmeg.models.graphset import GraphSet
+    from bmeg.models.inference import logits_and_labels
     from bmeg.training.pipeline import label
 
     detector, _ = train("socialnet", traces=args.traces, imbalance=0.1, epochs=1, progress=False)

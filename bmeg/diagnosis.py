@@ -47,6 +47,8 @@ class TraceDiagnosis(BaseModel):
     anomaly_score: float = Field(description="Probability the trace is affected by a bottleneck.")
     threshold: float = Field(description="Decision threshold the verdict used.")
     model: Literal["gnn", "svm"] = Field(description="Which model decided: the GNN stages or the SVM fallback.")
+    route: str = Field("", description="Why the router chose that model (the graph's services and distinct paths "
+                                       "against the router's cuts).")
     bottlenecks: list[ServiceScore] = Field(default_factory=list, description="Services ranked by score.")
     critical_path: list[CriticalPathStep] = Field(default_factory=list)
     latencies: list[ServiceLatency] = Field(default_factory=list)

@@ -17,7 +17,7 @@ from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.svm import PATH, START, FirmSVM, firm_features
-from bmeg.training.graphset import GraphSet
+from bmeg.models.graphset import GraphSet
 from bmeg.training.metrics import accuracy_at_k, average_at_k, classification_table, threshold_for_precision
 from bmeg.traces import span_table
 
@@ -139,11 +139,12 @@ def test_firm_svm_learns_separable_pairs_and_validates_input():
     y = np.r_[np.zeros(200), np.ones(20)]
     svm = FirmSVM().fit(X, y)
     assert (svm.predict(X) == y).mean() > 0.98
-    assert np.all((svm.score_samples(X) > 0) & (svm.score_samples(X) < 1))
-    with pytest.raises(ValueError, match="both"):
+    proba = svm.predict_proba(X)
+    assert np.all((proba > 0) & (proba < 1)) and np.allclose(proba.sum(axis=1), 1.0)
+    with pytest.raises(ValueError, match="both classes"):
         FirmSVM().fit(X, np.zeros(len(X)))
-    with pytest.raises(ValueError, match="expected X"):
-        FirmSVM().fit(X[:, :1], y)
+    with pytest.raises(ValueError, match="features"):
+        svm.predict(X[:, :1])
 
 
 def test_checkpoint_errors_are_clear(tmp_path):
@@ -152,9 +153,9 @@ def test_checkpoint_errors_are_clear(tmp_path):
     (tmp_path / "model.pt").write_bytes(b"not a checkpoint at all")
     with pytest.raises(CheckpointError, match="not a bmeg checkpoint"):
         load_checkpoint(tmp_path)
-    save_checkpoint(tmp_path, {"application": "socialnet"}, svm={"fake": True})
-    state, svm = load_checkpoint(tmp_path, application="socialnet")
-    assert state["application"] == "socialnet" and svm == {"fake": True}
+    save_checkpoint(tmp_path, {"application": "socialnet", "svm": {"coef_": [0.5, 1.5]}})
+    state = load_checkpoint(tmp_path, application="socialnet")
+    assert state["application"] == "socialnet" and state["svm"] == {"coef_": [0.5, 1.5]}
     with pytest.raises(CheckpointError, match="trained on 'socialnet', not 'hotelreservation'"):
         load_checkpoint(tmp_path, application="hotelreservation")
     stale = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -186,13 +187,21 @@ def test_threshold_for_precision_prefers_recall_at_the_precision():
 def _tiny_detector():
     from bmeg.models.detector import Detector
 
-    encoder = FeatureEncoder().fit(assemble(span_table(many_traces(20))))
+    from bmeg.models.router import Router
+    from bmeg.models.svm import TraceSVM, TraceVectorizer
+
+    forest = assemble(span_table(many_traces(20)))
+    encoder = FeatureEncoder().fit(forest)
     rng = np.random.default_rng(0)
-    svm = FirmSVM().fit(rng.normal(size=(40, 2)), np.r_[np.zeros(30), np.ones(10)])
+    firm = FirmSVM().fit(rng.normal(size=(40, 2)), np.r_[np.zeros(30), np.ones(10)])
+    keys = np.char.add(np.char.add(forest.spans["service"].to_numpy(zero_copy_only=False).astype(str), "\x1f"),
+                       forest.spans["operation"].to_numpy(zero_copy_only=False).astype(str))
+    vectorizer = TraceVectorizer().fit(keys)
+    svm = TraceSVM().fit(rng.normal(size=(40, vectorizer.num_columns)), np.r_[np.zeros(30), np.ones(10)])
     return Detector(
         application="toy", encoder=encoder, dgcnn=DGCNN(encoder.num_features, k=10).eval(),
-        gcn=GCNNodeClassifier(encoder.num_features).eval(), svm=svm,
-        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5}, svm_max_services=-1, svm_window=20,
+        gcn=GCNNodeClassifier(encoder.num_features).eval(), vectorizer=vectorizer, svm=svm, firm=firm,
+        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5, "svm_node": 0.5}, router=Router(), firm_window=20,
         services=["front", "svc0", "svc1", "svc2"], service_baseline_us={"svc1": 200.0},
         hparams={"dgcnn": {"k": 10}, "gcn": {}}, metrics={},
     )
@@ -207,6 +216,7 @@ def test_detector_round_trip_and_diagnosis(tmp_path):
     assert [t.trace_id for t in diagnosis.traces] == ["t0000", "t0001", "t0002"]
     trace = diagnosis.traces[1]
     assert trace.spans == 4 and trace.model == "gnn" and 0 <= trace.anomaly_score <= 1
+    assert trace.route.startswith("gnn: every trace goes to the GNN")
     assert {s.service for s in trace.bottlenecks} == {"front", "svc0", "svc1", "svc2"}
     assert trace.latencies[0].service == "svc1" and trace.latencies[0].ratio == pytest.approx(25.0)
     assert sum(step.exclusive_us for step in trace.critical_path) == pytest.approx(trace.total_us)

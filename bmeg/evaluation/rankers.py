@@ -208,7 +208,8 @@ class _DetectorScores:
 
     def __call__(self, window: SpanForest):
         if self._last is None or self._last[0] != id(window):
-            self._last = (id(window), self.detector.score(window))
+            # the window is a recorded slice of a stream: each trace reads the window's earlier traces
+            self._last = (id(window), self.detector.score(window, replay=True))
         return self._last[1]
 
 
@@ -227,16 +228,19 @@ def _gnn_means(scores) -> tuple[pd.Series, pd.Series]:
 
 
 class FirmSvmRanker:
-    """FIRM: the detector's SVM score of each service on the critical path, averaged over the window."""
+    """FIRM: the detector's FIRM SVM culprit score of each service on the critical path (RI and CI
+    over the window's traces), averaged over the traces where the service is on the path."""
 
     name = "firm-svm"
 
-    def __init__(self, scores: _DetectorScores):
-        self.scores = scores
+    def __init__(self, detector):
+        self.detector = detector
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        scores = self.scores(window)
-        return _ranking(_mean_over(scores, np.ones(window.num_traces), scores.svm_service))
+        services, scores = self.detector.firm_scores(window)
+        on_path = scores > 0
+        mean = scores.sum(axis=0) / np.maximum(on_path.sum(axis=0), 1)
+        return _ranking(pd.Series(mean, index=services))
 
 
 class GnnRanker:
@@ -264,7 +268,7 @@ def with_normal_baselines(detector, normal: SpanForest):
     from bmeg.models.features import FeatureEncoder
 
     encoder = FeatureEncoder(detector.encoder.variant, detector.encoder.history).fit(normal)
-    return replace(detector, encoder=encoder, recent=None)
+    return replace(detector, encoder=encoder)
 
 
 class BmegRanker:
@@ -294,4 +298,4 @@ def default_rankers(detector=None, normal: SpanForest | None = None) -> list[Ran
     if normal is not None:
         detector = with_normal_baselines(detector, normal)
     scores = _DetectorScores(detector)
-    return [BmegRanker(scores), GnnRanker(scores), FirmSvmRanker(scores), *baselines]
+    return [BmegRanker(scores), GnnRanker(scores), FirmSvmRanker(detector), *baselines]

@@ -7,12 +7,18 @@
   the node's: a callee's queue shows there, before its server span starts) and temporal context (the same z-score of the
   node's service, averaged over its recent visits in earlier traces).
 
+Where the earlier traces come from: over a recorded stream (training, evaluation: `past=None`)
+they are the forest's own earlier traces; a served trace (`past` given: each service's latest
+self-time z-scores, oldest first, from a `bmeg.models.history.StreamHistory`) reads only `past`
+and its own trace, never the other traces of its batch, so its verdict does not depend on them.
+
 `FeatureEncoder` is fitted on normal training traces, like a scikit-learn transformer, and is
 saved in the checkpoint as plain lists.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,8 +81,9 @@ class FeatureEncoder:
         return self
 
     def transform(self, forest: SpanForest, paths: CriticalPaths | None = None,
-                  services: np.ndarray | None = None) -> np.ndarray:
-        """float32 [num_spans, num_features], in `names` order (`services`: node services, if known)."""
+                  services: np.ndarray | None = None, past: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        """float32 [num_spans, num_features], in `names` order (`services`: node services, if known;
+        `past`: the stream's earlier visits per service, see the module's docstring)."""
         columns = _columns(forest, paths)
         if self.variant == "thesis":
             return _stack(columns, SERVICE_TIME_ONLY.columns)
@@ -85,7 +92,10 @@ class FeatureEncoder:
         z, known = self._z_scores(forest, columns)
         columns.update({f"z_{name}": z[:, i] for i, name in enumerate(BASELINE_COLUMNS)})
         columns["unknown_operation"] = (~known).astype(np.float64)
-        columns["recent_z_self_time"] = self._recent(forest, z[:, 0], services)
+        if services is None:
+            services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+        columns["recent_z_self_time"] = (self._recent(forest, z[:, 0], services) if past is None
+                                         else self._recent_after(forest, z[:, 0], services, past))
         return _stack(columns, self.names)
 
     def to_state(self) -> dict:
@@ -113,10 +123,8 @@ class FeatureEncoder:
         z[known] = np.clip((values[known] - median) / spread, -Z_LIMIT, Z_LIMIT)
         return z, known
 
-    def _recent(self, forest: SpanForest, z_self: np.ndarray, services: np.ndarray | None) -> np.ndarray:
+    def _recent(self, forest: SpanForest, z_self: np.ndarray, services: np.ndarray) -> np.ndarray:
         """Mean z-score of the node's service over its last `history` visits, in time order."""
-        if services is None:
-            services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         codes, _ = pd.factorize(services)
         trace_start = forest.start_ns[forest.root][forest.trace_index]
         order = np.lexsort((trace_start, codes))  # by service, then time
@@ -128,6 +136,30 @@ class FeatureEncoder:
         running = np.r_[0.0, np.cumsum(z_self[order])]
         recent = np.empty(len(order))
         recent[order] = (running[position + 1] - running[window_start]) / (position + 1 - window_start)
+        return recent
+
+    def _recent_after(self, forest: SpanForest, z_self: np.ndarray, services: np.ndarray,
+                      past: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Like `_recent`, each trace alone after `past`: the mean over the service's visits in
+        the trace up to the node, preceded by its latest visits in `past`, `history` in all."""
+        codes, names = pd.factorize(services)
+        order = np.lexsort((np.arange(len(codes)), codes, forest.trace_index))  # by trace, service, node
+        group = forest.trace_index[order] * len(names) + codes[order]
+        first = np.r_[0, np.flatnonzero(group[1:] != group[:-1]) + 1]
+        group_start = np.repeat(first, np.diff(np.r_[first, len(order)]))
+        position = np.arange(len(order))
+        own = np.minimum(position - group_start + 1, self.history)  # this trace's visits in the window
+        running = np.r_[0.0, np.cumsum(z_self[order])]
+        own_sum = running[position + 1] - running[position + 1 - own]
+        # each service's latest past visits, newest first, as cumulative sums: tail[k] = sum of the last k
+        latest = [np.asarray(past.get(name, ()), dtype=np.float64)[-self.history:][::-1] for name in names]
+        tails = np.concatenate([np.r_[0.0, np.cumsum(values)] for values in latest]) if latest else np.zeros(1)
+        tail_start = np.r_[0, np.cumsum([len(values) + 1 for values in latest])][:-1].astype(np.int64)
+        available = np.array([len(values) for values in latest], dtype=np.int64)
+        code = codes[order]
+        taken = np.minimum(available[code], self.history - own)
+        recent = np.empty(len(order))
+        recent[order] = (own_sum + tails[tail_start[code] + taken]) / (own + taken)
         return recent
 
 

@@ -49,6 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from bmeg.diagnosis import single_trace_json
 from bmeg.serving.assembler import PendingTrace, TraceAssembler
 from bmeg.models.detector import Detector
+from bmeg.models.history import StreamHistory
 from bmeg.serving.model import freeze_heap
 from bmeg.serving.offsets import OffsetTracker
 from bmeg.traces import TraceInputError, read_spans_bytes, to_otlp_proto_bytes
@@ -106,6 +107,7 @@ class StreamConsumer:
         if config.encoding not in ENCODINGS:
             raise ValueError(f"encoding {config.encoding!r}: expected one of {sorted(ENCODINGS)}")
         self.detector = detector
+        self.history = StreamHistory(visits=detector.encoder.history)  # the stream's past, for history features
         self.config = config
         self.metrics = metrics or ConsumerMetrics()
         self.assembler = TraceAssembler(config.idle_timeout_s, config.max_trace_spans)
@@ -243,7 +245,8 @@ class StreamConsumer:
     def _diagnose(self, batch: list[PendingTrace]) -> dict[str, DiagnosedTrace | str]:
         """Each trace's diagnosis, or the reason it could not be diagnosed."""
         try:
-            document = self.detector.diagnosis_document(pa.concat_tables([part for t in batch for part in t.parts]))
+            document = self.detector.diagnosis_document(pa.concat_tables([part for t in batch for part in t.parts]),
+                                                        history=self.history)
         except Exception as error:  # noqa: BLE001 - a bad trace must not stop the stream: find it
             if len(batch) == 1:
                 return {batch[0].trace_id: _reason(error, batch[0].trace_id)}

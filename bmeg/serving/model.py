@@ -14,6 +14,8 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from bmeg.diagnosis import Diagnosis
+from bmeg.models.detector import Detector
+from bmeg.models.history import StreamedDetector
 from bmeg.serving.payloads import Answer, Limits, Payload, diagnose_payloads
 
 
@@ -47,7 +49,8 @@ class ModelState(BaseModel):
 
 
 class ModelSlot:
-    """Holds the detector. The detector keeps the SVM's window of recent traces, so calls are serialised."""
+    """Holds the model and the history of the traces it has served (`StreamedDetector`, the
+    server's stream state: the detector itself holds none), so calls are serialised."""
 
     def __init__(self, model_or_loader: DiagnosisModel | Loader):
         if isinstance(model_or_loader, DiagnosisModel):
@@ -99,6 +102,8 @@ class ModelSlot:
             _close(self._model)
 
     def _set(self, model: DiagnosisModel) -> None:
+        if isinstance(model, Detector):  # in process: the server owns the stream's history
+            model = StreamedDetector(model)
         previous, self._model = getattr(self, "_model", None), model
         if previous is not model:
             _close(previous)
