@@ -65,7 +65,7 @@ def main() -> None:
         from bmeg.models.detector import Detector
 
         detector = Detector.load(args.model, device="cpu")
-        print(f"inference with {args.model} (router: SVM for traces of <= {detector.svm_max_services} services)")
+        print(f"inference with {args.model} (router: {detector.router})")
     ids = data.traces["trace_id"]
     batch_ids = ids.slice(0, 256)
     spans = data.forest.spans

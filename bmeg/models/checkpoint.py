@@ -24,6 +24,8 @@ FORMAT = "bmeg-checkpoint"
 FORMAT_VERSION = 2
 MODEL_FILE = "model.pt"
 PICKLE_SUFFIXES = (".joblib", ".pkl", ".pickle")
+#: The pickled SVM of format 1, which a new checkpoint written into the same directory replaces.
+LEGACY_SVM_FILE = "svm.joblib"
 
 
 class CheckpointError(ValueError):
@@ -34,6 +36,7 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "bmeg_version": bmeg.__version__, **state}
     torch.save(payload, run_dir / MODEL_FILE)
+    (run_dir / LEGACY_SVM_FILE).unlink(missing_ok=True)  # retraining into an old run directory
 
 
 def refuse_pickles(run_dir: Path) -> None:

@@ -218,7 +218,8 @@ class Detector:
         paths = critical_paths(forest)
         scores = self.score(forest, paths, history)
         if history is not None and scores.observation is not None:
-            history.record(scores.observation)
+            # only the model's own services: invented names in spans must not grow the history
+            history.record(scores.observation.of(self.services))
         return {
             "model_version": self.version, "application": self.application,
             "traces": self._trace_diagnoses(forest, scores, paths),

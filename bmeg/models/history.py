@@ -29,6 +29,11 @@ class Observation:
     trace_start_ns: np.ndarray
     z_self: np.ndarray
 
+    def of(self, services: list[str]) -> Observation:
+        """The visits of the given services only."""
+        keep = np.isin(self.services, services)
+        return Observation(self.services[keep], self.trace_start_ns[keep], self.z_self[keep])
+
 
 @dataclass
 class StreamHistory:
