@@ -39,10 +39,10 @@ def main() -> None:
     os.environ.setdefault("BMEG_CACHE", os.path.join(tempfile.gettempdir(), "bmeg-bench-cache"))
 
     from bmeg.datasets.loader import load_dataset
-    from bmeg.serving.model import freeze_heap
-    from bmeg.training import train
     from bmeg.models.graphset import GraphSet
     from bmeg.models.inference import logits_and_labels
+    from bmeg.serving.model import freeze_heap
+    from bmeg.training import train
     from bmeg.training.pipeline import label
 
     detector, _ = train("socialnet", traces=args.traces, imbalance=0.1, epochs=1, progress=False)

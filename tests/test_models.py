@@ -17,12 +17,24 @@ from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkp
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
+from bmeg.models.graphset import GraphSet
 from bmeg.models.history import StreamHistory
 from bmeg.models.router import Router, choose, distinct_paths
-from bmeg.models.svm import PATH, START, FirmSVM, TraceSVM, TraceVectorizer, firm_features
-from bmeg.models.graphset import GraphSet
-from bmeg.training.metrics import accuracy_at_k, average_at_k, classification_table, threshold_for_precision
+from bmeg.models.svm import (
+    PATH,
+    START,
+    FirmSVM,
+    TraceSVM,
+    TraceVectorizer,
+    firm_features,
+)
 from bmeg.traces import span_table
+from bmeg.training.metrics import (
+    accuracy_at_k,
+    average_at_k,
+    classification_table,
+    threshold_for_precision,
+)
 
 
 def star_trace(trace_id: str, leaf_us: list[int], operation: str = "op") -> dict[str, list]:

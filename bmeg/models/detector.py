@@ -35,7 +35,13 @@ from bmeg.models.graphset import GraphSet
 from bmeg.models.history import Observation, StreamHistory
 from bmeg.models.inference import limit_cpu_threads, predict_proba, resolve_device
 from bmeg.models.router import Router, distinct_paths
-from bmeg.models.svm import FirmSVM, TraceSVM, TraceVectorizer, critical_path_frame, firm_features
+from bmeg.models.svm import (
+    FirmSVM,
+    TraceSVM,
+    TraceVectorizer,
+    critical_path_frame,
+    firm_features,
+)
 from bmeg.paths import cache_dir
 
 

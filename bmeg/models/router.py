@@ -94,7 +94,7 @@ def choose(y: np.ndarray, gnn_verdict: np.ndarray, svm_verdict: np.ndarray, serv
     best = max(row["f1"] for row in rows)
     eligible = [row for row in rows if row["f1"] >= best - tolerance]
     chosen = min(eligible, key=lambda row: (row["cost_s_per_trace"], row["share_to_svm"]))
-    return Router(chosen["max_services"], chosen["max_paths"]), rows
+    return Router(int(chosen["max_services"]), int(chosen["max_paths"])), rows
 
 
 def _f1(y: np.ndarray, predicted: np.ndarray) -> float:

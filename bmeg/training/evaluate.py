@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -13,7 +12,6 @@ import pyarrow as pa
 
 from bmeg.graphs import SpanForest, assemble
 from bmeg.models.router import Router
-
 from bmeg.training.metrics import accuracy_at_k, classification_table
 
 if TYPE_CHECKING:

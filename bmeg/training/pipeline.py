@@ -18,7 +18,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from bmeg.datasets.loader import DEFAULT_IMBALANCE, DEFAULT_TRACES, Dataset, load_dataset
+from bmeg.datasets.loader import (
+    DEFAULT_IMBALANCE,
+    DEFAULT_TRACES,
+    Dataset,
+    load_dataset,
+)
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
 from bmeg.graphs.features import self_time_ns
 from bmeg.models.detector import Detector, Scores, node_keys
@@ -28,7 +33,14 @@ from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.graphset import GraphSet
 from bmeg.models.inference import resolve_device
 from bmeg.models.router import Router, choose
-from bmeg.models.svm import DEVIATIONS, FirmSVM, TraceSVM, TraceVectorizer, critical_path_frame, firm_features
+from bmeg.models.svm import (
+    DEVIATIONS,
+    FirmSVM,
+    TraceSVM,
+    TraceVectorizer,
+    critical_path_frame,
+    firm_features,
+)
 from bmeg.training.evaluate import evaluate, measure_cost, true_services
 from bmeg.training.metrics import threshold_for_precision
 from bmeg.training.plots import plot_run

@@ -25,7 +25,13 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from bmeg.models.graphset import GraphSet
-from bmeg.models.inference import Target, limit_cpu_threads, logits_and_labels, predict_proba, resolve_device
+from bmeg.models.inference import (
+    Target,
+    limit_cpu_threads,
+    logits_and_labels,
+    predict_proba,
+    resolve_device,
+)
 
 LOSSES = ("weighted", "focal", "sampling", "plain")
 
