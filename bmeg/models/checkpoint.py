@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-import bmeg
+from bmeg.version import __version__
 
 FORMAT = "bmeg-checkpoint"
 FORMAT_VERSION = 2
@@ -34,7 +34,7 @@ class CheckpointError(ValueError):
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "bmeg_version": bmeg.__version__, **state}
+    payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "bmeg_version": __version__, **state}
     torch.save(payload, run_dir / MODEL_FILE)
     (run_dir / LEGACY_SVM_FILE).unlink(missing_ok=True)  # retraining into an old run directory
 
@@ -74,7 +74,7 @@ def load_checkpoint(run_dir: Path, *, application: str | None = None) -> dict[st
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{model_path} has checkpoint format {state.get('format_version')} "
-            f"(written by bmeg {state.get('bmeg_version')}); this bmeg {bmeg.__version__} reads format "
+            f"(written by bmeg {state.get('bmeg_version')}); this bmeg {__version__} reads format "
             f"{FORMAT_VERSION}: retrain with `bmeg train`"
         )
     if application is not None and state["application"] != application:

@@ -22,7 +22,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-import bmeg
 from bmeg.diagnosis import Diagnosis
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
 from bmeg.graphs.critical_path import CriticalPaths
@@ -43,6 +42,7 @@ from bmeg.models.svm import (
     firm_features,
 )
 from bmeg.paths import cache_dir
+from bmeg.version import __version__
 
 
 def default_run_dir(application: str = "socialnet") -> Path:
@@ -103,7 +103,7 @@ class Detector:
 
     @property
     def version(self) -> str:
-        return f"bmeg-{bmeg.__version__}/{self.application}/{self.encoder.variant}"
+        return f"bmeg-{__version__}/{self.application}/{self.encoder.variant}"
 
     # -- scoring -----------------------------------------------------------------------------
     def score(self, forest: SpanForest, paths: CriticalPaths | None = None, history: StreamHistory | None = None,
