@@ -318,13 +318,18 @@ def test_router_takes_the_cheaper_model_only_within_the_tolerance():
     paths = np.array([1, 1, 1, 1, 5, 5, 5, 5])
     gnn = y.astype(bool)
     svm_good_on_small = np.where(services <= 2, y, 1 - y).astype(bool)
+    all_hit = {"gnn": np.ones(8, bool), "svm": np.ones(8, bool)}
     cheap_svm = {"gnn": 1e-3, "svm": 1e-4}
-    router, rows = choose(y, gnn, svm_good_on_small, services, paths, cheap_svm)
+
+    def chosen(svm_verdict, hits=all_hit, cost=cheap_svm):
+        return choose(y, {"gnn": gnn, "svm": svm_verdict}, hits, services, paths, cost)
+
+    router, rows = chosen(svm_good_on_small)
     assert router == Router(2, 1)  # as good as the GNN where it goes, and cheaper
-    assert min(row["cost_s_per_trace"] for row in rows if row["f1"] == 1.0) == pytest.approx(0.5 * 1e-4 + 0.5 * 1e-3)
-    svm_bad = np.zeros(len(y), dtype=bool)
-    assert choose(y, gnn, svm_bad, services, paths, cheap_svm)[0] == Router()  # cheaper but worse: never
-    assert choose(y, gnn, svm_good_on_small, services, paths, {"gnn": 1e-4, "svm": 1e-3})[0] == Router()
+    assert min(row["cost_s_per_trace"] for row in rows if row["quality"] == 1.0) == pytest.approx(0.5 * 1e-4 + 0.5 * 1e-3)
+    assert chosen(np.zeros(8, dtype=bool))[0] == Router()  # cheaper but worse verdicts: never
+    assert chosen(svm_good_on_small, {"gnn": np.ones(8, bool), "svm": np.zeros(8, bool)})[0] == Router()  # worse ranking
+    assert chosen(svm_good_on_small, cost={"gnn": 1e-4, "svm": 1e-3})[0] == Router()  # dearer
 
 
 def _history_of(detector, traces: int) -> StreamHistory:

@@ -6,8 +6,11 @@ the SVM when it has at most `max_services` distinct services AND at most `max_pa
 paths (root-to-leaf sequences of (service, operation)); every other trace goes to the GNN
 stages. `max_services = -1` sends every trace to the GNN.
 
-The cuts are chosen at training time on validation traces (`choose`): among the cuts whose
-validation F1 is within `tolerance` of the best, the one with the lowest measured cost per trace.
+The cuts are chosen at training time on validation traces (`choose`): the quality of a cut is
+its F1 on the trace verdicts times its AC@1 (the share of bottlenecked traces whose top-ranked
+service is a true bottleneck: a router that saved time by ranking services worse would not be
+"as good"); among the cuts within `tolerance` of the best quality, the one with the lowest
+measured cost per trace.
 """
 
 from __future__ import annotations
@@ -74,25 +77,28 @@ class Router:
         return cls(int(state["max_services"]), int(state["max_paths"]))
 
 
-def choose(y: np.ndarray, gnn_verdict: np.ndarray, svm_verdict: np.ndarray, services: np.ndarray,
+def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], top1_hits: dict[str, np.ndarray], services: np.ndarray,
            paths: np.ndarray, cost_s: dict[str, float], tolerance: float = 0.01) -> tuple[Router, list[dict]]:
-    """The router for validation traces with labels `y` and each model's verdicts.
+    """The router for validation traces with labels `y`, given each model's ("gnn", "svm")
+    verdicts [T], whether its top-ranked service is a true bottleneck [T] (read on the traces
+    with `y == 1`) and its cost in seconds per trace, measured.
 
-    Every pair of cuts seen in the data is tried (plus "never the SVM"); among those whose F1 is
-    within `tolerance` of the best, the cheapest by `cost_s` (seconds per trace of "gnn" and
-    "svm", measured) wins, ties to the one sending fewer traces to the SVM. Returns the router and
-    every candidate with its F1, share to the SVM and cost, for the report.
+    Every pair of cuts seen in the data is tried (plus "never the SVM"); among those whose
+    quality (F1 x AC@1) is within `tolerance` of the best, the cheapest wins, ties to the one
+    sending fewer traces to the SVM. Returns the router and every candidate with its figures.
     """
     candidates = [Router()] + [Router(int(s), int(p)) for s in np.unique(services) for p in np.unique(paths)]
     rows = []
     for router in candidates:
         to_svm = router.to_svm(services, paths)
-        predicted = np.where(to_svm, svm_verdict, gnn_verdict)
+        predicted = np.where(to_svm, verdicts["svm"], verdicts["gnn"])
+        hits = np.where(to_svm, top1_hits["svm"], top1_hits["gnn"])[y == 1]
+        f1, ac1 = _f1(y, predicted), float(np.mean(hits)) if len(hits) else 1.0
         share = float(np.mean(to_svm)) if len(to_svm) else 0.0
-        rows.append({**router.to_state(), "f1": _f1(y, predicted), "share_to_svm": share,
+        rows.append({**router.to_state(), "f1": f1, "ac1": ac1, "quality": f1 * ac1, "share_to_svm": share,
                      "cost_s_per_trace": share * cost_s["svm"] + (1 - share) * cost_s["gnn"]})
-    best = max(row["f1"] for row in rows)
-    eligible = [row for row in rows if row["f1"] >= best - tolerance]
+    best = max(row["quality"] for row in rows)
+    eligible = [row for row in rows if row["quality"] >= best - tolerance]
     chosen = min(eligible, key=lambda row: (row["cost_s_per_trace"], row["share_to_svm"]))
     return Router(int(chosen["max_services"]), int(chosen["max_paths"])), rows
 

@@ -60,7 +60,7 @@ class TrainConfig:
     svm_C: float = 0.1  # the trace SVM's regularisation
     svm_max_services: int | None = None  # the router's cuts; None: chosen on validation
     svm_max_paths: int | None = None
-    router_tolerance: float = 0.01  # validation F1 the router may give up for a cheaper model
+    router_tolerance: float = 0.01  # validation quality (F1 x AC@1) the router may give up for a cheaper model
     fit: FitConfig = field(default_factory=FitConfig)
 
 
@@ -196,8 +196,11 @@ def choose_operating_point(detector: Detector, raw: Scores, data: Labelled, conf
         router = Router(config.svm_max_services, config.svm_max_paths if config.svm_max_paths is not None else 1 << 30)
         return replace(detector, thresholds=thresholds, router=router)
     cost = measure_cost(detector, data.forest, val, {"gnn": Router(), "svm": Router.everything()})
-    router, candidates = choose(y, raw.gnn_anomaly[val] >= thresholds["graph"], raw.svm_anomaly[val] >= thresholds["svm"],
-                                raw.num_services[val], raw.num_paths[val], cost, config.router_tolerance)
+    verdicts = {"gnn": raw.gnn_anomaly[val] >= thresholds["graph"], "svm": raw.svm_anomaly[val] >= thresholds["svm"]}
+    hits = {"gnn": _top1_hits(raw.gnn_service[val], raw.present[val], truth[val]),
+            "svm": _top1_hits(raw.svm_service[val], raw.present[val], truth[val])}
+    router, candidates = choose(y, verdicts, hits, raw.num_services[val], raw.num_paths[val], cost,
+                                config.router_tolerance)
     chosen = next(row for row in candidates if row["max_services"] == router.max_services
                   and row["max_paths"] == router.max_paths)
     never = candidates[0]  # Router(): every trace to the GNN
@@ -207,6 +210,12 @@ def choose_operating_point(detector: Detector, raw: Scores, data: Labelled, conf
         "best_f1": max(row["f1"] for row in candidates),
     }
     return detector
+
+
+def _top1_hits(service: np.ndarray, present: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """bool [T]: the trace's top-scored present service is a true bottleneck."""
+    top = np.argmax(np.where(present, service, -np.inf), axis=1)
+    return truth[np.arange(len(top)), top]
 
 
 def _fit_firm(forest: SpanForest, paths, services: np.ndarray, data: Labelled, config: TrainConfig) -> FirmSVM:
