@@ -48,19 +48,20 @@ def test_a_model_file_that_is_a_crafted_pickle_is_refused(tmp_path):
     assert not marker.exists()
 
 
-def test_the_server_never_loads_a_pickle_at_start_or_reload(tmp_path, monkeypatch):
+def test_the_server_never_loads_a_pickle_at_start_or_reload(tmp_path):
     from bmeg.serving.app import create_app
+    from bmeg.serving.settings import ServingSettings
 
     run_dir, marker = _crafted_run_dir(tmp_path)
-    monkeypatch.setenv("BMEG_API_KEY", "k3y")
-    with TestClient(create_app(partial(Detector.load, run_dir, device="cpu"))) as client:
-        for _ in range(100):  # the first load runs in the background
-            state = client.get("/readyz")
-            if "error" in state.json():
+    key = {"X-API-Key": "k3y"}
+    with TestClient(create_app(partial(Detector.load, run_dir, device="cpu"), ServingSettings(api_key="k3y"))) as client:
+        for _ in range(200):  # the first load runs in the background
+            if client.get("/readyz").json().get("error"):
                 break
             time.sleep(0.05)
-        assert state.status_code == 503 and "is a pickle" in state.json()["error"]
-        reloaded = client.post("/models/reload", headers={"X-API-Key": "k3y"})
+        assert client.get("/readyz").status_code == 503
+        assert "is a pickle" in client.get("/models", headers=key).json()["error"]
+        reloaded = client.post("/models/reload", headers=key)
         assert reloaded.status_code == 422 and "is a pickle" in reloaded.json()["detail"]
     assert not marker.exists()
 
