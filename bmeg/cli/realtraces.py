@@ -88,14 +88,18 @@ def evaluate() -> None:
 @click.option("--window-minutes", type=float, default=2.0, show_default=True, help="Window after each injection.")
 @click.option("--pod-suffix-parts", type=int, default=2, show_default=True,
               help="Dash-separated parts a pod name has after its service name (0: the pod is the service).")
+@click.option("--offset-hours", type=int, default=0, show_default=True,
+              help="Shift the fault list's times by whole hours (a fault list in another time zone).")
+@click.option("--published/--no-published", default=True, show_default=True,
+              help="Run RCAEval's TraceRCA and MicroRank too (when the `eval` extra is installed).")
 @format_option
 @json_option
 def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path | None, window_minutes: float,
-        pod_suffix_parts: int, input_format: str | None, as_json: bool) -> None:
+        pod_suffix_parts: int, offset_hours: int, published: bool, input_format: str | None, as_json: bool) -> None:
     """Rank root-cause services after each injected fault; AC@k for bmeg and the baselines."""
     from bmeg.evaluation.faults import read_fault_list
     from bmeg.evaluation.rankers import default_rankers
-    from bmeg.evaluation.rca import report, run_rca
+    from bmeg.evaluation.rca import hour_offset, report, run_rca
     from bmeg.evaluation.windows import TraceFiles
     from bmeg.faultinject.twin import rpc_view
     from bmeg.models.detector import Detector
@@ -106,12 +110,16 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
         faults = read_fault_list(faults_path, pod_suffix_parts)
         normal = rpc_view(read_spans(normal_path, format=input_format))
         detector = Detector.load(run_dir or _bootstrapped(normal_path, input_format, as_json))
-        rankers = default_rankers(detector, normal)
+        rankers = default_rankers(detector, normal, published)
         files = TraceFiles(traces_path, input_format, progress=not as_json)
-        results = run_rca(files, faults, normal, rankers, window_minutes, progress=not as_json)
+        slip = hour_offset(files, faults, window_minutes)
+        results = run_rca(files, faults, normal, rankers, window_minutes, progress=not as_json,
+                          offset_hours=offset_hours)
     except (TraceInputError, ValueError) as error:
         raise click.ClickException(str(error)) from error
-    summary = report(results, [r.name for r in rankers])
+    summary = report(results, [r.name for r in rankers], files, window_minutes)
+    summary["time_zone_check"] = slip
+    summary["method_errors"] = {r.name: r.errors for r in rankers if getattr(r, "errors", None)}
     if as_json:
         print_json(summary)
         return
@@ -123,6 +131,12 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
     print_table(rows, title="by fault type")
     for skipped in summary["skipped"]:
         click.echo(f"skipped: {skipped['type']} on {skipped['service']} at {skipped['start_ns']}: {skipped['reason']}")
+    if slip["hours"] and slip["hours"] != offset_hours:
+        click.echo(f"time-zone slip? shifting the fault list by {slip['hours']:+d} h puts {slip['windows_over_traces']} "
+                   f"fault windows over the traces, against {slip['unshifted_windows_over_traces']} unshifted: "
+                   f"check the list's time zone, and pass --offset-hours {slip['hours']} if it is one")
+    for name, errors in summary["method_errors"].items():
+        click.echo(f"{name} failed on {len(errors)} fault(s) (counted as misses): {errors[0]}")
 
 
 def _bootstrapped(normal_path: Path, input_format: str | None, quiet: bool) -> Path:

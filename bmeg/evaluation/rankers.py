@@ -8,8 +8,11 @@ see `bmeg.faultinject.twin.rpc_view`) and statistics of a normal period, and ret
   how far each service's own time moved from the normal period (see `BmegRanker`).
 - `bmeg-gnn`: the detector's own window ranking (mean GNN score over anomalous traces).
 - `firm-svm`: FIRM's SVM scores on the critical path, averaged over the window.
-- `microrank`: spectrum ranking (Ochiai) of services over anomalous vs normal traces.
-- `tracerca`: services whose anomalous spans are over-represented in anomalous traces.
+- `ochiai-spectrum (internal)`: spectrum ranking (Ochiai) of services over anomalous vs normal
+  traces; an internal approximation in MicroRank's family, *not* MicroRank (no PageRank
+  weighting; see `bmeg.evaluation.rcaeval` for the published method).
+- `jaccard-association (internal)`: services whose anomalous spans are over-represented in
+  anomalous traces; an internal approximation in TraceRCA's family, *not* TraceRCA.
 - `self-time`: the increase of each service's exclusive time against the normal period.
 
 Shared definitions: a span is *anomalous* when its duration is above the normal period's p95
@@ -159,9 +162,9 @@ class SelfTimeRanker:
 
 
 class MicroRankRanker:
-    """Spectrum analysis (MicroRank-style): Ochiai of 'service covered' vs 'trace anomalous'."""
+    """Spectrum analysis: Ochiai of 'service covered' vs 'trace anomalous' (not the published MicroRank)."""
 
-    name = "microrank"
+    name = "ochiai-spectrum (internal)"
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         covered = _presence(window).to_numpy()
@@ -174,13 +177,13 @@ class MicroRankRanker:
 
 
 class TraceRCARanker:
-    """Association (TraceRCA-style): services with anomalous spans, over-represented in anomalous traces.
+    """Association (not the published TraceRCA): services with anomalous spans, over-represented in anomalous traces.
 
     Score = Jaccard of {anomalous traces} and {traces where the service has an anomalous span},
     i.e. support and confidence of 'service anomalous -> trace anomalous' in one number.
     """
 
-    name = "tracerca"
+    name = "jaccard-association (internal)"
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         frame = pd.DataFrame({
@@ -286,9 +289,15 @@ class BmegRanker:
         return _ranking(gnn * (1.0 + moved))
 
 
-def default_rankers(detector=None, normal: SpanForest | None = None) -> list[Ranker]:
-    """Every ranker: the detector-based ones first when a detector (and its normal period) is given."""
-    baselines: list[Ranker] = [MicroRankRanker(), TraceRCARanker(), SelfTimeRanker()]
+def default_rankers(detector=None, normal: SpanForest | None = None, published: bool = True) -> list[Ranker]:
+    """Every ranker: the detector-based ones first when a detector (and its normal period) is
+    given; RCAEval's TraceRCA and MicroRank when `published` and RCAEval is installed."""
+    from bmeg.evaluation.rcaeval import METHODS, RCAEvalRanker, rcaeval_available
+
+    baselines: list[Ranker] = [SelfTimeRanker()]
+    if published and rcaeval_available():
+        baselines += [RCAEvalRanker(name) for name in METHODS]
+    baselines += [MicroRankRanker(), TraceRCARanker()]
     if detector is None:
         return baselines
     if normal is not None:
