@@ -54,16 +54,18 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--traces", type=int, default=6000, show_default=True, help="Synthetic traces to train on.")
 @click.option("--epochs", type=int, default=10, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--features", type=click.Choice(["relative", "full", "thesis"]), default="relative", show_default=True,
+              help="Node features (see bmeg.models.features).")
 @format_option
 @json_option
-def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, input_format: str | None,
-              as_json: bool) -> None:
+def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str,
+              input_format: str | None, as_json: bool) -> None:
     """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
     from bmeg.cli.models import metrics_rows
     from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
 
     _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
-                               input_format=input_format, progress=not as_json)
+                               input_format=input_format, progress=not as_json, features=features)
     if as_json:
         print_json(metrics)
         return
@@ -137,6 +139,42 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
                    f"check the list's time zone, and pass --offset-hours {slip['hours']} if it is one")
     for name, errors in summary["method_errors"].items():
         click.echo(f"{name} failed on {len(errors)} fault(s) (counted as misses): {errors[0]}")
+
+
+@evaluate.command("rca-sim")
+@click.argument("topology", type=click.Path(exists=True, path_type=Path))
+@click.option("--model", "run_dir", type=click.Path(exists=True, path_type=Path), required=True,
+              help="Run directory (e.g. from `bmeg bootstrap`, whose twin.yaml is a TOPOLOGY).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for the simulated traces.")
+@click.option("--window-seconds", type=float, default=60.0, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--published/--no-published", default=True, show_default=True)
+@json_option
+def rca_sim(topology: Path, run_dir: Path, out: Path, window_seconds: float, seed: int, published: bool,
+            as_json: bool) -> None:
+    """The rca harness on faults simulated from TOPOLOGY (one per service and source): synthetic validation."""
+    from bmeg.evaluation.faults import read_fault_list
+    from bmeg.evaluation.rankers import default_rankers
+    from bmeg.evaluation.rca import report, run_rca
+    from bmeg.evaluation.simulated import simulated_faults
+    from bmeg.evaluation.windows import TraceFiles
+    from bmeg.faultinject import load_topology
+    from bmeg.faultinject.twin import rpc_view
+    from bmeg.models.detector import Detector
+
+    sim = simulated_faults(load_topology(topology), out, normal_s=2 * window_seconds, window_s=window_seconds, seed=seed)
+    normal = rpc_view(sim.normal)
+    rankers = default_rankers(Detector.load(run_dir), normal, published)
+    files = TraceFiles(sim.traces)
+    results = run_rca(files, read_fault_list(sim.fault_list, 0), normal, rankers, sim.window_minutes,
+                      progress=not as_json)
+    summary = report(results, [r.name for r in rankers], files, sim.window_minutes)
+    if as_json:
+        print_json(summary)
+        return
+    for group in ("latency_faults", "overall"):
+        rows = [{"ranker": name, **values} for name, values in summary[group].items()]
+        print_table(rows, title=f"simulated: {group.replace('_', ' ')}")
 
 
 def _bootstrapped(normal_path: Path, input_format: str | None, quiet: bool) -> Path:

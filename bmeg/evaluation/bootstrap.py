@@ -16,10 +16,13 @@ from bmeg.traces.io import read_spans
 
 #: Scenarios the dataset is generated from, one shard each, sharing the traces equally.
 SCENARIOS = ("single", "multiple")
+#: A twin is never the real application: train on features that mean the same in both.
+BOOTSTRAP_FEATURES = "relative"
 
 
 def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, imbalance: float = 0.3,
-              epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True):
+              epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True,
+              features: str = BOOTSTRAP_FEATURES):
     """Fit a twin, generate a labelled dataset from it, train on it; returns (Detector, metrics)."""
     from bmeg.training import train
 
@@ -32,4 +35,4 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     for index, scenario in enumerate(SCENARIOS):  # a seed each: the shards' trace ids must differ
         generate_dataset(out / "data" / scenario, topology=twin_file, traces=traces // len(SCENARIOS),
                          imbalance=imbalance, seed=seed * len(SCENARIOS) + index, scenario=scenario, progress=progress)
-    return train(out / "data", out=out, epochs=epochs, seed=seed, progress=progress)
+    return train(out / "data", out=out, epochs=epochs, seed=seed, progress=progress, features=features)

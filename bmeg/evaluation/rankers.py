@@ -4,9 +4,10 @@
 see `bmeg.faultinject.twin.rpc_view`) and statistics of a normal period, and returns
 `[(service, score), ...]`, most suspicious first.
 
-- `bmeg`: the detector's GNN node scores, averaged over the window's anomalous traces, times
-  how far each service's own time moved from the normal period (see `BmegRanker`).
-- `bmeg-gnn`: the detector's own window ranking (mean GNN score over anomalous traces).
+- `bmeg`: the rank fusion of the GNN's window ranking and how far each service's own time
+  moved from the normal period (see `BmegRanker`).
+- `bmeg-gnn`: the GNN alone: each service's mean node score in the window against its mean
+  in the normal period (see `node_score_shift`).
 - `firm-svm`: FIRM's SVM scores on the critical path, averaged over the window.
 - `ochiai-spectrum (internal)`: spectrum ranking (Ochiai) of services over anomalous vs normal
   traces; an internal approximation in MicroRank's family, *not* MicroRank (no PageRank
@@ -223,12 +224,6 @@ def _mean_over(scores, weights: np.ndarray, values: np.ndarray) -> pd.Series:
     return pd.Series(mean[seen > 0], index=np.asarray(scores.services)[seen > 0])
 
 
-def _gnn_means(scores) -> tuple[pd.Series, pd.Series]:
-    """(mean service score over the anomalous traces, the same over all traces weighted by anomaly score)."""
-    return (_mean_over(scores, scores.anomalous.astype(float), scores.service),
-            _mean_over(scores, scores.anomaly, scores.service))
-
-
 class FirmSvmRanker:
     """FIRM: the detector's SVM score of each service on the critical path, averaged over the window."""
 
@@ -242,8 +237,25 @@ class FirmSvmRanker:
         return _ranking(_mean_over(scores, np.ones(window.num_traces), scores.svm_service))
 
 
+def node_score_shift(window_scores, normal_scores) -> pd.Series:
+    """Per service: its nodes' mean GNN score in the window minus the same in the normal period.
+
+    A mean over the service's visits (nodes), not a sum or a per-trace maximum, so a service is
+    not ranked up for being visited often or having many nodes per trace; minus its own
+    normal-period mean, so a service the model always scores high (a large orchestrator whose
+    spans are long whatever happens) is ranked by what changed, not by where time goes.
+    A service the normal period never saw is compared with 0.
+    """
+    def mean_by_service(scores) -> pd.Series:
+        return pd.Series(scores.gnn_node).groupby(scores.node_services).mean()
+
+    window = mean_by_service(window_scores)
+    return window - mean_by_service(normal_scores).reindex(window.index).fillna(0.0).to_numpy()
+
+
 class GnnRanker:
-    """The detector's window ranking: mean routed service score over the anomalous traces."""
+    """The GNN alone: each service's mean node score in the window against the normal period
+    (`node_score_shift`); no rule, no stage-1 verdict."""
 
     name = "bmeg-gnn"
 
@@ -251,8 +263,7 @@ class GnnRanker:
         self.scores = scores
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        flagged, weighted = _gnn_means(self.scores(window))
-        return _ranking(flagged if len(flagged) else weighted)  # nothing flagged: every trace, weighted
+        return _ranking(node_score_shift(self.scores(window), self.scores(normal.forest)))
 
 
 def with_normal_baselines(detector, normal: SpanForest):
@@ -270,11 +281,30 @@ def with_normal_baselines(detector, normal: SpanForest):
     return replace(detector, encoder=encoder, recent=None)
 
 
+def rank_fusion(*scores: pd.Series) -> pd.Series:
+    """Reciprocal-rank fusion: sum over the rankings of 1 / (1 + rank), rank 1 = first.
+
+    Each ranking counts by its order only, so one ranking's scale (a low GNN score, a large
+    time shift) can never bury what the other ranks first; a service ranked first by one and
+    second by the other beats one ranked first by one and tenth by the other. Services missing
+    from a ranking are ranked after all of its services. Exact ties keep the first ranking's order.
+    """
+    index = scores[0].index
+    for series in scores[1:]:
+        index = index.union(series.index, sort=False)
+    total = pd.Series(0.0, index=index)
+    for series in scores:
+        ranks = series.rank(ascending=False, method="min").reindex(index).fillna(len(series) + 1)
+        total += 1.0 / (1.0 + ranks)
+    first = scores[0].rank(ascending=False, method="first").reindex(index).fillna(len(index) + 1)
+    return total.iloc[np.lexsort((first.to_numpy(), -total.to_numpy()))]
+
+
 class BmegRanker:
-    """B-MEG on a window: the GNN's mean node score over anomalous traces, weighed by how far each
-    service's own time moved from the normal period (`NormalStats.service_shift`): the
-    detector's scores say which services look like bottlenecks trace by trace; the
-    normal-period comparison says which of them changed since the faults began."""
+    """B-MEG on a window: reciprocal-rank fusion (`rank_fusion`) of how far each service's own
+    time moved from the normal period (`NormalStats.service_shift`, call gaps split between
+    caller and callee) and the GNN's own window ranking (`node_score_shift`). Combined by rank,
+    not by product: a low GNN score cannot bury the service the time shift ranks first."""
 
     name = "bmeg"
 
@@ -282,11 +312,12 @@ class BmegRanker:
         self.scores = scores
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        flagged, weighted = _gnn_means(self.scores(window))
-        # a service in no flagged trace keeps its anomaly-weighted score instead of dropping out
-        gnn = flagged.combine_first(weighted)
-        moved = normal.service_shift(window).reindex(gnn.index).fillna(0.0).clip(lower=0.0)
-        return _ranking(gnn * (1.0 + moved))
+        gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
+        return _ranking_in_order(rank_fusion(normal.service_shift(window), gnn))
+
+
+def _ranking_in_order(scores: pd.Series) -> Ranking:
+    return [(str(service), float(score)) for service, score in scores.items()]
 
 
 def default_rankers(detector=None, normal: SpanForest | None = None, published: bool = True) -> list[Ranker]:

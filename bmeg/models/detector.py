@@ -48,6 +48,7 @@ class Scores:
     services: list[str]  # columns of the [T, S] matrices
     node_services: np.ndarray  # [N] service of each node (stores split out)
     gnn_anomaly: np.ndarray  # [T] DGCNN P(anomalous)
+    gnn_node: np.ndarray  # [N] GCN P(bottleneck) of each node
     gnn_service: np.ndarray  # [T, S] max GCN node score per service (0 where absent)
     svm_service: np.ndarray  # [T, S] SVM score per service on the critical path (0 off it)
     present: np.ndarray  # bool [T, S]
@@ -107,7 +108,7 @@ class Detector:
             if remember:
                 self._remember(frame)
         raw = Scores(
-            services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_service=gnn_service, svm_service=svm_service,
+            services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_node=node_scores, gnn_service=gnn_service, svm_service=svm_service,
             present=present, to_svm=np.zeros(forest.num_traces, bool), anomaly=gnn_anomaly,
             anomalous=np.zeros(forest.num_traces, bool), service=gnn_service,
         )
