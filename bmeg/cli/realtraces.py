@@ -56,20 +56,31 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--features", type=click.Choice(["relative", "full", "thesis"]), default="relative", show_default=True,
               help="Node features (see bmeg.models.features).")
+@click.option("--held-back", type=float, default=0.25, show_default=True,
+              help="Later share of the normal traces held back to calibrate stage 1 on.")
+@click.option("--false-alarm-rate", type=float, default=0.01, show_default=True,
+              help="Share of held-back healthy traces stage 1 may flag.")
 @format_option
 @json_option
-def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str,
-              input_format: str | None, as_json: bool) -> None:
+def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,
+              false_alarm_rate: float, input_format: str | None, as_json: bool) -> None:
     """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
     from bmeg.cli.models import metrics_rows
     from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
 
-    _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
-                               input_format=input_format, progress=not as_json, features=features)
+    try:
+        _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
+                                   input_format=input_format, progress=not as_json, features=features,
+                                   held_back=held_back, false_alarm_rate=false_alarm_rate)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
     if as_json:
         print_json(metrics)
         return
     print_table(metrics_rows(metrics), title="held-out synthetic test traces (twin)")
+    calibration = metrics["calibration"]
+    click.echo(f"stage 1 on {calibration['healthy_traces']} held-back real healthy traces: "
+               f"{calibration['flagged_before']:.1%} flagged before calibration, {calibration['flagged_after']:.1%} after")
     click.echo(f"run saved to {out} (twin.yaml, model, metrics.json)")
 
 
@@ -139,6 +150,30 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
                    f"check the list's time zone, and pass --offset-hours {slip['hours']} if it is one")
     for name, errors in summary["method_errors"].items():
         click.echo(f"{name} failed on {len(errors)} fault(s) (counted as misses): {errors[0]}")
+
+
+@evaluate.command("healthy")
+@click.argument("traces", type=click.Path(exists=True, path_type=Path))
+@click.option("--model", "run_dir", type=click.Path(exists=True, path_type=Path), required=True)
+@format_option
+@json_option
+def healthy(traces: Path, run_dir: Path, input_format: str | None, as_json: bool) -> None:
+    """The share of the fault-free traces in TRACES that stage 1 flags (false alarms)."""
+    from bmeg.faultinject.twin import rpc_view
+    from bmeg.models.detector import Detector
+    from bmeg.traces import TraceInputError
+    from bmeg.traces.io import read_spans
+    from bmeg.training.calibration import flagged_share
+
+    try:
+        forest = rpc_view(read_spans(traces, format=input_format))
+    except TraceInputError as error:
+        raise click.ClickException(str(error)) from error
+    summary = {"traces": forest.num_traces, "flagged_share": flagged_share(Detector.load(run_dir), forest)}
+    if as_json:
+        print_json(summary)
+    else:
+        click.echo(f"{summary['flagged_share']:.2%} of {summary['traces']} healthy traces flagged anomalous")
 
 
 @evaluate.command("rca-sim")
