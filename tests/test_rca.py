@@ -181,3 +181,27 @@ def test_rcaeval_methods_run_unchanged_on_a_window(shop):
     # TraceRCA on a fivefold slower payment service: pay's operation and web's (its caller, as
     # slow in every slow trace) are the most anomalous, in a near tie
     assert "pay" in [s for s, _ in RCAEvalRanker("tracerca (RCAEval)").rank(window, stats)[:2]]
+
+
+def test_simulated_code_faults_change_structure_not_time_and_the_structure_rule_sees_them():
+    from bmeg.evaluation.rankers import StructureRanker
+    from bmeg.evaluation.simulated import code_fault
+
+    spec = {**SPEC, "services": {**SPEC["services"], "cart": {"cores": 2, "operations": {"get": {
+        "self_time": {"median_us": 800, "sigma": 0.3}, "calls": [{"call": "stock:check"}]}}}}}
+    topology = parse_topology(spec)
+    normal = NormalStats.from_forest(rpc_view(spans_of(simulate(topology, [], 5, 1), EPOCH)))
+    healthy = spans_of(simulate(topology, [], 5, 2), EPOCH)
+    for kind in ("return", "exception"):
+        faulty = code_fault(healthy, "cart", kind, 0.5, np.random.default_rng(0))
+        window = rpc_view(faulty)
+        assert StructureRanker().rank(window, normal)[0][0] == "cart"
+        # cart no longer calls stock in about half its requests, and nothing ends after its root
+        stock = np.mean(window.spans["service"].to_numpy(zero_copy_only=False) == "stock")
+        assert 0 < stock < np.mean(rpc_view(healthy).spans["service"].to_numpy(zero_copy_only=False) == "stock")
+        ends = window.end_ns
+        assert np.all(ends <= ends[window.root][window.trace_index])
+        errors = window.spans["status"].to_numpy(zero_copy_only=False) == "error"
+        assert errors.any() == (kind == "exception")
+    with pytest.raises(ValueError, match="unknown code fault"):
+        code_fault(healthy, "cart", "segfault", 0.5, np.random.default_rng(0))

@@ -40,6 +40,8 @@ Ranking = list[tuple[str, float]]
 ANOMALY_QUANTILE = 0.95
 #: Exclusive times below this (ns) count as this: keeps ratios of tiny times sane.
 MIN_EXCLUSIVE_NS = 10_000
+#: A service's structure shift below this (5% of its spans changed) counts as none.
+STRUCTURE_NOISE = 0.05
 
 
 def span_keys(forest: SpanForest) -> np.ndarray:
@@ -68,6 +70,8 @@ class NormalStats:
     exclusive_ns: pd.Series  # by (counted service, span key): median exclusive ns
     server_ns: pd.Series  # by span key of a non-client span: median self ns
     gap_ns: pd.Series  # by client span key: median ns a call spent outside both processes
+    children: pd.Series  # by span key: mean number of children
+    errors: pd.Series  # by span key: share of spans with an error status
 
     @classmethod
     def from_forest(cls, forest: SpanForest) -> NormalStats:
@@ -82,6 +86,8 @@ class NormalStats:
             exclusive_ns=frame.groupby(["service", "key"])["ns"].median(),
             server_ns=own[~own["client"]].groupby("key")["ns"].median(),
             gap_ns=own[own["client"]].groupby("key")["ns"].median(),
+            children=pd.Series(_child_counts(forest), index=keys).groupby(level=0).mean(),
+            errors=pd.Series(_is_error(forest), index=keys).groupby(level=0).mean(),
         )
 
     def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
@@ -124,6 +130,31 @@ class NormalStats:
         return pd.concat([servers, caller, callee], axis=1).max(axis=1)
 
 
+    def structure_shift(self, forest: SpanForest) -> pd.Series:
+        """Per service, how far its spans' structure moved from their operations' normal one:
+        the mean over its spans of |children - normal mean| / max(normal mean, 1) plus the
+        error share above the operation's normal share. A code fault (an early return, an
+        exception) changes the calls a service makes and its status, not its time; a span's
+        change counts for its own service, which is the one that made (or skipped) the calls.
+        Operations the normal period never saw are not scored."""
+        keys = span_keys(forest)
+        normal_children = self.children.reindex(keys).to_numpy()
+        known = ~np.isnan(normal_children)
+        change = np.abs(_child_counts(forest) - normal_children) / np.maximum(normal_children, 1.0)
+        change += np.maximum(_is_error(forest) - self.errors.reindex(keys).to_numpy(), 0.0)
+        service = forest.spans["service"].to_numpy(zero_copy_only=False)
+        return pd.Series(change[known]).groupby(service[known]).mean()
+
+
+def _child_counts(forest: SpanForest) -> np.ndarray:
+    has_parent = forest.parent >= 0
+    return np.bincount(forest.parent[has_parent], minlength=forest.num_spans).astype(np.float64)
+
+
+def _is_error(forest: SpanForest) -> np.ndarray:
+    return pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False).astype(np.float64)
+
+
 def _own_times(forest: SpanForest) -> pd.DataFrame:
     """Per span: service, key, own ns (self time; a client span's is its call's gap), client?, callee."""
     service = forest.spans["service"].to_numpy(zero_copy_only=False)
@@ -160,6 +191,16 @@ class SelfTimeRanker:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         return _ranking(normal.exclusive_increase(window))
+
+
+class StructureRanker:
+    """A rule for code faults: rank services by how far their spans' calls and status moved
+    from the normal period (`NormalStats.structure_shift`)."""
+
+    name = "structure-shift"
+
+    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
+        return _ranking(normal.structure_shift(window))
 
 
 class MicroRankRanker:
@@ -303,8 +344,11 @@ def rank_fusion(*scores: pd.Series) -> pd.Series:
 class BmegRanker:
     """B-MEG on a window: reciprocal-rank fusion (`rank_fusion`) of how far each service's own
     time moved from the normal period (`NormalStats.service_shift`, call gaps split between
-    caller and callee) and the GNN's own window ranking (`node_score_shift`). Combined by rank,
-    not by product: a low GNN score cannot bury the service the time shift ranks first."""
+    caller and callee), the GNN's own window ranking (`node_score_shift`), and how far each
+    service's structure moved (`NormalStats.structure_shift`, for code faults; zero below
+    `STRUCTURE_NOISE`, so that it ties everywhere and reorders nothing on a latency fault).
+    Combined by rank, not by product: a low GNN score cannot bury the service the time shift
+    ranks first."""
 
     name = "bmeg"
 
@@ -313,7 +357,10 @@ class BmegRanker:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
-        return _ranking_in_order(rank_fusion(normal.service_shift(window), gnn))
+        structure = normal.structure_shift(window)
+        # below this, a structure change is noise (retries, timeouts): it must not reorder
+        structure = structure.where(structure >= STRUCTURE_NOISE, 0.0)
+        return _ranking_in_order(rank_fusion(normal.service_shift(window), gnn, structure))
 
 
 def _ranking_in_order(scores: pd.Series) -> Ranking:
@@ -325,7 +372,7 @@ def default_rankers(detector=None, normal: SpanForest | None = None, published: 
     given; RCAEval's TraceRCA and MicroRank when `published` and RCAEval is installed."""
     from bmeg.evaluation.rcaeval import METHODS, RCAEvalRanker, rcaeval_available
 
-    baselines: list[Ranker] = [SelfTimeRanker()]
+    baselines: list[Ranker] = [SelfTimeRanker(), StructureRanker()]
     if published and rcaeval_available():
         baselines += [RCAEvalRanker(name) for name in METHODS]
     baselines += [MicroRankRanker(), TraceRCARanker()]
