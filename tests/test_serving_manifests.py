@@ -12,7 +12,7 @@ import yaml
 from bmeg.cli.serving import consume, serve
 from bmeg.serving.app import create_app
 from bmeg.serving.settings import ServingSettings
-from test_serving_fixtures import StandInDetector
+from serving_fixtures import StandInDetector, keyed_settings
 
 KUBERNETES = Path(__file__).resolve().parents[1] / "serving" / "kubernetes"
 
@@ -42,7 +42,7 @@ def test_every_container_has_probes_and_resource_requests(objects):
 
 
 def test_server_probes_are_routes_of_the_app(objects):
-    routes = {getattr(route, "path", None) for route in create_app(StandInDetector()).routes}
+    routes = {getattr(route, "path", None) for route in create_app(StandInDetector(), keyed_settings()).routes}
     (server,) = containers(objects["Deployment", "bmeg-server"])
     probed = {server[probe]["httpGet"]["path"] for probe in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert probed == {"/healthz", "/readyz"} and probed <= routes

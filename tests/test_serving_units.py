@@ -14,8 +14,8 @@ from bmeg.serving.batcher import MicroBatcher
 from bmeg.serving.payloads import Answer, Limits, Payload, RequestRefused, diagnose_payloads
 from bmeg.serving.model import ModelSlot
 from bmeg.serving.offsets import OffsetTracker
-from bmeg.traces import TraceInputError, span_table, to_otlp_proto_bytes
-from test_serving_fixtures import StandInDetector
+from bmeg.traces import span_table, to_otlp_proto_bytes
+from serving_fixtures import StandInDetector
 
 
 def spans_of(trace_ids: list[str], service: str = "api") -> pa.Table:
@@ -122,7 +122,7 @@ def test_payloads_that_do_not_parse_or_pass_the_span_limit_are_refused_with_thei
                                            Payload(b"{\"resourceSpans\": []}", "application/json"), payload_of(["ok"])], False, LIMITS)
 
     assert [(a.status, a.message.split(":")[0]) for a in answers[:3]] == [
-        (400, "malformed trace payload"), (413, "101 spans is over the limit of 100 per request"),
+        (400, "malformed trace payload"), (413, "101 spans is over the limit of 100 per request (BMEG_MAX_SPANS)"),
         (400, "the payload holds no spans")]
     assert trace_names(answers[3]) == ["ok"] and detector.calls == [1]
 

@@ -2,6 +2,8 @@
 
   bmeg mitigate --sim socialnet --scenario FILE [--json]     closed loop on the simulator
   bmeg mitigate --kubeconfig PATH --bootstrap HOST:PORT      on a cluster, fed by Kafka diagnoses
+  bmeg mitigate --in-cluster --bootstrap HOST:PORT           the same from a pod (mitigation/controller.yaml)
+  bmeg mitigate rbac --topology APP --namespace NS           the controller's Role, from the topology
   bmeg mitigate plan DIAGNOSIS.json [--telemetry FILE]       decisions for one diagnosis
   bmeg mitigate log [--json]                                 the audit log
 """
@@ -19,27 +21,30 @@ from bmeg.cli.output import json_option, print_json, print_table
 
 @click.group(invoke_without_command=True)
 @click.option("--sim", "application", help="Run the closed loop on this simulated application (e.g. socialnet).")
-@click.option("--scenario", help="Scenario file (or the name of one in mitigation/scenarios/) for --sim.")
+@click.option("--scenario", help="Scenario file, or the name of one shipped in bmeg/mitigation/scenarios/, for --sim.")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Trained detector run directory for --sim (default: the slowest-leaf rule); "
-                   "train one with `bmeg train --recipe training/socialnet-mitigation.yaml --out RUN`.")
+                   "train one with `bmeg train --recipe socialnet-mitigation --out RUN`.")
 @click.option("--window", "window_s", default=2.5, show_default=True,
               help="Seconds per control window (--sim): shorter reacts sooner, on fewer traces per diagnosis.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Act on the cluster of this kubeconfig, fed by diagnoses from Kafka.")
+@click.option("--in-cluster", is_flag=True, help="Act on the cluster this pod runs in, as its ServiceAccount.")
+@click.option("--topology", "topology_name", default="socialnet", show_default=True,
+              help="The application's topology (name or spec file): the only services acted on.")
 @click.option("--namespace", default="socialnet", show_default=True)
 @click.option("--bootstrap", default="127.0.0.1:9092", show_default=True, help="Kafka bootstrap servers.")
 @click.option("--topic", default="bmeg.mitigations", show_default=True)
 @click.option("--max-messages", type=int, help="Stop after this many diagnoses (default: run until stopped).")
 @click.option("--apply", "apply_changes", is_flag=True, help="Really act (the default is a dry run).")
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Safety policy YAML (default mitigation/policy.yaml).")
+              help="Safety policy YAML (default: the shipped bmeg/mitigation/policy.yaml).")
 @click.option("--audit", "audit_path", type=click.Path(dir_okay=False, path_type=Path), help="Audit log SQLite file.")
 @json_option
 @click.pass_context
-def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, seed, kubeconfig, namespace, bootstrap,
-             topic, max_messages, apply_changes, policy_path, audit_path, as_json) -> None:
+def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, seed, kubeconfig, in_cluster, topology_name,
+             namespace, bootstrap, topic, max_messages, apply_changes, policy_path, audit_path, as_json) -> None:
     """Scale or retune the services a diagnosis names, safely (dry run unless --apply).
 
     \b
@@ -55,12 +60,13 @@ def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, see
     """
     if ctx.invoked_subcommand is not None:
         return
-    if application and kubeconfig:
-        raise click.UsageError("give --sim or --kubeconfig, not both")
+    if sum(map(bool, (application, kubeconfig, in_cluster))) > 1:
+        raise click.UsageError("give one of --sim, --kubeconfig and --in-cluster")
     if application:
         _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, as_json)
-    elif kubeconfig:
-        _on_cluster(kubeconfig, namespace, bootstrap, topic, max_messages, apply_changes, policy_path, audit_path, as_json)
+    elif kubeconfig or in_cluster:
+        _on_cluster(kubeconfig, topology_name, namespace, bootstrap, topic, max_messages, apply_changes, policy_path,
+                    audit_path, as_json)
     else:
         click.echo(ctx.get_help())
 
@@ -79,14 +85,15 @@ def _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, 
     from bmeg.faultinject import SpecError, load_scenario, load_topology
     from bmeg.mitigation import load_catalogue
     from bmeg.mitigation.closed_loop import LoopSettings, run_closed_loop
-    from bmeg.paths import PROJECT_ROOT
+    from bmeg.paths import shipped_file
 
     if not scenario:
         raise click.UsageError("--sim needs --scenario FILE")
-    shipped = PROJECT_ROOT / "mitigation" / "scenarios" / f"{scenario}.yaml"
+    # a closed-loop scenario shipped with the controller, else a campaign name or a file
+    shipped = shipped_file(scenario, "bmeg.mitigation", "scenarios")
     try:
         topology = load_topology(application)
-        loaded = load_scenario(shipped if shipped.is_file() else scenario)
+        loaded = load_scenario(shipped or scenario)
     except SpecError as error:
         raise click.ClickException(str(error)) from None
     detector = None
@@ -118,24 +125,54 @@ def _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, 
                 title="HPA actions")
 
 
-def _on_cluster(kubeconfig, namespace, bootstrap, topic, max_messages, apply_changes, policy_path, audit_path, as_json) -> None:
-    from kubernetes import config
+def _topology(name: str):
+    from bmeg.faultinject import SpecError, load_topology
 
-    from bmeg.mitigation import AuditLog, Controller, load_catalogue
+    try:
+        return load_topology(name)
+    except SpecError as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _on_cluster(kubeconfig, topology_name, namespace, bootstrap, topic, max_messages, apply_changes, policy_path,
+                audit_path, as_json) -> None:
+    from bmeg.mitigation import ActionError, AuditLog, Controller, load_catalogue
     from bmeg.mitigation.audit import default_audit_path
     from bmeg.mitigation.feed import consume
-    from bmeg.mitigation.kubernetes import KubernetesExecutor
+    from bmeg.mitigation.kubernetes import KubernetesExecutor, api_client
 
     catalogue = load_catalogue()
-    api = config.new_client_from_config(config_file=str(kubeconfig))
+    services = _topology(topology_name).services
+    try:
+        api = api_client(kubeconfig)
+    except ActionError as error:
+        raise click.ClickException(str(error)) from None
     policy = _policy(policy_path, **({"dry_run": False} if apply_changes else {}))
     audit = AuditLog(audit_path or default_audit_path())
-    controller = Controller(KubernetesExecutor(api, namespace, catalogue), catalogue, policy, audit)
+    controller = Controller(KubernetesExecutor(api, namespace, catalogue), catalogue, policy, audit, services=services)
     for outcomes in consume(controller, bootstrap, topic, max_messages=max_messages):
         for outcome in outcomes:
             row = {"service": outcome.decision.service, "action": outcome.decision.action,
                    "status": outcome.status, "detail": outcome.detail}
             click.echo(json.dumps(row) if as_json else f"{row['service']}: {row['action']} {row['status']} ({row['detail']})")
+
+
+@mitigate.command()
+@click.option("--topology", "topology_name", default="socialnet", show_default=True, help="Topology name or spec file.")
+@click.option("--namespace", default="socialnet", show_default=True, help="The application's namespace.")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), help="Write here (default: stdout).")
+def rbac(topology_name: str, namespace: str, out: Path | None) -> None:
+    """The controller's ServiceAccount, Roles and RoleBindings: only the verbs it uses, only on the
+    topology's Deployments (and their ConfigMaps and autoscalers) by name."""
+    from bmeg.mitigation import load_catalogue
+    from bmeg.mitigation.rbac import controller_rbac, render
+
+    topology = _topology(topology_name)
+    text = render(controller_rbac(topology.services, namespace, load_catalogue()), topology_name, namespace)
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        out.write_text(text)
 
 
 @mitigate.command()
@@ -189,4 +226,4 @@ def _time(seconds: float) -> str:
 
     if not math.isfinite(seconds):
         return ""
-    return datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
