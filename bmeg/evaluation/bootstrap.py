@@ -48,7 +48,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     for index, scenario in enumerate(SCENARIOS):  # a seed each: the shards' trace ids must differ
         generate_dataset(out / "data" / scenario, topology=twin_file, traces=traces // len(SCENARIOS),
                          imbalance=imbalance, seed=seed * len(SCENARIOS) + index, scenario=scenario, progress=progress)
-    detector, metrics = train(out / "data", out=out, epochs=epochs, seed=seed, progress=progress, features=features)
+    detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features)
     detector = with_normal_baselines(detector, rpc_view(fitting))
     metrics["calibration"] = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate).to_dict()
     detector.metrics = metrics

@@ -71,7 +71,7 @@ class NormalStats:
     server_ns: pd.Series  # by span key of a non-client span: median self ns
     gap_ns: pd.Series  # by client span key: median ns a call spent outside both processes
     children: pd.Series  # by span key: mean number of children
-    errors: pd.Series  # by span key: share of spans with an error status
+    errors: pd.Series  # by span key: share of spans where an error begins
 
     @classmethod
     def from_forest(cls, forest: SpanForest) -> NormalStats:
@@ -87,7 +87,7 @@ class NormalStats:
             server_ns=own[~own["client"]].groupby("key")["ns"].median(),
             gap_ns=own[own["client"]].groupby("key")["ns"].median(),
             children=pd.Series(_child_counts(forest), index=keys).groupby(level=0).mean(),
-            errors=pd.Series(_is_error(forest), index=keys).groupby(level=0).mean(),
+            errors=pd.Series(_error_origins(forest), index=keys).groupby(level=0).mean(),
         )
 
     def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
@@ -131,19 +131,26 @@ class NormalStats:
 
 
     def structure_shift(self, forest: SpanForest) -> pd.Series:
-        """Per service, how far its spans' structure moved from their operations' normal one:
-        the mean over its spans of |children - normal mean| / max(normal mean, 1) plus the
-        error share above the operation's normal share. A code fault (an early return, an
-        exception) changes the calls a service makes and its status, not its time; a span's
-        change counts for its own service, which is the one that made (or skipped) the calls.
-        Operations the normal period never saw are not scored."""
+        """Per service, how far its operations' structure moved from the normal period: per
+        operation, |mean children - normal mean| / max(normal mean, 1) plus the rise of the
+        share of its spans where an error *begins* (an error span with no error child: callers
+        that record the failed call are not where it began); a service's shift is the mean
+        over its spans. Means against means, so an operation whose call count varies from
+        request to request is not a change. A code fault (an early return, an exception)
+        changes the calls a service makes and its status, not its time; the change counts for
+        the service that made (or skipped) the calls. Operations the normal period never saw
+        are not scored."""
         keys = span_keys(forest)
-        normal_children = self.children.reindex(keys).to_numpy()
-        known = ~np.isnan(normal_children)
-        change = np.abs(_child_counts(forest) - normal_children) / np.maximum(normal_children, 1.0)
-        change += np.maximum(_is_error(forest) - self.errors.reindex(keys).to_numpy(), 0.0)
-        service = forest.spans["service"].to_numpy(zero_copy_only=False)
-        return pd.Series(change[known]).groupby(service[known]).mean()
+        frame = pd.DataFrame({"key": keys, "children": _child_counts(forest), "errors": _error_origins(forest)})
+        by_key = frame.groupby("key").agg(children=("children", "mean"), errors=("errors", "mean"),
+                                          spans=("children", "size"))
+        normal_children = self.children.reindex(by_key.index)
+        change = (by_key["children"] - normal_children).abs() / np.maximum(normal_children, 1.0)
+        change += (by_key["errors"] - self.errors.reindex(by_key.index)).clip(lower=0.0)
+        known = change.notna()
+        service = pd.Series(forest.spans["service"].to_numpy(zero_copy_only=False), index=keys).groupby(level=0).first()
+        weighted = (change[known] * by_key["spans"][known]).groupby(service.reindex(change[known].index)).sum()
+        return weighted / by_key["spans"][known].groupby(service.reindex(change[known].index)).sum()
 
 
 def _child_counts(forest: SpanForest) -> np.ndarray:
@@ -151,8 +158,12 @@ def _child_counts(forest: SpanForest) -> np.ndarray:
     return np.bincount(forest.parent[has_parent], minlength=forest.num_spans).astype(np.float64)
 
 
-def _is_error(forest: SpanForest) -> np.ndarray:
-    return pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False).astype(np.float64)
+def _error_origins(forest: SpanForest) -> np.ndarray:
+    """1.0 where a span has an error status and none of its children has."""
+    error = pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False)
+    has_parent = forest.parent >= 0
+    child_errors = np.bincount(forest.parent[has_parent], weights=error[has_parent], minlength=forest.num_spans)
+    return (error & (child_errors == 0)).astype(np.float64)
 
 
 def _own_times(forest: SpanForest) -> pd.DataFrame:
@@ -344,11 +355,11 @@ def rank_fusion(*scores: pd.Series) -> pd.Series:
 class BmegRanker:
     """B-MEG on a window: reciprocal-rank fusion (`rank_fusion`) of how far each service's own
     time moved from the normal period (`NormalStats.service_shift`, call gaps split between
-    caller and callee), the GNN's own window ranking (`node_score_shift`), and how far each
-    service's structure moved (`NormalStats.structure_shift`, for code faults; zero below
-    `STRUCTURE_NOISE`, so that it ties everywhere and reorders nothing on a latency fault).
-    Combined by rank, not by product: a low GNN score cannot bury the service the time shift
-    ranks first."""
+    caller and callee) and the GNN's own window ranking (`node_score_shift`): by rank, not by
+    product, so a low GNN score cannot bury the service the time shift ranks first. Services
+    whose structure moved (`NormalStats.structure_shift` at least `STRUCTURE_NOISE`: a code
+    fault) come before the others, by how far it moved; on simulated latency faults no
+    service's structure moves that far, so there the order is the fusion's."""
 
     name = "bmeg"
 
@@ -357,10 +368,12 @@ class BmegRanker:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
-        structure = normal.structure_shift(window)
-        # below this, a structure change is noise (retries, timeouts): it must not reorder
-        structure = structure.where(structure >= STRUCTURE_NOISE, 0.0)
-        return _ranking_in_order(rank_fusion(normal.service_shift(window), gnn, structure))
+        fused = rank_fusion(normal.service_shift(window), gnn)
+        structure = normal.structure_shift(window).reindex(fused.index).fillna(0.0)
+        changed = structure >= STRUCTURE_NOISE
+        # services whose structure changed come first, by how much; then the rest, by rank fusion
+        first = structure[changed].sort_values(ascending=False, kind="stable")
+        return _ranking_in_order(pd.concat([first + 1.0 + fused.max(), fused[~changed]]))
 
 
 def _ranking_in_order(scores: pd.Series) -> Ranking:

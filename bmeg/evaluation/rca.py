@@ -130,9 +130,9 @@ def _empty_reason(fault: InjectedFault, files: TraceFiles | None, window_minutes
     end_ns = fault.start_ns + int(window_minutes * 60e9)
     reason = f"no traces in the window {utc(fault.start_ns)} to {utc(end_ns)}"
     coverage = files.coverage() if files is not None else None
-    if coverage is None:
+    if files is None or coverage is None:
         return reason
-    if files is not None and files.overlaps(fault.start_ns, end_ns):
+    if files.overlaps(fault.start_ns, end_ns):
         return reason + " (a trace file overlaps it, but no trace's root starts in it)"
     reason += f"; the trace files cover {utc(coverage[0])} to {utc(coverage[1])}"
     before = [f.last_ns for f in files.files if f.last_ns < fault.start_ns]
