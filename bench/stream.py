@@ -12,6 +12,11 @@ of its own (as a real reader of `bmeg.diagnoses` would: not in the consumer's in
 Prints traces/s from the consumer's start to the last diagnosis published (this includes
 one idle timeout, the wait that ends the last traces), the same without it, and the traces
 lost (must be 0). Target: >= 2,000 traces/s through one consumer.
+
+With `--consumers 1,2` it measures instead, one after the other in the same run, that many
+consumer processes in one group (each its own interpreter, as replicas would run), each on a
+fresh topic of the broker's default partition count holding the same traces: traces/s from the
+moment every process is ready (model loaded, subscribed) to the last diagnosis published.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import torch
 from kafka import KafkaConsumer, KafkaProducer
@@ -46,8 +52,12 @@ def main() -> None:
     parser.add_argument("--traces-per-message", type=int, default=50)
     parser.add_argument("--idle-timeout", type=float, default=0.5)
     parser.add_argument("--batch-traces", type=int, default=512)
+    parser.add_argument("--consumers", help="Comma-separated consumer process counts to compare, e.g. 1,2.")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.consumers:
+        compare_consumer_processes(args, [int(n) for n in args.consumers.split(",")])
+        return
 
     detector = Detector.load(args.model, device="cpu")
     source = dataset_traces(detector) if args.dataset_traces else trace_tables(random_traces(2_000, args.spans_per_trace))
@@ -87,6 +97,58 @@ def main() -> None:
           f"(all its threads, until it stopped)")
     print(f"lost: {args.traces - received}")
     print(f"target >= 2000 traces/s: {'met' if received / elapsed >= 2000 else 'NOT met'}")
+
+
+def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> None:
+    detector = Detector.load(args.model, device="cpu")
+    source = dataset_traces(detector) if args.dataset_traces else trace_tables(random_traces(2_000, args.spans_per_trace))
+    messages, _ = build_messages(source, args.traces, args.traces_per_message)
+    spawn = multiprocessing.get_context("spawn")
+    rates: dict[int, list[float]] = {}
+    for count in counts:
+        name = f"bmeg-bench-{uuid.uuid4().hex[:8]}"
+        config = ConsumerConfig(bootstrap=args.bootstrap, topic=name, group_id=f"{name}-group",
+                                diagnoses_topic=f"{name}.diagnoses", mitigations_topic=f"{name}.mitigations",
+                                dead_letter_topic=f"{name}.dlq", idle_timeout_s=args.idle_timeout,
+                                batch_traces=args.batch_traces)
+        produce(args.bootstrap, name, messages)
+        ready, go, stop = spawn.Barrier(count + 1), spawn.Event(), spawn.Event()
+        workers = [spawn.Process(target=consume_in_process, args=(args.model, config, ready, go, stop))
+                   for _ in range(count)]
+        for worker in workers:
+            worker.start()
+        ready.wait()  # every process has loaded the model and subscribed
+        results, counter_end = spawn.Pipe(duplex=False)
+        counter = spawn.Process(target=count_diagnoses,
+                                args=(args.bootstrap, config.diagnoses_topic, args.traces, counter_end))
+        counter.start()
+        results.recv()  # "ready"
+        started = time.monotonic()
+        go.set()
+        received, last_at = results.recv()
+        counter.join()
+        stop.set()
+        for worker in workers:
+            worker.join(60)
+        rates.setdefault(count, []).append(received / (last_at - started))
+        partitions = len(KafkaConsumer(bootstrap_servers=args.bootstrap).partitions_for_topic(name) or ())
+        print(f"{count} consumer process(es), {partitions} partitions: {received} traces in {last_at - started:.1f} s, "
+              f"{rates[count][-1]:.0f} traces/s end to end, lost {args.traces - received} "
+              f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
+    medians = {count: float(np.median(values)) for count, values in rates.items()}
+    first = counts[0]
+    for count in sorted(set(counts) - {first}):
+        print(f"{count} vs {first} consumer process(es), medians of {len(rates[count])} and {len(rates[first])} runs: "
+              f"{medians[count]:.0f} vs {medians[first]:.0f} traces/s, x{medians[count] / medians[first]:.2f}")
+
+
+def consume_in_process(model: Path, config: ConsumerConfig, ready, go, stop) -> None:
+    """One replica: load the model, join the group, wait for the start, consume until stopped."""
+    torch.set_num_threads(1)
+    consumer = StreamConsumer(Detector.load(model, device="cpu"), config)
+    ready.wait()
+    go.wait()
+    consumer.run(stop)
 
 
 def dataset_traces(detector: Detector) -> list[pa.Table]:

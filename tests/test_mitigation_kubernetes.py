@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
-from conftest_infra import apply_objects
+from conftest_infra import apply_objects, load_manifest
 from kubernetes import client
 
 from bmeg.diagnosis import Diagnosis, ServiceScore, TraceDiagnosis
@@ -191,20 +192,10 @@ def _diagnosis(service: str) -> Diagnosis:
 # A namespace of these tests' own (others' tests share the API server and `socialnet`), with the
 # Role generated for it, as `bmeg mitigate rbac --namespace` writes it.
 OWN_NAMESPACE = "bmeg-hardening-tests"
-KEDA_CRD = {
-    # A minimal structural CRD of our own for KEDA's ScaledObject (the fields bmeg reads and
-    # writes), not KEDA's full schema: enough for the API server to store and patch them.
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-    "metadata": {"name": "scaledobjects.keda.sh"},
-    "spec": {"group": "keda.sh", "scope": "Namespaced",
-             "names": {"plural": "scaledobjects", "singular": "scaledobject", "kind": "ScaledObject", "listKind": "ScaledObjectList"},
-             "versions": [{"name": "v1alpha1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                 "type": "object", "properties": {"spec": {
-                     "type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {
-                         "scaleTargetRef": {"type": "object", "properties": {
-                             "name": {"type": "string"}, "kind": {"type": "string"}, "apiVersion": {"type": "string"}}},
-                         "minReplicaCount": {"type": "integer"}, "maxReplicaCount": {"type": "integer"}}}}}}}]},
-}
+# A minimal structural CRD of our own for KEDA's ScaledObject (not KEDA's: it cannot be
+# downloaded here), shared with tests/test_cluster_manifests.py: both tests apply the same
+# object to the shared API server, so neither changes the schema under the other.
+KEDA_CRD = load_manifest(Path(__file__).resolve().parent / "manifests" / "keda-scaledobject-crd.yaml")[0]
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
   bmeg mitigate --sim socialnet --scenario FILE [--json]     closed loop on the simulator
   bmeg mitigate --kubeconfig PATH --bootstrap HOST:PORT      on a cluster, fed by Kafka diagnoses
   bmeg mitigate --in-cluster --bootstrap HOST:PORT           the same from a pod (mitigation/controller.yaml)
+                [--leader-elect]                             ... by the replica holding the Lease only
   bmeg mitigate rbac --topology APP --namespace NS           the controller's Role, from the topology
   bmeg mitigate plan DIAGNOSIS.json [--telemetry FILE]       decisions for one diagnosis
   bmeg mitigate log [--json]                                 the audit log
@@ -38,13 +39,18 @@ from bmeg.cli.output import json_option, print_json, print_table
 @click.option("--topic", default="bmeg.mitigations", show_default=True)
 @click.option("--max-messages", type=int, help="Stop after this many diagnoses (default: run until stopped).")
 @click.option("--apply", "apply_changes", is_flag=True, help="Really act (the default is a dry run).")
+@click.option("--leader-elect", is_flag=True,
+              help="Act only while holding the Lease bmeg-mitigation (run several replicas; one acts).")
+@click.option("--lease-namespace", default="bmeg", show_default=True, help="Namespace of the Lease.")
+@click.option("--identity", help="This replica's name in the Lease (default: $POD_NAME, else host-pid).")
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Safety policy YAML (default: the shipped bmeg/mitigation/policy.yaml).")
 @click.option("--audit", "audit_path", type=click.Path(dir_okay=False, path_type=Path), help="Audit log SQLite file.")
 @json_option
 @click.pass_context
 def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, seed, kubeconfig, in_cluster, topology_name,
-             namespace, bootstrap, topic, max_messages, apply_changes, policy_path, audit_path, as_json) -> None:
+             namespace, bootstrap, topic, max_messages, apply_changes, leader_elect, lease_namespace, identity, policy_path,
+             audit_path, as_json) -> None:
     """Scale or retune the services a diagnosis names, safely (dry run unless --apply).
 
     \b
@@ -65,8 +71,9 @@ def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, see
     if application:
         _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, as_json)
     elif kubeconfig or in_cluster:
+        election = _election(identity, lease_namespace) if leader_elect else None
         _on_cluster(kubeconfig, topology_name, namespace, bootstrap, topic, max_messages, apply_changes, policy_path,
-                    audit_path, as_json)
+                    audit_path, as_json, election)
     else:
         click.echo(ctx.get_help())
 
@@ -134,8 +141,20 @@ def _topology(name: str):
         raise click.ClickException(str(error)) from None
 
 
+def _election(identity: str | None, lease_namespace: str):
+    from bmeg.mitigation.leader import Election, default_identity
+
+    try:
+        return Election(identity=identity or default_identity(), namespace=lease_namespace)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+
+
 def _on_cluster(kubeconfig, topology_name, namespace, bootstrap, topic, max_messages, apply_changes, policy_path,
-                audit_path, as_json) -> None:
+                audit_path, as_json, election=None) -> None:
+    import signal
+    import sys
+
     from bmeg.mitigation import ActionError, AuditLog, Controller, load_catalogue
     from bmeg.mitigation.audit import default_audit_path
     from bmeg.mitigation.feed import consume
@@ -150,11 +169,22 @@ def _on_cluster(kubeconfig, topology_name, namespace, bootstrap, topic, max_mess
     policy = _policy(policy_path, **({"dry_run": False} if apply_changes else {}))
     audit = AuditLog(audit_path or default_audit_path())
     controller = Controller(KubernetesExecutor(api, namespace, catalogue), catalogue, policy, audit, services=services)
-    for outcomes in consume(controller, bootstrap, topic, max_messages=max_messages):
-        for outcome in outcomes:
-            row = {"service": outcome.decision.service, "action": outcome.decision.action,
-                   "status": outcome.status, "detail": outcome.detail}
-            click.echo(json.dumps(row) if as_json else f"{row['service']}: {row['action']} {row['status']} ({row['detail']})")
+
+    def act(stop=None) -> None:
+        for outcomes in consume(controller, bootstrap, topic, max_messages=max_messages, stop=stop):
+            for outcome in outcomes:
+                row = {"service": outcome.decision.service, "action": outcome.decision.action,
+                       "status": outcome.status, "detail": outcome.detail}
+                click.echo(json.dumps(row) if as_json else f"{row['service']}: {row['action']} {row['status']} ({row['detail']})")
+
+    if election is None:
+        act()
+        return
+    from bmeg.mitigation.leader import lead
+
+    # SIGTERM (a rolling update, a scale-in) ends leadership cleanly: the Lease is released
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    lead(api, election, act)
 
 
 @mitigate.command()

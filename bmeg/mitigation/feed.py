@@ -4,12 +4,15 @@ Each message on the topic (default `bmeg.mitigations`) is one JSON `Diagnosis`. 
 controller first verifies earlier actions against the latencies the diagnosis carries (the
 application's p95 over its traces, each service's p95), then plans and acts with telemetry
 read from the Deployments. A message that is not a valid Diagnosis is audited as an error
-and skipped; offsets are committed after a message is handled.
+and skipped; offsets are committed after a message is handled. With `stop` (set when this
+controller is no longer the leader, `bmeg.mitigation.leader`), no message is handled once it
+is set: the next leader reads the uncommitted ones again.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -67,7 +70,8 @@ def handle_message(controller: Controller, payload: bytes, now: float) -> list[O
 
 
 def consume(controller: Controller, bootstrap: str, topic: str = DEFAULT_TOPIC, group: str = "bmeg-mitigation",
-            max_messages: int | None = None, idle_timeout_s: float | None = None) -> Iterator[list[Outcome]]:
+            max_messages: int | None = None, idle_timeout_s: float | None = None,
+            stop: threading.Event | None = None) -> Iterator[list[Outcome]]:
     """Handle messages until `max_messages` (or forever); yields each message's outcomes."""
     from kafka import KafkaConsumer
 
@@ -75,13 +79,16 @@ def consume(controller: Controller, bootstrap: str, topic: str = DEFAULT_TOPIC, 
                              auto_offset_reset="earliest",
                              consumer_timeout_ms=int(idle_timeout_s * 1000) if idle_timeout_s else float("inf"))
     try:
-        yield from _handle_all(controller, consumer, max_messages)
+        yield from _handle_all(controller, consumer, max_messages, stop)
     finally:
         consumer.close()
 
 
-def _handle_all(controller: Controller, consumer: Iterable, max_messages: int | None) -> Iterator[list[Outcome]]:
+def _handle_all(controller: Controller, consumer: Iterable, max_messages: int | None,
+                stop: threading.Event | None = None) -> Iterator[list[Outcome]]:
     for count, message in enumerate(consumer, start=1):
+        if stop is not None and stop.is_set():
+            return
         yield handle_message(controller, message.value, time.time())
         consumer.commit()
         if max_messages is not None and count >= max_messages:
