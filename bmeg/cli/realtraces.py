@@ -132,7 +132,7 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
         raise click.ClickException(str(error)) from error
     summary = report(results, [r.name for r in rankers], files, window_minutes)
     summary["time_zone_check"] = slip
-    summary["method_errors"] = {r.name: r.errors for r in rankers if getattr(r, "errors", None)}
+    summary["method_errors"] = {r.name: errors for r in rankers if (errors := getattr(r, "errors", None))}
     if as_json:
         print_json(summary)
         return
