@@ -120,9 +120,10 @@ def test_baselines_on_online_boutique_faults(shared_dir):
 
     data = shared_dir / "data/nezha-ob-2022-08-23"
     rankers = default_rankers()
-    results = run_rca(TraceFiles(data / "fault"), read_fault_list(data / "fault_list.json"),
+    files = TraceFiles(data / "fault")
+    results = run_rca(files, read_fault_list(data / "fault_list.json"),
                       assemble(read_spans(data / "normal/17_00_trace.csv.gz")), rankers)
-    summary = report(results, [r.name for r in rankers])
+    summary = report(results, [r.name for r in rankers], files)
     # 3 of the 32 injections have no trace file in their window
     assert summary["overall"]["self-time"]["n"] == 29 and len(summary["skipped"]) == 3
     # measured: self-time 0.95, the Ochiai spectrum 0.41 AC@1 on the 22 latency faults
