@@ -65,6 +65,7 @@ class Scores:
     services: list[str]  # columns of the [T, S] matrices
     node_services: np.ndarray  # [N] service of each node (stores split out)
     gnn_anomaly: np.ndarray  # [T] DGCNN P(anomalous)
+    gnn_node: np.ndarray  # [N] GCN P(bottleneck) of each node (NaN where the GNN did not run)
     gnn_service: np.ndarray  # [T, S] max GCN node score per service (0 where absent)
     svm_anomaly: np.ndarray  # [T] trace SVM P(anomalous)
     svm_service: np.ndarray  # [T, S] own-time deviation score of each service, for SVM-routed traces (0 where absent)
@@ -123,16 +124,16 @@ class Detector:
         num_paths = distinct_paths(forest, keys)
         to_svm = self.router.to_svm(present.sum(axis=1), num_paths)
         everything = np.arange(forest.num_traces)
-        gnn_anomaly, gnn_service = self._gnn_scores(forest, x, codes, len(names), everything if all_models
-                                                    else np.flatnonzero(~to_svm))
+        gnn_anomaly, gnn_node, gnn_service = self._gnn_scores(forest, x, codes, len(names), everything if all_models
+                                                              else np.flatnonzero(~to_svm))
         svm_anomaly, svm_service = self._svm_scores(forest, x, keys, codes, present,
                                                     everything if all_models else np.flatnonzero(to_svm))
-        z_column = self.encoder.names.index("z_log_self_time_us") if self.encoder.variant == "full" else None
+        z_column = self.encoder.names.index("z_log_self_time_us") if self.encoder.variant != "thesis" else None
         observation = None if z_column is None else Observation(
             services, forest.start_ns[forest.root][forest.trace_index], x[:, z_column])
         raw = Scores(
-            services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_service=gnn_service,
-            svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
+            services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_node=gnn_node,
+            gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
             service=gnn_service, observation=observation,
         )
@@ -149,18 +150,22 @@ class Detector:
                        anomaly=anomaly, anomalous=anomaly >= threshold, service=service)
 
     def _gnn_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int,
-                    traces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                    traces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """P(anomalous) per trace, P(bottleneck) per node and its max per (trace, service), for
+        `traces` (NaN elsewhere)."""
         anomaly = np.full(forest.num_traces, np.nan)
+        node = np.full(forest.num_spans, np.nan)
         service = np.full((forest.num_traces, width), np.nan)
         if len(traces) == 0:
-            return anomaly, service
+            return anomaly, node, service
         graphs = GraphSet.from_forest(forest, x)
         probabilities = predict_proba({"graph": self.dgcnn, "node": self.gcn}, graphs, traces, self.device)
         rows = graphs.node_rows(traces)
         anomaly[traces] = probabilities["graph"]
+        node[rows] = probabilities["node"]
         service[traces] = 0.0
         np.maximum.at(service, (forest.trace_index[rows], codes[rows]), probabilities["node"])
-        return anomaly, service
+        return anomaly, node, service
 
     def _svm_scores(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray, codes: np.ndarray, present: np.ndarray,
                     traces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
