@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from itertools import compress
 from pathlib import Path
 
@@ -176,7 +177,7 @@ class Detector:
             np.minimum(present_count, TOP_SERVICES).tolist(), ranked.tolist(), ranked_score.tolist(),
             ranked_bottleneck.tolist(), present_count.tolist(), by_latency.tolist(),
             np.take_along_axis(latency, by_latency, axis=1).tolist(), np.take_along_axis(ratio, by_latency, axis=1).tolist(),
-            _path_steps(forest, scores, paths), self._warnings(forest, scores),
+            _path_steps(forest, scores, paths), self._warnings(forest, scores), forest.start_ns[forest.root].tolist(),
         )
         return [
             {
@@ -191,9 +192,11 @@ class Detector:
                               for i, value, ratio_i in zip(by_latency_t[:present_t], latency_t, ratio_t)],
                 "mitigations": [],
                 "warnings": warnings,
+                "start_time": datetime.fromtimestamp(start_ns / 1e9, tz=UTC),
+                "partial": False,
             }
             for (trace_id, spans, total_us, anomalous, anomaly, to_svm, top, ranked_t, score_t, bottleneck_t,
-                 present_t, by_latency_t, latency_t, ratio_t, path, warnings) in rows
+                 present_t, by_latency_t, latency_t, ratio_t, path, warnings, start_ns) in rows
         ]
 
     def _warnings(self, forest: SpanForest, scores: Scores) -> list[list[str]]:
