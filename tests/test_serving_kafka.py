@@ -25,7 +25,7 @@ from kafka.admin import NewTopic
 from bmeg.diagnosis import Diagnosis
 from bmeg.serving.consumer import ERROR_HEADER, ConsumerConfig, StreamConsumer
 from bmeg.traces import to_otlp_proto_bytes
-from test_serving_fixtures import detector, hotel_dataset, traces_of, trained_run_dir  # noqa: F401 - fixtures
+from test_serving_fixtures import detector, flagged_trace, hotel_dataset, traces_of, trained_run_dir  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
 PARTITIONS = 4  # the test broker's default for auto-created topics
@@ -133,7 +133,7 @@ def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_r
     crashing.commit()
     assert set(committed(kafka_bootstrap, config).values()) <= {None, 0}  # every trace is still pending
     crashing.consumer.close(autocommit=False)  # a crash: no flush, no commit
-    crashing.producer.close()
+    crashing.publisher.producer.close()
 
     restarted = StreamConsumer(detector, dataclasses.replace(config, idle_timeout_s=0.5))
     run_until(restarted, lambda: diagnosed(restarted) >= len(first_ids))
@@ -259,3 +259,74 @@ def _keyed_messages(spans: pa.Table, trace_ids: list[str], partitions) -> list[t
         partition = partitions[i % len(partitions)]
         messages += [(partition, to_otlp_proto_bytes(trace.slice(start, third))) for start in range(0, trace.num_rows, third)]
     return messages
+
+
+def test_poison_of_every_kind_is_dead_lettered_truncated_and_the_partition_moves_on(
+        kafka_bootstrap, detector, hotel_dataset, flagged_trace):
+    """JSON without a content-type is read (the Collector sets none); a gzip bomb, 1 MB of
+    garbage and a trace whose diagnosis is over the broker's limit (200 KB here) go to the dead-letter topic
+    with their reason (truncated), and every offset is committed: nothing wedges."""
+    import gzip
+    import json
+
+    from bmeg.serving.publishing import TRUNCATED_HEADER
+    from bmeg.traces.io import table_to_otlp_json
+
+    config = config_for(kafka_bootstrap, dead_letter_max_bytes=64 << 10)
+    plain_ids = hotel_dataset.traces["trace_id"].to_pylist()[200:204]
+    flagged_spans, _ = flagged_trace
+    huge_id = hotel_dataset.traces["trace_id"].to_pylist()[205]
+    huge = traces_of(hotel_dataset.spans, [huge_id])
+    huge = huge.set_column(huge.schema.get_field_index("service"), "service",
+                           pa.array(["s" * 40_000 + str(i % 2) for i in range(huge.num_rows)]))
+    bomb = gzip.compress(b"\0" * (200 << 20))  # 200 MiB inflated, ~200 KB on the wire
+    messages = [
+        (0, json.dumps(table_to_otlp_json(traces_of(hotel_dataset.spans, plain_ids[:2]))).encode()),
+        (1, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, plain_ids[2:]))),
+        (1, bomb), (2, b"\x0a\xff" + os.urandom(1_000_000)), (3, to_otlp_proto_bytes(huge)),
+        (3, to_otlp_proto_bytes(flagged_spans)),
+    ]
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)  # the broker refuses a diagnosis over 200 KB
+    admin.create_topics([NewTopic(topic, PARTITIONS, 1, topic_configs={"max.message.bytes": str(200_000)})
+                         for topic in (config.diagnoses_topic, config.mitigations_topic)])
+    admin.close()
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, max_request_size=2 << 20)
+    for partition, value in messages:
+        producer.send(config.topic, value=value, partition=partition).get(timeout=30)
+    producer.close()
+    config = dataclasses.replace(config, max_message_bytes=16 << 20)
+    flagged_id = flagged_spans["trace_id"][0].as_py()
+
+    consumer = StreamConsumer(detector, config)
+    dead_lettered = lambda: sum(s.value for s in consumer.metrics.dead_letters.collect()[0].samples  # noqa: E731
+                                if s.name.endswith("_total"))
+    run_until(consumer, lambda: diagnosed(consumer) >= len(plain_ids) + 1 and dead_lettered() >= 3)
+
+    by_trace = {r.key.decode(): Diagnosis.model_validate_json(r.value)
+                for r in read_topic(kafka_bootstrap, config.diagnoses_topic, len(plain_ids) + 1)}
+    assert sorted(by_trace) == sorted([*plain_ids, flagged_id])
+    assert all(d.traces[0].start_time is not None and not d.traces[0].partial for d in by_trace.values())
+    flagged = by_trace[flagged_id].traces[0]
+    assert flagged.anomalous and flagged.mitigations  # the hints REST gives, on Kafka too
+    assert {hint.service for hint in flagged.mitigations} <= {score.service for score in flagged.bottlenecks}
+    dead = {dict(r.headers)[ERROR_HEADER].decode(): r for r in read_topic(kafka_bootstrap, config.dead_letter_topic, 3)}
+    reasons = sorted(dead)
+    assert any(r.startswith("undecodable message: gzip data inflates past the limit") for r in reasons), reasons
+    assert any(r.startswith("undecodable message") and "gzip" not in r for r in reasons), reasons
+    (too_large,) = [r for r in reasons if r.startswith("diagnosis too large")]
+    assert len(dead[too_large].value) == 64 << 10 and int(dict(dead[too_large].headers)[TRUNCATED_HEADER]) > 200_000
+    ends = end_offsets(kafka_bootstrap, config.topic)
+    assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
+
+
+@pytest.mark.parametrize("codec", ["gzip", "snappy", "lz4", "zstd"])
+def test_the_collectors_compression_codecs_are_read(kafka_bootstrap, detector, hotel_dataset, codec):
+    config = config_for(kafka_bootstrap)
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[210:213]
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, compression_type=codec)
+    producer.send(config.topic, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, trace_ids)))
+    producer.flush()
+    producer.close()
+    consumer = StreamConsumer(detector, config)
+    run_until(consumer, lambda: diagnosed(consumer) >= len(trace_ids))
+    assert {r.key.decode() for r in read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))} == set(trace_ids)

@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow as pa
@@ -138,8 +139,7 @@ class StreamConsumer:
         self.heartbeat = time.monotonic()
         self._committed: dict[TopicPartition, int] = {}
         self._last_commit = time.monotonic()
-        self.producer = make_producer(config.bootstrap)
-        self.publisher = Publisher(self.producer, Topics(config.diagnoses_topic, config.mitigations_topic,
+        self.publisher = Publisher(partial(make_producer, config.bootstrap), Topics(config.diagnoses_topic, config.mitigations_topic,
                                                          config.dead_letter_topic), config.dead_letter_max_bytes)
         self.consumer = KafkaConsumer(
             bootstrap_servers=config.bootstrap, group_id=config.group_id, enable_auto_commit=False,
@@ -195,7 +195,7 @@ class StreamConsumer:
         finally:
             self._diagnoser.shutdown(wait=False, cancel_futures=True)
             self.consumer.close(autocommit=False, timeout_ms=int(self.config.kafka_timeout_s * 1e3))
-            self.producer.close(timeout=self.config.kafka_timeout_s)
+            self.publisher.producer.close(timeout=self.config.kafka_timeout_s)
 
     def flush_all(self) -> None:
         """Diagnose and publish every trace still being assembled, wait for the broker's

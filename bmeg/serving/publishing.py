@@ -11,7 +11,9 @@ bottleneck service and is not partial.
 futures and answers which deliveries are done, so a caller releases a trace's messages only
 once every record it owes has been acknowledged. A failed send is
 - too large for the producer or the broker: replaced by a dead letter (the record truncated to
-  `dead_letter_max_bytes`, its reason in the `bmeg-error` header), so the partition moves on;
+  `dead_letter_max_bytes`, its reason in the `bmeg-error` header), so the partition moves on.
+  kafka-python fails every record of the batch (and of the batches pending beside it) with the
+  same error, so a record no larger than a dead letter is sent again instead, as below;
 - retriable (broker away, timeouts, leader changes): sent again with a capped backoff, for as
   long as it takes: a broker outage of any length is waited out;
 - anything else: sent again `max_attempts` times, then `PublishError` stops the caller (the
@@ -143,9 +145,10 @@ def make_producer(bootstrap: str, **overrides) -> KafkaProducer:
 
 
 class Publisher:
-    def __init__(self, producer: KafkaProducer, topics: Topics, dead_letter_max_bytes: int = 256 * 1024,
+    def __init__(self, make_producer: Callable[[], KafkaProducer], topics: Topics, dead_letter_max_bytes: int = 256 * 1024,
                  max_attempts: int = 5, max_backoff_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        self.producer = producer
+        self.make_producer = make_producer
+        self.producer = make_producer()
         self.topics = topics
         self.dead_letter_max_bytes = dead_letter_max_bytes
         self.max_attempts = max_attempts
@@ -203,7 +206,7 @@ class Publisher:
         """(done, still waiting): every send of a done delivery is acknowledged. Failed sends are
         replaced or retried (module docstring); raises `PublishError` when one is out of retries."""
         done, waiting = [], []
-        broker_away = False
+        broker_away = refused_too_large = False
         for delivery in deliveries:
             complete = True
             for send in list(delivery.sends):
@@ -214,7 +217,8 @@ class Publisher:
                 if error is None:
                     continue
                 complete = False
-                if _too_large(error):
+                refused_too_large |= _too_large(error)
+                if _too_large(error) and len(send.value) > self.dead_letter_max_bytes:
                     delivery.sends.remove(send)
                     replacement = self._replace_too_large(send, error)
                     if replacement is not None:
@@ -226,12 +230,18 @@ class Publisher:
                 done.append(delivery)
             else:
                 waiting.append(delivery)
+        if refused_too_large:
+            self._renew_producer()
         return done, waiting
 
+    def _renew_producer(self) -> None:
+        """kafka-python's sender treats a broker's MESSAGE_TOO_LARGE as fatal and fails every
+        later batch with it: a new producer carries on (the old one's records are sent again)."""
+        old, self.producer = self.producer, self.make_producer()
+        old.close(timeout=1)
+        log.warning("the broker refused a record as too large: producer renewed")
+
     def _replace_too_large(self, send: _Send, error: Exception) -> _Send | None:
-        if send.topic == self.topics.dead_letter:  # even truncated: the broker's limit is tiny
-            raise PublishError(f"a dead letter of {len(send.value)} bytes is over the broker's limit ({error}); "
-                               f"lower --dead-letter-max-bytes")
         if send.topic == self.topics.mitigations:  # its diagnosis goes to the dead-letter topic
             return None
         reason = f"diagnosis too large: {len(send.value)} bytes ({type(error).__name__})"
