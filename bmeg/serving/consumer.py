@@ -58,13 +58,7 @@ from bmeg.serving.offsets import OffsetTracker
 from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, PublishError, Topics, diagnose_batch,
                                      make_producer)
 from bmeg.traces import TraceInputError
-from bmeg.traces.io import read_spans_bytes
-
-try:  # the reader of every Kafka exporter encoding (bmeg.traces, issue 14b)
-    from bmeg.traces.io import detect_encoding
-except ImportError:  # until it lands: protobuf or JSON, told by the first byte
-    def detect_encoding(data: bytes) -> str:
-        return "otlp_json" if data.lstrip()[:1] in (b"{", b"[") else "otlp_proto"
+from bmeg.traces.io import detect_encoding, read_spans_bytes
 
 __all__ = ["ERROR_HEADER", "ConsumerConfig", "ConsumerMetrics", "StreamConsumer", "serve_probes"]
 
@@ -265,7 +259,7 @@ class StreamConsumer:
             return read_spans_bytes(data, content_type)
         encoding = self.config.encoding or detect_encoding(data)
         if encoding not in ENCODINGS:
-            return read_spans_bytes(data, encoding=encoding)  # type: ignore[call-arg]  # 14b's other encodings
+            return read_spans_bytes(data, encoding=encoding)  # Jaeger and Zipkin
         return read_spans_bytes(data, ENCODINGS[encoding])
 
     # -- diagnoses out -----------------------------------------------------------------------
