@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements.lock
 	bash scripts/venv.sh $(VENV) $(PYTHON)
 
 run: venv

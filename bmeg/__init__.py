@@ -4,7 +4,9 @@ Data flows one way: readers (`bmeg.traces`) -> span table -> call graphs (`bmeg.
 -> models (`bmeg.models`) -> `Diagnosis` -> REST / Kafka / mitigation.
 """
 
-__version__ = "0.1.0"
+from bmeg.version import __version__
+
+__all__ = ["__version__", "diagnose"]
 
 
 def diagnose(spans, model=None, window: bool = False):

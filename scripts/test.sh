@@ -5,6 +5,10 @@ venv=${1:-.venv}
 export PATH="$PWD/$venv/bin:$PATH"
 export BMEG_PYTHON="$PWD/$venv/bin/python"
 
+# Lint and type check first: seconds, and a failure there says more than a test would.
+ruff check bmeg tests bench
+mypy
+
 # The real Kafka broker and Kubernetes API server (DESIGN.md section 6), and Chromium for the
 # browser tests. Parts already running are reused and left running; what starts here stops on
 # exit. The exported settings are what tests/conftest_infra.py reads.

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["conftest_infra"]  # fixtures for Kafka and the Kubernetes API server
+# fixtures for Kafka and the Kubernetes API server; a small trained model for the serving tests
+pytest_plugins = ["conftest_infra", "serving_fixtures"]
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 

@@ -11,10 +11,9 @@ from click.testing import CliRunner
 
 from bmeg.cli import main
 from bmeg.faultinject import SpecError, load_scenario, load_topology, parse_scenario, plan_faults
-from bmeg.paths import PROJECT_ROOT
 from bmeg.training.pipeline import load_recipe, run
 
-RECIPE = PROJECT_ROOT / "training" / "socialnet-mitigation.yaml"
+RECIPE = "socialnet-mitigation"  # shipped in bmeg/training/recipes/
 
 
 def test_hot_paths_misconfigures_only_the_loaded_services() -> None:

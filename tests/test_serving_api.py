@@ -19,8 +19,7 @@ from bmeg.models.checkpoint import CheckpointError
 from bmeg.serving.app import create_app
 from bmeg.serving.settings import ServingSettings
 from bmeg.traces import read_spans_bytes, to_otlp_proto_bytes, write_spans
-from test_serving_fixtures import (  # noqa: F401 - fixtures
-    StandInDetector, detector, flagged_trace, hotel_dataset, traces_of, trained_run_dir)
+from serving_fixtures import StandInDetector, traces_of
 
 PROTOBUF = {"content-type": "application/x-protobuf"}
 JSON = {"content-type": "application/json"}

@@ -16,7 +16,7 @@ import pytest
 
 from bmeg.serving.assembler import DEFAULT_IDLE_TIMEOUT_S, LEAF_AFTER, TraceAssembler
 from bmeg.traces import span_table
-from test_serving_fixtures import hotel_dataset, traces_of  # noqa: F401 - fixtures
+from serving_fixtures import traces_of
 
 EXPORT_INTERVAL_S = 5.0  # OTEL_BSP_SCHEDULE_DELAY's default
 COLLECTOR_BATCH_S = 0.2  # the batch processor's default timeout

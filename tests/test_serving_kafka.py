@@ -25,7 +25,7 @@ from kafka.admin import NewTopic
 from bmeg.diagnosis import Diagnosis
 from bmeg.serving.consumer import ERROR_HEADER, ConsumerConfig, StreamConsumer
 from bmeg.traces import to_otlp_proto_bytes
-from test_serving_fixtures import detector, flagged_trace, hotel_dataset, traces_of, trained_run_dir  # noqa: F401 - fixtures
+from serving_fixtures import traces_of
 
 pytestmark = pytest.mark.integration
 PARTITIONS = 4  # the test broker's default for auto-created topics

@@ -12,7 +12,7 @@ import yaml
 from bmeg.cli.serving import consume, serve
 from bmeg.serving.app import create_app
 from bmeg.serving.settings import ServingSettings
-from test_serving_fixtures import StandInDetector
+from serving_fixtures import StandInDetector
 
 KUBERNETES = Path(__file__).resolve().parents[1] / "serving" / "kubernetes"
 

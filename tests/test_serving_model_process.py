@@ -10,13 +10,13 @@ import sys
 import psutil
 import pytest
 
-pytestmark = pytest.mark.integration  # spawns a torch process: seconds
-
 from bmeg.models.checkpoint import CheckpointError
+from bmeg.serving.model_process import ModelProcess
 from bmeg.serving.payloads import Limits, Payload, RequestRefused, diagnose_payloads
 from bmeg.traces import to_otlp_proto_bytes
-from bmeg.serving.model_process import ModelProcess
-from test_serving_fixtures import detector, hotel_dataset, trained_run_dir, traces_of  # noqa: F401 - fixtures
+from serving_fixtures import traces_of
+
+pytestmark = pytest.mark.integration  # spawns a torch process: seconds
 
 
 @pytest.fixture(scope="module")

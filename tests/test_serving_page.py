@@ -14,8 +14,7 @@ import uvicorn
 
 from bmeg.serving.app import create_app
 from bmeg.traces import to_otlp_proto_bytes, write_spans
-from test_serving_fixtures import (  # noqa: F401 - fixtures
-    detector, flagged_trace, hotel_dataset, traces_of, trained_run_dir)
+from serving_fixtures import traces_of
 
 pytestmark = pytest.mark.integration
 

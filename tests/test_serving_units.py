@@ -14,8 +14,8 @@ from bmeg.serving.batcher import MicroBatcher
 from bmeg.serving.payloads import Answer, Limits, Payload, RequestRefused, diagnose_payloads
 from bmeg.serving.model import ModelSlot
 from bmeg.serving.offsets import OffsetTracker
-from bmeg.traces import TraceInputError, span_table, to_otlp_proto_bytes
-from test_serving_fixtures import StandInDetector
+from bmeg.traces import span_table, to_otlp_proto_bytes
+from serving_fixtures import StandInDetector
 
 
 def spans_of(trace_ids: list[str], service: str = "api", parent: str | None = None) -> pa.Table:

@@ -1,17 +1,25 @@
 """Training recipes: the shipped ones load, options override them, bad keys are named."""
 
-from pathlib import Path
-
 import pytest
 
+from bmeg.paths import shipped_names
 from bmeg.training.pipeline import TrainConfig, load_recipe
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "training").glob("*.yaml"))
+RECIPES = shipped_names("bmeg.training", "recipes")
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.name)
-def test_shipped_recipes_load(recipe):
+def test_the_recipes_are_shipped():
+    assert {"socialnet", "socialnet-mitigation", "socialnet-thesis", "hotelreservation"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_shipped_recipes_load_by_name(recipe):
     assert isinstance(load_recipe(recipe), TrainConfig)
+
+
+def test_an_unknown_recipe_names_the_shipped_ones():
+    with pytest.raises(ValueError, match="socialnet-mitigation"):
+        load_recipe("no-such-recipe")
 
 
 def test_overrides_win_over_the_recipe(tmp_path):

@@ -17,7 +17,7 @@ from bmeg.cli.output import json_option, print_json, print_table
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
 @click.option("--scenario", default="single", show_default=True,
-              help="Scenario file, or the name of one in faultinject/ (single, multiple, cascading).")
+              help="Scenario file, or the name of a shipped campaign (single, multiple, cascading, hot-paths).")
 @click.option("--shard", default="0/1", show_default=True,
               help="i/n: generate the i-th of n shares of the traces, with its own seeds. Give each shard "
                    "its own --out under one parent folder; loading the parent reads them all.")

@@ -19,10 +19,10 @@ from bmeg.cli.output import json_option, print_json, print_table
 
 @click.group(invoke_without_command=True)
 @click.option("--sim", "application", help="Run the closed loop on this simulated application (e.g. socialnet).")
-@click.option("--scenario", help="Scenario file (or the name of one in mitigation/scenarios/) for --sim.")
+@click.option("--scenario", help="Scenario file, or the name of one shipped in bmeg/mitigation/scenarios/, for --sim.")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Trained detector run directory for --sim (default: the slowest-leaf rule); "
-                   "train one with `bmeg train --recipe training/socialnet-mitigation.yaml --out RUN`.")
+                   "train one with `bmeg train --recipe socialnet-mitigation --out RUN`.")
 @click.option("--window", "window_s", default=2.5, show_default=True,
               help="Seconds per control window (--sim): shorter reacts sooner, on fewer traces per diagnosis.")
 @click.option("--seed", default=0, show_default=True)
@@ -34,7 +34,7 @@ from bmeg.cli.output import json_option, print_json, print_table
 @click.option("--max-messages", type=int, help="Stop after this many diagnoses (default: run until stopped).")
 @click.option("--apply", "apply_changes", is_flag=True, help="Really act (the default is a dry run).")
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Safety policy YAML (default mitigation/policy.yaml).")
+              help="Safety policy YAML (default: the shipped bmeg/mitigation/policy.yaml).")
 @click.option("--audit", "audit_path", type=click.Path(dir_okay=False, path_type=Path), help="Audit log SQLite file.")
 @json_option
 @click.pass_context
@@ -79,14 +79,15 @@ def _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, 
     from bmeg.faultinject import SpecError, load_scenario, load_topology
     from bmeg.mitigation import load_catalogue
     from bmeg.mitigation.closed_loop import LoopSettings, run_closed_loop
-    from bmeg.paths import PROJECT_ROOT
+    from bmeg.paths import shipped_file
 
     if not scenario:
         raise click.UsageError("--sim needs --scenario FILE")
-    shipped = PROJECT_ROOT / "mitigation" / "scenarios" / f"{scenario}.yaml"
+    # a closed-loop scenario shipped with the controller, else a campaign name or a file
+    shipped = shipped_file(scenario, "bmeg.mitigation", "scenarios")
     try:
         topology = load_topology(application)
-        loaded = load_scenario(shipped if shipped.is_file() else scenario)
+        loaded = load_scenario(shipped or scenario)
     except SpecError as error:
         raise click.ClickException(str(error)) from None
     detector = None
@@ -189,4 +190,4 @@ def _time(seconds: float) -> str:
 
     if not math.isfinite(seconds):
         return ""
-    return datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")

@@ -18,8 +18,9 @@ def metrics_rows(metrics: dict, models=("bmeg", "svm")) -> list[dict]:
 
 
 @click.command("train")
-@click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Training recipe (YAML, see training/); options given here override it.")
+@click.option("--recipe", default=None,
+              help="Training recipe: a YAML file, or a shipped name (socialnet, socialnet-mitigation, ...); "
+                   "options given here override it.")
 @click.option("--dataset", default=None, help="Topology name or dataset folder [default: socialnet].")
 @click.option("--traces", type=int, default=None, help="Traces to generate [default: 20000].")
 @click.option("--imbalance", type=float, default=None, help="Bottlenecked : normal traces [default: 0.1].")

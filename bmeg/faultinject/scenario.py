@@ -1,6 +1,6 @@
 """Fault scenarios: which services misbehave, how, and when, for one simulated episode.
 
-A scenario file (`faultinject/*.yaml`) lists explicit faults, a FIRM-like random campaign
+A scenario file (`bmeg/faultinject/campaigns/*.yaml`, or the user's own) lists explicit faults, a FIRM-like random campaign
 (a new round every `every_s`, bursts of `burst_s`, random targets and intensities), or both.
 `plan_faults` turns it into concrete `Fault`s for a topology, checking every name.
 """
@@ -176,8 +176,8 @@ def parse_scenario(data, source: str = "scenario") -> Scenario:
 
 
 def scenario_path(name_or_path: str | Path) -> Path:
-    """A file path as given, or the shipped scenario `faultinject/<name>.yaml`."""
-    return shipped_path(name_or_path, "faultinject", "scenario")
+    """A file path as given, or the shipped scenario `bmeg/faultinject/campaigns/<name>.yaml`."""
+    return shipped_path(name_or_path, "campaigns", "scenario")
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:

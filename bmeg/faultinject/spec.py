@@ -1,14 +1,14 @@
 """Topology specs: the services of an application, their capacity, and what each request calls.
 
-One YAML format, written by hand (`datasets/*.yaml`) or from code (a twin fitter builds a
-`TopologySpec` and calls `.to_yaml()`). The format is described in `datasets/README.md`.
+One YAML format, written by hand (`bmeg/faultinject/topologies/*.yaml`) or from code (a twin fitter builds a
+`TopologySpec` and calls `.to_yaml()`). The format is described in `bmeg/faultinject/topologies/README.md`.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from bmeg.faultinject.errors import SpecError
-from bmeg.paths import PROJECT_ROOT
+from bmeg.paths import shipped_file, shipped_names
 
 #: z-score of the 99th percentile of a standard normal: turns (median, p99) into a lognormal.
 Z99 = 2.3263478740408408
@@ -118,13 +118,7 @@ def _step_kind(value: Any) -> str | None:
 
 
 Step = Annotated[
-    Union[
-        Annotated[CallStep, Tag("call")],
-        Annotated[CacheStep, Tag("cache")],
-        Annotated[ParallelStep, Tag("parallel")],
-        Annotated[SequenceStep, Tag("sequence")],
-        Annotated[BranchStep, Tag("branch")],
-    ],
+    Annotated[CallStep, Tag("call")] | Annotated[CacheStep, Tag("cache")] | Annotated[ParallelStep, Tag("parallel")] | Annotated[SequenceStep, Tag("sequence")] | Annotated[BranchStep, Tag("branch")],
     Discriminator(
         _step_kind,
         custom_error_type="unknown_step",
@@ -287,20 +281,17 @@ def read_yaml(path: Path) -> Any:
 
 
 def shipped_path(name_or_path: str | Path, folder: str, what: str) -> Path:
-    """A file path as given, or the shipped `<folder>/<name>.yaml` of the project."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    shipped = PROJECT_ROOT / folder / f"{name_or_path}.yaml"
-    if shipped.is_file():
-        return shipped
-    known = sorted(p.stem for p in (PROJECT_ROOT / folder).glob("*.yaml"))
-    raise SpecError(f"no {what} {str(name_or_path)!r}: not a file, and not one of {known}")
+    """A file path as given, or the `<folder>/<name>.yaml` shipped in `bmeg.faultinject`."""
+    path = shipped_file(name_or_path, "bmeg.faultinject", folder)
+    if path is None:
+        known = shipped_names("bmeg.faultinject", folder)
+        raise SpecError(f"no {what} {str(name_or_path)!r}: not a file, and not one of {known}")
+    return path
 
 
 def topology_path(name_or_path: str | Path) -> Path:
-    """A file path as given, or the shipped spec `datasets/<name>.yaml`."""
-    return shipped_path(name_or_path, "datasets", "topology")
+    """A file path as given, or the shipped spec `bmeg/faultinject/topologies/<name>.yaml`."""
+    return shipped_path(name_or_path, "topologies", "topology")
 
 
 def load_topology(name_or_path: str | Path) -> TopologySpec:

@@ -1,4 +1,4 @@
-"""The catalogue of tunable parameters per kind of service (`mitigation/parameters.yaml`).
+"""The catalogue of tunable parameters per kind of service (`bmeg/mitigation/parameters.yaml`).
 
 Each parameter says its range or choices, its default, what a change costs (reload, restart
 with downtime, reboot) and how its value reaches the service on Kubernetes (an environment
@@ -16,9 +16,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from bmeg.paths import PROJECT_ROOT
+from bmeg.paths import shipped_folder
 
-DEFAULT_CATALOGUE = PROJECT_ROOT / "mitigation" / "parameters.yaml"
+DEFAULT_CATALOGUE = shipped_folder("bmeg.mitigation", ".") / "parameters.yaml"
 
 
 class CatalogueError(ValueError):

@@ -13,9 +13,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bmeg.mitigation.planner import Decision
-from bmeg.paths import PROJECT_ROOT
+from bmeg.paths import shipped_folder
 
-DEFAULT_POLICY = PROJECT_ROOT / "mitigation" / "policy.yaml"
+DEFAULT_POLICY = shipped_folder("bmeg.mitigation", ".") / "policy.yaml"
 HOUR_S = 3600.0
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import joblib
 import torch
 
-import bmeg
+from bmeg.version import __version__
 
 FORMAT = "bmeg-checkpoint"
 FORMAT_VERSION = 1
@@ -28,7 +28,7 @@ class CheckpointError(ValueError):
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any], svm: Any) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "bmeg_version": bmeg.__version__, **state}
+    payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "bmeg_version": __version__, **state}
     torch.save(payload, run_dir / MODEL_FILE)
     joblib.dump(svm, run_dir / SVM_FILE)
 
@@ -48,7 +48,7 @@ def load_checkpoint(run_dir: Path, *, application: str | None = None) -> tuple[d
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{model_path} has checkpoint format {state.get('format_version')} "
-            f"(written by bmeg {state.get('bmeg_version')}); this bmeg {bmeg.__version__} reads format "
+            f"(written by bmeg {state.get('bmeg_version')}); this bmeg {__version__} reads format "
             f"{FORMAT_VERSION}: retrain with `bmeg train`"
         )
     if application is not None and state["application"] != application:

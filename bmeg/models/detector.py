@@ -19,7 +19,7 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-import bmeg
+from bmeg.version import __version__
 from bmeg.diagnosis import Diagnosis
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
 from bmeg.graphs.critical_path import CriticalPaths
@@ -82,7 +82,7 @@ class Detector:
 
     @property
     def version(self) -> str:
-        return f"bmeg-{bmeg.__version__}/{self.application}/{self.encoder.variant}"
+        return f"bmeg-{__version__}/{self.application}/{self.encoder.variant}"
 
     # -- scoring -----------------------------------------------------------------------------
     def score(self, forest: SpanForest, paths: CriticalPaths | None = None, remember: bool = False,

@@ -110,7 +110,7 @@ class FirmSVM(ClassifierMixin, BaseEstimator):
         self.max_samples = max_samples
         self.seed = seed
 
-    def fit(self, X: np.ndarray, y: np.ndarray) -> "FirmSVM":
+    def fit(self, X: np.ndarray, y: np.ndarray) -> FirmSVM:
         X, y = np.asarray(X, dtype=np.float64), np.asarray(y, dtype=np.int64)
         if X.ndim != 2 or X.shape[1] != 2 or len(X) != len(y):
             raise ValueError(f"expected X [n, 2] and y [n]; got {X.shape} and {y.shape}")

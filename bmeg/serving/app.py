@@ -21,7 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-import bmeg
+from bmeg.version import __version__
 from bmeg.diagnosis import Diagnosis
 from bmeg.serving.batcher import MicroBatcher
 from bmeg.serving.metrics import ServerMetrics
@@ -64,7 +64,7 @@ def create_app(detector_or_loader: DiagnosisModel | Loader, settings: ServingSet
             loading.cancel()
         slot.close()
 
-    app = FastAPI(title="bmeg", version=bmeg.__version__, lifespan=lifespan,
+    app = FastAPI(title="bmeg", version=__version__, lifespan=lifespan,
                   description="Bottlenecked microservices from distributed traces (B-MEG).")
     app.state.slot, app.state.recent, app.state.metrics, app.state.settings = slot, recent, metrics, settings
     app.add_middleware(_Measure, metrics=metrics)

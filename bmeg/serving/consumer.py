@@ -55,7 +55,7 @@ from bmeg.models.detector import Detector
 from bmeg.serving.assembler import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, PendingTrace, TraceAssembler
 from bmeg.serving.model import freeze_heap
 from bmeg.serving.offsets import OffsetTracker
-from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, PublishError, Topics, diagnose_batch,
+from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, Topics, diagnose_batch,
                                      make_producer)
 from bmeg.traces import TraceInputError
 from bmeg.traces.io import detect_encoding, read_spans_bytes

@@ -45,11 +45,20 @@ class TrainConfig:
     fit: FitConfig = field(default_factory=FitConfig)
 
 
-def load_recipe(path: Path, **overrides) -> TrainConfig:
-    """A training recipe (YAML of TrainConfig fields, FitConfig fields under `fit`), with overrides."""
+def load_recipe(name_or_path: str | Path, **overrides) -> TrainConfig:
+    """A training recipe (YAML of TrainConfig fields, FitConfig fields under `fit`), with overrides.
+
+    `name_or_path` is a file, or the name of a recipe shipped in `bmeg/training/recipes/`.
+    """
     import yaml
 
-    recipe = yaml.safe_load(Path(path).read_text()) or {}
+    from bmeg.paths import shipped_file, shipped_names
+
+    path = shipped_file(name_or_path, "bmeg.training", "recipes")
+    if path is None:
+        known = shipped_names("bmeg.training", "recipes")
+        raise ValueError(f"no recipe {str(name_or_path)!r}: not a file, and not one of {known}")
+    recipe = yaml.safe_load(path.read_text()) or {}
     fit_options = {**recipe.pop("fit", {}), **overrides.pop("fit", {})}
     try:
         return TrainConfig(**{**recipe, **overrides}, fit=FitConfig(**fit_options))

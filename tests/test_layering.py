@@ -1,0 +1,131 @@
+"""The package's layers, read from its imports: data flows traces -> graphs -> models ->
+training / serving / mitigation / evaluation, and no module imports from a layer above it.
+
+Every `import bmeg...` counts, at module level or inside a function (an import moved into a
+function to dodge a circle is still a dependency); only imports under `if TYPE_CHECKING:` are
+left out, since they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "bmeg"
+
+#: subpackage (or top-level module) -> the ones it may import. Leaves first.
+ALLOWED: dict[str, set[str]] = {
+    "version": set(),
+    "paths": set(),
+    "diagnosis": set(),
+    "traces": {"paths"},
+    "graphs": {"traces", "paths"},
+    "faultinject": {"traces", "graphs", "paths"},
+    "datasets": {"traces", "graphs", "faultinject", "paths"},
+    "models": {"traces", "graphs", "diagnosis", "paths", "version"},
+    "training": {"traces", "graphs", "faultinject", "datasets", "models", "diagnosis", "paths"},
+    "evaluation": {"traces", "graphs", "faultinject", "datasets", "models", "training", "diagnosis", "paths"},
+    "mitigation": {"traces", "graphs", "faultinject", "models", "diagnosis", "paths"},
+    # the server and the consumer attach the planner's hints to diagnoses; mitigation never
+    # imports serving
+    "serving": {"traces", "graphs", "models", "mitigation", "diagnosis", "paths", "version"},
+    # the facade (`bmeg.diagnose`) and the command line sit on top
+    "__init__": {"version", "models", "mitigation", "diagnosis", "traces"},
+    "cli": {"*"},
+}
+
+#: Edges that break the layering today, each with the work that removes it. The test fails on
+#: any edge not here, and on an edge listed here that has gone (so the list only shrinks).
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
+    ("models", "training"): "issue 16 item 1: inference imports the trainer's helpers",
+    ("faultinject", "mitigation"): "issue 16 item 3: the Kubernetes change-and-undo primitives and the "
+                                   "parameter catalogue belong below both faultinject and mitigation",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.Module) -> list[str]:
+    """Absolute `bmeg...` imports that can run (not under `if TYPE_CHECKING:`)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for statement in node.body for child in ast.walk(statement))
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("bmeg"):
+            found.append(node.module)
+            found.extend(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names if alias.name.startswith("bmeg"))
+    return found
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for target in _runtime_imports(ast.parse(path.read_text())):
+            # a package's __init__ importing its own submodules is how packages are built
+            if target in modules and target != name and not target.startswith(name + "."):
+                graph[name].add(target)
+    return graph
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_no_module_imports_from_a_layer_above_it() -> None:
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for source, targets in _module_graph().items():
+        for target in targets:
+            pair = (_layer(source), _layer(target))
+            if pair[0] != pair[1]:
+                edges[pair].append(f"{source} -> {target}")
+    assert set(ALLOWED) >= {layer for pair in edges for layer in pair}, "a new subpackage needs its place in ALLOWED"
+    broken = {pair: where for pair, where in edges.items()
+              if "*" not in ALLOWED[pair[0]] and pair[1] not in ALLOWED[pair[0]]}
+    new = {pair: where for pair, where in broken.items() if pair not in KNOWN_VIOLATIONS}
+    assert not new, f"imports from a layer above: {new}"
+    gone = set(KNOWN_VIOLATIONS) - set(broken)
+    assert not gone, f"fixed, remove from KNOWN_VIOLATIONS: {sorted(gone)}"
+
+
+def test_no_import_circles() -> None:
+    graph = _module_graph()
+    circles = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not circles, f"import circles: {circles}"
