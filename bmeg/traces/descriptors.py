@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Literal
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import Message
 
 F = descriptor_pb2.FieldDescriptorProto
 Label = Literal["optional", "repeated", "map"]
@@ -33,7 +34,7 @@ def message_classes(
     *,
     enums: dict[str, list[tuple[str, int]]] | None = None,
     dependencies: tuple[str, ...] = (),
-) -> dict[str, type]:
+) -> dict[str, type[Message]]:
     """Build one `.proto` file into the default pool; its message classes by (dotted) name.
 
     `messages` and `enums` may name nested types as `"Outer.Inner"` (the outer one first).

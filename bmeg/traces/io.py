@@ -324,7 +324,7 @@ _MAX_FIELDS_SCANNED = 64  # enough to tell the encodings apart; the reader check
 def _fields(data: bytes) -> list[tuple[int, int, int, int]] | None:
     """The first fields of a protobuf message as (number, wire type, value start, value end),
     or None when the bytes are not protobuf (a bad tag, a length past the end)."""
-    fields = []
+    fields: list[tuple[int, int, int, int]] = []
     at, end = 0, len(data)
     while at < end and len(fields) < _MAX_FIELDS_SCANNED:
         tag, at = _varint(data, at)
@@ -381,7 +381,7 @@ def _is_otlp_proto(data: bytes) -> bool:
 
 def _is_zipkin_proto(data: bytes) -> bool:
     inner = _first_element(data)
-    return bool(inner) and all(number <= 13 for number, _, _, _ in inner) and not _is_otlp_proto(data)
+    return bool(inner) and all(number <= 13 for number, _, _, _ in inner or ()) and not _is_otlp_proto(data)
 
 
 _JAEGER_WIRE_TYPES = {number: _LEN for number in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12)} | {5: _VARINT}
@@ -391,8 +391,8 @@ def _is_jaeger_proto(data: bytes) -> bool:
     top = _fields(data)
     return (
         bool(top)
-        and any(number == 2 for number, _, _, _ in top)
-        and all(_JAEGER_WIRE_TYPES.get(number) == wire_type for number, wire_type, _, _ in top)
+        and any(number == 2 for number, _, _, _ in top or ())
+        and all(_JAEGER_WIRE_TYPES.get(number) == wire_type for number, wire_type, _, _ in top or ())
     )
 
 

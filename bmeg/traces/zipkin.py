@@ -25,11 +25,11 @@ import pyarrow as pa
 from google.protobuf.message import DecodeError
 
 from bmeg.traces.build import RAW_COLUMNS, table_from_columns
-from bmeg.traces.descriptors import F, message_classes
+from bmeg.traces.descriptors import F, Field, message_classes
 from bmeg.traces.errors import TraceInputError
 from bmeg.traces.semconv import INSTANCE_KEYS, UNKNOWN_SERVICE, peer_and_db_system
 
-_ENDPOINT = [
+_ENDPOINT: list[Field] = [
     ("service_name", 1, F.TYPE_STRING, "", "optional"),
     ("ipv4", 2, F.TYPE_BYTES, "", "optional"),
     ("ipv6", 3, F.TYPE_BYTES, "", "optional"),
