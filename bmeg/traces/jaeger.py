@@ -22,7 +22,7 @@ from bmeg.traces.build import RAW_COLUMNS, table_from_columns
 from bmeg.traces.descriptors import F, message_classes
 from bmeg.traces.errors import TraceInputError
 from bmeg.traces.schema import SPAN_KINDS
-from bmeg.traces.semconv import DB_SYSTEM, INSTANCE_KEYS, PEER_SERVICE, peer_and_db_system
+from bmeg.traces.semconv import DB_SYSTEM, INSTANCE_KEYS, PEER_SERVICE, peer_and_db_system, status_of_code
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,7 @@ def _kind(value: object, error) -> str:
 def _status(tags: dict) -> str:
     if tags.get("error") in (True, "true"):
         return "error"
-    code = str(tags.get("otel.status_code", "")).upper()
-    return {"ERROR": "error", "OK": "ok"}.get(code, "unset")
+    return status_of_code(tags.get("otel.status_code")) or "unset"
 
 
 def _text(value: object) -> str | None:

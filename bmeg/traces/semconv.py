@@ -10,6 +10,7 @@ from, current keys beside the deprecated ones that older SDKs and Jaeger clients
   take `server.address`: `peer_service` renames a call's node in the call graph, and an HTTP
   client's host is not a store.
 - **database system** (`db_system`): `db.system.name` (current), else `db.system`.
+- **status**: `otel.status_code` (`status_of_code`) where the format has no status field.
 - **replica** (`instance`): `service.instance.id`, `k8s.pod.name`, `host.name`, most specific
   first (resource attributes; Jaeger process tags and Zipkin tags add their own keys).
 
@@ -34,6 +35,13 @@ INSTANCE_KEYS = ("service.instance.id", "k8s.pod.name", "host.name")
 #: Substrings of every key above that `peer_and_db_system` reads: a span whose attributes
 #: contain none of them needs no decoding (`db.system` is in both database keys).
 KEY_NEEDLES = (b"peer.name", PEER_SERVICE.encode(), DB_SYSTEM.encode())
+
+
+def status_of_code(code: object) -> str | None:
+    """`otel.status_code` as Jaeger and Zipkin carry it ("OK", "ERROR"; the Collector's zipkinv2
+    translator writes "STATUS_CODE_OK", "STATUS_CODE_ERROR") as "ok"/"error", else None."""
+    text = str(code).upper().removeprefix("STATUS_CODE_") if code is not None else ""
+    return {"OK": "ok", "ERROR": "error"}.get(text)
 
 
 def peer_and_db_system(value: Callable[[str], str | None]) -> tuple[str | None, str | None]:

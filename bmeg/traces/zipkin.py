@@ -9,7 +9,11 @@ ids and microsecond times (converted exactly to nanoseconds).
 - service: `localEndpoint.serviceName` (`unknown_service` when absent, as OpenTelemetry says);
 - kind: CLIENT/SERVER/PRODUCER/CONSUMER; none (OpenTelemetry's INTERNAL spans) is `unspecified`;
 - status: `error` when the `error` tag is set (Zipkin's rule; `"false"` aside) or
-  `otel.status_code` says ERROR, `ok` when it says OK;
+  `otel.status_code` says ERROR, `ok` when it says OK (`semconv.status_of_code`);
+- parent: none when `parentId` is absent or zero (the Collector writes 8 zero bytes for a root
+  in protobuf);
+- names are as written: the Collector's `zipkin_json` lowercases them (`GET /cart` arrives as
+  `get /cart`), its `zipkin_proto` does not;
 - peer: the tags as in `semconv`, else `remoteEndpoint.serviceName`; store and replica: tags
   (the translator copies resource attributes into tags), the replica else the local IPv4;
 - a span with no `timestamp` (0 in protobuf) is an error: Zipkin leaves it out of incomplete
@@ -27,7 +31,7 @@ from google.protobuf.message import DecodeError
 from bmeg.traces.build import RAW_COLUMNS, table_from_columns
 from bmeg.traces.descriptors import F, Field, message_classes
 from bmeg.traces.errors import TraceInputError
-from bmeg.traces.semconv import INSTANCE_KEYS, UNKNOWN_SERVICE, peer_and_db_system
+from bmeg.traces.semconv import INSTANCE_KEYS, UNKNOWN_SERVICE, peer_and_db_system, status_of_code
 
 _ENDPOINT: list[Field] = [
     ("service_name", 1, F.TYPE_STRING, "", "optional"),
@@ -104,7 +108,7 @@ def read_zipkin_proto(data: bytes, source: str = "<bytes>") -> pa.Table:
             _row(
                 span.trace_id.hex(),
                 span.id.hex(),
-                span.parent_id.hex() or None,
+                _parent(span.parent_id.hex()),
                 span.name,
                 _PROTO_KINDS[span.kind] if span.kind < len(_PROTO_KINDS) else f"kind {span.kind}",
                 (span.timestamp, span.duration),
@@ -146,7 +150,7 @@ def _json_row(span: dict, where: str) -> dict:
     return _row(
         _hex(span.get("traceId"), "traceId", span, where),
         _hex(span.get("id"), "id", span, where),
-        _hex(span.get("parentId"), "parentId", span, where) or None,
+        _parent(_hex(span.get("parentId"), "parentId", span, where)),
         _text(span.get("name")) or "",
         _text(span.get("kind")),
         times,
@@ -194,10 +198,10 @@ def _row(
 
 
 def _status(tags: Mapping[str, str | None]) -> str:
-    code = (tags.get("otel.status_code") or "").upper()
-    if code == "ERROR" or ("error" in tags and (tags["error"] or "").lower() != "false"):
+    code = status_of_code(tags.get("otel.status_code"))
+    if code == "error" or ("error" in tags and (tags["error"] or "").lower() != "false"):
         return "error"
-    return "ok" if code == "OK" else "unset"
+    return code or "unset"
 
 
 def _add(columns: dict[str, list], row: dict) -> None:
@@ -212,6 +216,11 @@ def _hex(value: object, what: str, span: dict, where: str) -> str:
     if text is None or not all(c in "0123456789abcdef" for c in text):
         raise _error(f"{what} {value!r} is not a hex id", span.get("traceId"), span.get("id"), where)
     return text
+
+
+def _parent(hex_id: str) -> str | None:
+    """No parent for an absent or all-zero id (the translator writes 8 zero bytes for a root)."""
+    return hex_id if hex_id.strip("0") else None
 
 
 def _text(value: object) -> str | None:
