@@ -129,10 +129,13 @@ def messages(table: pa.Table, encoding: str) -> list[bytes]:
 
 
 def as_encoded(table: pa.Table, encoding: str) -> pa.Table:
-    """What an encoding keeps of a table: Zipkin has no INTERNAL kind (the translator drops it)."""
+    """What an encoding keeps of a table: Zipkin has no INTERNAL kind (the translator drops it)
+    and reads an all-zero parent id as none (the translator writes one for a root)."""
     if encoding.startswith("zipkin"):
         kinds = ["unspecified" if kind == "internal" else kind for kind in table["kind"].to_pylist()]
+        parents = [parent if parent and parent.strip("0") else None for parent in table["parent_id"].to_pylist()]
         table = table.set_column(table.schema.get_field_index("kind"), "kind", pa.array(kinds, pa.string()))
+        table = table.set_column(table.schema.get_field_index("parent_id"), "parent_id", pa.array(parents, pa.string()))
     return table.cast(SPAN_SCHEMA)
 
 
