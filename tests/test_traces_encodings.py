@@ -175,6 +175,25 @@ def test_any_bytes_are_an_encoding_or_a_trace_input_error(data, expected):
     assert encoding in ENCODINGS
 
 
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=300), encoding=st.sampled_from(ENCODINGS))
+def test_any_bytes_read_as_any_encoding_are_spans_or_a_trace_input_error(data, encoding):
+    try:
+        assert read_spans_bytes(data, encoding=encoding).schema == SPAN_SCHEMA
+    except TraceInputError:
+        pass
+
+
+def test_enum_numbers_past_the_known_ones_are_named():
+    span = jaeger_model_spans(one_span())[0]
+    span.references.add(trace_id=span.trace_id, span_id=b"\x01" * 8, ref_type=-3)
+    assert read_spans_bytes(span.SerializeToString(), encoding="jaeger_proto")["parent_id"].to_pylist() == [None]
+    message = ListOfSpans.FromString(zipkin_proto_bytes(zipkin_spans(one_span())))
+    message.spans[0].kind = -1
+    with pytest.raises(TraceInputError, match="unknown kind 'kind -1'"):
+        read_spans_bytes(message.SerializeToString(), encoding="zipkin_proto")
+
+
 @pytest.mark.parametrize("encoding", ENCODINGS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=st.data(), cut=st.integers(0, 2000), flip=st.integers(0, 2000), junk=st.binary(max_size=40))

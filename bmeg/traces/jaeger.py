@@ -299,7 +299,7 @@ def jaeger_model_to_table(spans: list, source: str) -> pa.Table:
             {
                 "traceID": ref.trace_id.hex(),
                 "spanID": ref.span_id.hex(),
-                "refType": _REF_TYPES[ref.ref_type] if ref.ref_type < len(_REF_TYPES) else f"type {ref.ref_type}",
+                "refType": _REF_TYPES[ref.ref_type] if 0 <= ref.ref_type < len(_REF_TYPES) else f"type {ref.ref_type}",
             }
             for ref in span.references
         ]

@@ -110,7 +110,7 @@ def read_zipkin_proto(data: bytes, source: str = "<bytes>") -> pa.Table:
                 span.id.hex(),
                 _parent(span.parent_id.hex()),
                 span.name,
-                _PROTO_KINDS[span.kind] if span.kind < len(_PROTO_KINDS) else f"kind {span.kind}",
+                _PROTO_KINDS[span.kind] if 0 <= span.kind < len(_PROTO_KINDS) else f"kind {span.kind}",
                 (span.timestamp, span.duration),
                 (local.service_name or None, remote.service_name or None, _ipv4_text(local.ipv4)),
                 span.tags,
