@@ -3,8 +3,9 @@
 The bytes are written here the way the Collector's translators write them (contrib v0.155.0:
 `jaeger.ProtoFromTraces` then one `model.Span` per message, its process embedded, as protobuf or
 gogo jsonpb; `zipkinv2` as a `ListOfSpans` or a JSON array), through the message classes the
-readers use. `test_collector_encodings.py` checks the same readers on bytes from the real
-Collector where one is built.
+readers use; `test_real_collector_messages` reads messages the real Collector wrote
+(`fixtures/collector-kafka-messages.json`, captured by `test_traces_collector_encodings.py`, which
+checks the same on a live Collector where one is built).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pathlib import Path
+
+import pyarrow.compute as pc
+from test_traces_collector_encodings import sent_spans
 from test_traces_io import in_order, span_tables
 
 from bmeg.traces import (
@@ -206,6 +211,21 @@ def test_damaged_messages_never_crash_a_reader(encoding, data, cut, flip, junk):
             assert read().schema == SPAN_SCHEMA
         except TraceInputError:
             pass
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_real_collector_messages(encoding):
+    """Bytes the Collector's kafka exporter wrote (v0.155.0) read back into the spans sent."""
+    fixture = json.loads((Path(__file__).parent / "fixtures/collector-kafka-messages.json").read_text())
+    messages = [base64.b64decode(message) for message in fixture["messages"][encoding]]
+    for message in messages:
+        assert detect_encoding(message) == encoding
+    read = pa.concat_tables([read_spans_bytes(message, encoding=encoding) for message in messages])
+    sent = sent_spans(fixture["run"])
+    if encoding == "zipkin_json":  # Zipkin's JSON model lowercases span names
+        operation = sent.schema.get_field_index("operation")
+        sent = sent.set_column(operation, sent.schema.field(operation), pc.utf8_lower(sent["operation"]))
+    assert in_order(read).equals(in_order(sent))
 
 
 # --- documented cases -------------------------------------------------------------------------
