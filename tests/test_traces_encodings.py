@@ -265,6 +265,7 @@ def test_the_query_api_json_is_read_under_the_jaeger_json_name():
                 "processes": {"p1": {"serviceName": "web"}}}]}  # fmt: skip
     table = read_spans_bytes(json.dumps(document).encode(), encoding="jaeger_json")
     assert table["start_ns"].to_pylist() == [0]  # the epoch is a valid Jaeger time
+    assert read_spans_bytes(json.dumps(document).encode()).equals(table)  # no Kafka encoding: read as a file
     assert table["duration_ns"].to_pylist() == [5000]
 
 

@@ -110,7 +110,8 @@ def read_spans_bytes(
     max_inflated_bytes: int = MAX_INFLATED_BYTES,
 ) -> pa.Table:
     """Read an HTTP body or a Kafka message: by `encoding` (one of `ENCODINGS`) when given,
-    else by its content type (parameters are ignored), else by `detect_encoding`."""
+    else by its content type (parameters are ignored), else by `detect_encoding`, else as a
+    file would be read (the Jaeger query API's JSON, CSV, Parquet)."""
     if encoding is not None:
         if encoding not in ENCODINGS:
             raise TraceInputError(f"unknown encoding {encoding!r}; expected one of {list(ENCODINGS)}")
@@ -122,7 +123,10 @@ def read_spans_bytes(
         format = CONTENT_TYPES[media_type] or _ANY_JSON
     else:
         data = _inflated(data, "<body>", max_inflated_bytes)
-        format = detect_encoding(data).replace("_", "-")
+        try:
+            format = detect_encoding(data).replace("_", "-")
+        except TraceInputError:
+            format = None  # no Kafka encoding: any file format (the query API's JSON, CSV, ...)
     return _read_bytes(data, format, "<body>", None, max_inflated_bytes)
 
 
@@ -321,7 +325,7 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _MAX_FIELDS_SCANNED = 64  # enough to tell the encodings apart; the reader checks the rest
 
 
-def _fields(data: bytes) -> list[tuple[int, int, int, int]] | None:
+def _fields(data: bytes | memoryview) -> list[tuple[int, int, int, int]] | None:
     """The first fields of a protobuf message as (number, wire type, value start, value end),
     or None when the bytes are not protobuf (a bad tag, a length past the end)."""
     fields: list[tuple[int, int, int, int]] = []
@@ -351,7 +355,7 @@ def _fields(data: bytes) -> list[tuple[int, int, int, int]] | None:
     return fields
 
 
-def _varint(data: bytes, at: int) -> tuple[int | None, int]:
+def _varint(data: bytes | memoryview, at: int) -> tuple[int | None, int]:
     value, shift = 0, 0
     while at < len(data) and shift < 64:
         byte = data[at]
@@ -369,7 +373,7 @@ def _first_element(data: bytes) -> list[tuple[int, int, int, int]] | None:
     if not top or any(number != 1 or wire_type != _LEN for number, wire_type, _, _ in top):
         return None
     _, _, start, end = top[0]
-    return _fields(data[start:end])
+    return _fields(memoryview(data)[start:end])  # a view: the element may be megabytes
 
 
 def _is_otlp_proto(data: bytes) -> bool:
