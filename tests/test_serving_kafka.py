@@ -330,3 +330,30 @@ def test_the_collectors_compression_codecs_are_read(kafka_bootstrap, detector, h
     consumer = StreamConsumer(detector, config)
     run_until(consumer, lambda: diagnosed(consumer) >= len(trace_ids))
     assert {r.key.decode() for r in read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))} == set(trace_ids)
+
+
+def test_healthz_fails_while_the_poll_loop_is_stuck_and_recovers_after(kafka_bootstrap, hotel_dataset):
+    """A model that hangs (here: 6 s per trace, one trace per batch) holds the loop once two
+    batches are in flight: /healthz answers 503 while the loop has not gone round within the
+    liveness timeout (so Kubernetes restarts a wedged pod), and 200 again once it moves."""
+    from bmeg.serving.consumer import serve_probes
+    from serving_fixtures import StandInDetector
+
+    config = config_for(kafka_bootstrap, batch_traces=1, liveness_timeout_s=2.0)
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[220:224]
+    produce(kafka_bootstrap, config.topic, [(0, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t]))) for t in trace_ids])
+    consumer = StreamConsumer(StandInDetector(delay_s=6.0), config)
+    port = _free_port()
+    probes = serve_probes(consumer, "127.0.0.1", port)
+    seen: list[int] = []
+    try:
+        run_until(consumer, lambda: _probe(port, seen) and 503 in seen and seen[-1] == 200, timeout_s=90)
+    finally:
+        probes.shutdown()
+    assert 503 in seen and seen[-1] == 200, seen
+    assert diagnosed(consumer) >= 3  # the loop moved on after the model answered
+
+
+def _probe(port: int, seen: list[int]) -> bool:
+    seen.append(httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code)
+    return True
