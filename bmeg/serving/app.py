@@ -26,6 +26,7 @@ from bmeg.diagnosis import Diagnosis
 from bmeg.serving.batcher import MicroBatcher
 from bmeg.serving.metrics import ServerMetrics
 from bmeg.serving.model import DiagnosisModel, Loader, ModelSlot, ModelState
+from bmeg.serving.otlp_http import router as otlp_router
 from bmeg.serving.payloads import Answer, Limits, Payload, RequestRefused
 from bmeg.serving.recent import RecentDiagnoses, RecentDiagnosis, RecentSummary
 from bmeg.serving.settings import ServingSettings
@@ -69,6 +70,7 @@ def create_app(detector_or_loader: DiagnosisModel | Loader, settings: ServingSet
     app.state.slot, app.state.recent, app.state.metrics, app.state.settings = slot, recent, metrics, settings
     app.add_middleware(_Measure, metrics=metrics)
     app.mount("/static", StaticFiles(directory=str(_STATIC)), name="static")
+    app.include_router(otlp_router)  # POST /v1/traces
     require_key = _api_key_dependency(settings)
 
     @app.post("/diagnose", response_model=Diagnosis, openapi_extra=_DIAGNOSE_BODY,

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import pyarrow as pa
 from pydantic import BaseModel
@@ -31,6 +31,7 @@ class DiagnosisModel(Protocol):
 
 
 Loader = Callable[[], DiagnosisModel]
+T = TypeVar("T")
 
 
 class ModelInfo(BaseModel):
@@ -92,6 +93,13 @@ class ModelSlot:
             if hasattr(self._model, "diagnose_payloads"):  # a model process: the whole job runs there
                 return self._model.diagnose_payloads(payloads, window, limits)
             return diagnose_payloads(self._model, payloads, window, limits)
+
+    def call(self, work: Callable[[DiagnosisModel], T]) -> T:
+        """`work` with the model in use, one call at a time (`POST /v1/traces` diagnoses this way)."""
+        with self._lock:
+            if self._model is None:
+                raise RuntimeError("no model loaded")
+            return work(self._model)
 
     def close(self) -> None:
         """Stop the model's process, if it has one (see `bmeg.serving.model_process`)."""

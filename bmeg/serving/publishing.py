@@ -61,9 +61,9 @@ class DiagnosedTrace(NamedTuple):
 
 def diagnose_batch(detector, batch: list[PendingTrace]) -> dict[str, DiagnosedTrace | str]:
     """Each trace's diagnosis, or the reason it could not be diagnosed; `detector` is a
-    `bmeg.models.detector.Detector`."""
+    `bmeg.models.detector.Detector` (or any model with `diagnose`, e.g. the server's model process)."""
     try:
-        document = detector.diagnosis_document(pa.concat_tables([part for t in batch for part in t.parts]))
+        document = _document(detector, pa.concat_tables([part for t in batch for part in t.parts]))
     except Exception as error:  # noqa: BLE001 - a bad trace must not stop the stream: find it
         if len(batch) == 1:
             return {batch[0].trace_id: _reason(error, batch[0].trace_id)}
@@ -73,6 +73,14 @@ def diagnose_batch(detector, batch: list[PendingTrace]) -> dict[str, DiagnosedTr
         return results
     partial = {trace.trace_id for trace in batch if trace.partial}
     return {trace["trace_id"]: _output(document, trace, trace["trace_id"] in partial) for trace in document["traces"]}
+
+
+def _document(detector, spans: pa.Table) -> dict[str, Any]:
+    """The diagnosis as plain values: straight from the detector when it can (no typed objects
+    built only to be serialised), else the typed diagnosis dumped (the same layout)."""
+    if hasattr(detector, "diagnosis_document"):
+        return detector.diagnosis_document(spans)
+    return detector.diagnose(spans).model_dump()
 
 
 def _output(document: dict[str, Any], trace: dict[str, Any], partial: bool) -> DiagnosedTrace:
