@@ -152,3 +152,33 @@ def test_a_call_that_never_gets_a_callee_span_is_learned_as_a_leaf_and_forgotten
     assembler.add(trace("instrumented", [("e", "b", "search", "server", None), ("a", None, "frontend", "server", None),
                                          ("b", "a", "frontend", "client", None)]), 10)
     assert assembler.leaf_calls == set()  # it has a callee after all: wait for it again
+
+
+def test_otlp_protobuf_messages_read_as_one_run_give_the_same_spans(hotel_dataset):
+    """The consumer reads a partition's consecutive OTLP protobuf messages as one: their bytes
+    concatenated are one request (protobuf appends repeated fields)."""
+    from bmeg.traces import to_otlp_proto_bytes
+    from bmeg.traces.io import read_spans_bytes
+
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[:20]
+    messages = [to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t])) for t in trace_ids]
+    together = read_spans_bytes(b"".join(messages), encoding="otlp_proto")
+    one_by_one = pa.concat_tables([read_spans_bytes(m, encoding="otlp_proto") for m in messages])
+    assert together.equals(one_by_one)
+
+
+def test_a_run_of_messages_is_open_as_one_until_its_every_trace_is_released():
+    from bmeg.serving.offsets import OffsetTracker
+
+    tracker = OffsetTracker()
+    tracker.received(tracker.source("p", 0), 0)
+    run = tracker.source("p", 1)
+    tracker.received(run, 2, last_offset=5)  # offsets 1-5 read as one, two traces open
+    tracker.received(tracker.source("p", 6), 0)
+    assert tracker.commit_points() == {"p": 1}
+    tracker.release(run)
+    assert tracker.commit_points() == {"p": 1}
+    tracker.release(run)
+    assert tracker.commit_points() == {"p": 7}
+    with pytest.raises(ValueError):
+        tracker.received(tracker.source("p", 3), 1)  # inside a run already received
