@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -123,17 +124,19 @@ def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_r
         kafka_bootstrap, detector, hotel_dataset):
     config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces never finish while it runs
     first_ids = hotel_dataset.traces["trace_id"].to_pylist()[30:40]
-    produce(kafka_bootstrap, config.topic, split_messages(hotel_dataset.spans, first_ids))
+    rootless, roots = _without_roots(traces_of(hotel_dataset.spans, first_ids))  # complete only with their roots
+    produce(kafka_bootstrap, config.topic, split_messages(rootless, first_ids))
 
     crashing = StreamConsumer(detector, config)
     deadline = time.monotonic() + 60
-    while crashing.metrics.registry.get_sample_value("bmeg_consumer_spans_total") < len(traces_of(hotel_dataset.spans, first_ids)):
+    while crashing.metrics.registry.get_sample_value("bmeg_consumer_spans_total") < rootless.num_rows:
         assert time.monotonic() < deadline, "the consumer read nothing"
         crashing.step()
     crashing.commit()
     assert set(committed(kafka_bootstrap, config).values()) <= {None, 0}  # every trace is still pending
     crashing.consumer.close(autocommit=False)  # a crash: no flush, no commit
     crashing.publisher.producer.close()
+    produce(kafka_bootstrap, config.topic, [(0, to_otlp_proto_bytes(roots))])
 
     restarted = StreamConsumer(detector, dataclasses.replace(config, idle_timeout_s=0.5))
     run_until(restarted, lambda: diagnosed(restarted) >= len(first_ids))
@@ -178,6 +181,12 @@ def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, traine
     assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
 
 
+def _without_roots(spans: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """(every span but the roots, the roots): a trace is never complete before its root is in."""
+    has_parent = spans["parent_id"].is_valid()
+    return spans.filter(has_parent), spans.filter(pc.invert(has_parent))
+
+
 def _wait_for(condition, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -201,20 +210,21 @@ def _consume_process(bootstrap: str, config: ConsumerConfig, run_dir: Path, log:
 
 def test_a_rebalance_keeps_the_traces_of_kept_partitions_safe_and_hands_over_the_others(
         kafka_bootstrap, trained_run_dir, hotel_dataset):
-    """A second consumer joins while the first holds assembled traces. The first keeps half the
-    partitions, with their traces, and their offsets stay held below those traces while newer
-    messages arrive; it drops the traces of the half it lost, which the second reads and
-    diagnoses. Every trace is diagnosed whole."""
+    """A second consumer joins while the first holds traces being assembled (their roots not
+    sent yet). The first keeps half the partitions, with their traces, and their offsets stay
+    held below those traces while newer messages arrive; it drops the traces of the half it
+    lost, which the second reads again. Then the roots come: every trace is diagnosed whole."""
     from bmeg.models.detector import Detector
 
-    config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces finish only at the stop
+    config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces finish only when whole
     trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[110:130]
     spans = traces_of(hotel_dataset.spans, trace_ids)
+    rootless, roots = _without_roots(spans)
     early, late = trace_ids[:16], trace_ids[16:]
-    produce(kafka_bootstrap, config.topic, _keyed_messages(spans, early, partitions=range(PARTITIONS)))
+    produce(kafka_bootstrap, config.topic, _keyed_messages(rootless, early, partitions=range(PARTITIONS)))
 
     first = StreamConsumer(Detector.load(trained_run_dir, device="cpu"), config)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while len(first.assembler) < len(early):
         assert time.monotonic() < deadline, "the first consumer read nothing"
         first.step()
@@ -229,24 +239,30 @@ def test_a_rebalance_keeps_the_traces_of_kept_partitions_safe_and_hands_over_the
         kept = sorted(tp.partition for tp in first.consumer.assignment())
         assert sorted(trace.trace_id for trace in first.assembler) == sorted(
             trace_id for i, trace_id in enumerate(early) if i % PARTITIONS in kept)
-        produce(kafka_bootstrap, config.topic, _keyed_messages(spans, late, partitions=kept))
+        produce(kafka_bootstrap, config.topic, _keyed_messages(rootless, late, partitions=kept))
         while len(first.assembler) < len(early) // 2 + len(late):
             assert time.monotonic() < deadline + 120, "the first consumer did not read the later traces"
             first.step()
         first.commit()
         points = committed(kafka_bootstrap, config)
         assert all(points[p] in (None, 0) for p in kept), points  # held below the early traces
+        partition_of = {**{t: i % PARTITIONS for i, t in enumerate(early)}, **{t: kept[i % len(kept)] for i, t in enumerate(late)}}
+        produce(kafka_bootstrap, config.topic, [(partition_of[t], to_otlp_proto_bytes(traces_of(roots, [t])))
+                                                for t in trace_ids])
+        while len(first.assembler):  # whole now: diagnosed at once
+            assert time.monotonic() < deadline + 180, "the first consumer did not finish its traces"
+            first.step()
         first.close()
+        records = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))
     finally:
         stop.set()
         thread.join(30)
 
-    records = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))
     expected_spans = Counter(spans["trace_id"].to_pylist())
     assert {record.key.decode() for record in records} == set(trace_ids)
     for record in records:
         (trace,) = Diagnosis.model_validate_json(record.value).traces
-        assert trace.spans == expected_spans[trace.trace_id] and not trace.warnings, trace.warnings
+        assert trace.spans == expected_spans[trace.trace_id] and not trace.partial and not trace.warnings, trace
 
 
 def _keyed_messages(spans: pa.Table, trace_ids: list[str], partitions) -> list[tuple[int, bytes]]:
