@@ -24,6 +24,11 @@ consumer's CPU time per trace (all its threads: steadier than traces/s on a shar
 lost traces (no diagnosis) and split ones (more than one diagnosis, or one with fewer spans than
 sent, or marked partial). Target: >= 2,000 traces/s per consumer process, 0 lost, 0 split.
 
+With `--consumers 1,2` it measures instead, one after the other in the same run, that many
+consumer processes in one group (each its own interpreter, as replicas would run), each on a
+fresh topic of the broker's default partition count holding the same traces: traces/s from the
+moment every process is ready (model loaded, subscribed) to the last diagnosis published.
+
 `--compare OTHER_CHECKOUT` runs this benchmark `--runs` times alternately with this checkout's
 bmeg and with OTHER_CHECKOUT's (e.g. a `git worktree` of main), each in a fresh process, and
 prints each side's median.
@@ -67,7 +72,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="Print one JSON line of the figures.")
     parser.add_argument("--compare", type=Path, help="Another checkout: alternate runs with its bmeg, print medians.")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--consumers", help="Comma-separated consumer process counts to compare, e.g. 1,2.")
     args = parser.parse_args()
+    if args.consumers:
+        compare_consumer_processes(args, [int(n) for n in args.consumers.split(",")])
+        return
     if args.compare is not None:
         compare(args)
         return
@@ -126,6 +135,67 @@ def measure(args) -> dict:
             "traces_per_s_without_idle": received / max(elapsed - args.idle_timeout, 1e-9),
             "cpu_us_per_trace": cpu_s * 1e6 / max(received, 1), "lost": args.traces - received, "split": split,
             "load_average": os.getloadavg()[0]}
+
+
+def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> None:
+    from kafka import KafkaConsumer
+
+    from bmeg.serving.consumer import ConsumerConfig
+
+    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=0)
+    messages = trace_per_message(spans) if args.shape == "trace-per-message" else batches(spans, args.window)
+    expected = dict(Counter(spans["trace_id"].to_pylist()))
+    spawn = multiprocessing.get_context("spawn")
+    rates: dict[int, list[float]] = {}
+    for count in counts:
+        name = f"bmeg-bench-{uuid.uuid4().hex[:8]}"
+        config = ConsumerConfig(bootstrap=args.bootstrap, topic=name, group_id=f"{name}-group",
+                                diagnoses_topic=f"{name}.diagnoses", mitigations_topic=f"{name}.mitigations",
+                                dead_letter_topic=f"{name}.dlq", idle_timeout_s=args.idle_timeout,
+                                batch_traces=args.batch_traces)
+        produce(args.bootstrap, name, messages)
+        ready, go, stop = spawn.Barrier(count + 1), spawn.Event(), spawn.Event()
+        workers = [spawn.Process(target=consume_in_process, args=(args.model, config, ready, go, stop))
+                   for _ in range(count)]
+        for worker in workers:
+            worker.start()
+        ready.wait()  # every process has loaded the model and subscribed
+        results, counter_end = spawn.Pipe(duplex=False)
+        counter = spawn.Process(target=count_diagnoses, args=(args.bootstrap, config.diagnoses_topic, expected,
+                                                              counter_end))
+        counter.start()
+        results.recv()  # "ready"
+        started = time.monotonic()
+        go.set()
+        received, split, last_at = results.recv()
+        counter.join()
+        stop.set()
+        for worker in workers:
+            worker.join(60)
+        rates.setdefault(count, []).append(received / (last_at - started))
+        partitions = len(KafkaConsumer(bootstrap_servers=args.bootstrap).partitions_for_topic(name) or ())
+        print(f"{count} consumer process(es), {partitions} partitions: {received} traces in {last_at - started:.1f} s, "
+              f"{rates[count][-1]:.0f} traces/s end to end, lost {args.traces - received}, split {split} "
+              f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
+    medians = {count: statistics.median(values) for count, values in rates.items()}
+    first = counts[0]
+    for count in sorted(set(counts) - {first}):
+        print(f"{count} vs {first} consumer process(es), medians of {len(rates[count])} and {len(rates[first])} runs: "
+              f"{medians[count]:.0f} vs {medians[first]:.0f} traces/s, x{medians[count] / medians[first]:.2f}")
+
+
+def consume_in_process(model: Path, config, ready, go, stop) -> None:
+    """One replica: load the model, join the group, wait for the start, consume until stopped."""
+    import torch
+
+    from bmeg.models.detector import Detector
+    from bmeg.serving.consumer import StreamConsumer
+
+    torch.set_num_threads(1)
+    consumer = StreamConsumer(Detector.load(model, device="cpu"), config)
+    ready.wait()
+    go.wait()
+    consumer.run(stop)
 
 
 def instrumented_traces(count: int, spans_per_trace: int, seed: int) -> pa.Table:

@@ -18,7 +18,7 @@ diagnosis too large to publish go to the dead-letter topic (truncated, the reaso
 broker outage of any length is waited out by a loop that keeps running, and resumes by itself;
 `heartbeat` is the time the loop last went round (`/healthz` on the metrics port fails when it
 is older than `liveness_timeout_s`). A stop (SIGTERM) publishes every pending trace, waits for
-the broker at most `shutdown_timeout_s`, commits what is acknowledged and closes.
+the broker, commits what is acknowledged and closes, all within `shutdown_timeout_s`.
 
 Consumers in one group share the partitions with the cooperative-sticky assignor (KIP-429):
 a rebalance moves only the partitions that change owner, and the others keep their traces and
@@ -186,17 +186,27 @@ class StreamConsumer:
         return time.monotonic() - self.heartbeat < self.config.liveness_timeout_s
 
     def close(self) -> None:
+        """Publish what is pending, commit what is acknowledged and close, all within
+        `shutdown_timeout_s` (a broker that is away must not hold a SIGTERM past the pod's grace
+        period): half of it waiting for acknowledgements, a quarter for the commit, the rest to
+        close. Whatever is unacknowledged then stays uncommitted and is read again."""
+        budget = self.config.shutdown_timeout_s
         try:
-            self.flush_all()
+            self.flush_all(acks_timeout_s=budget / 2, commit_timeout_s=min(budget / 4, self.config.kafka_timeout_s))
         finally:
             self._diagnoser.shutdown(wait=False, cancel_futures=True)
-            self.consumer.close(autocommit=False, timeout_ms=int(self.config.kafka_timeout_s * 1e3))
-            self.publisher.producer.close(timeout=self.config.kafka_timeout_s)
+            closing_s = min(budget / 8, self.config.kafka_timeout_s)
+            for name, close in (("consumer", lambda: self.consumer.close(autocommit=False, timeout_ms=int(closing_s * 1e3))),
+                                ("producer", lambda: self.publisher.producer.close(timeout=closing_s))):
+                try:
+                    close()
+                except KafkaError as error:  # the broker is away: nothing more to save
+                    log.warning("closing the Kafka %s: %s", name, error)
 
-    def flush_all(self) -> None:
+    def flush_all(self, acks_timeout_s: float | None = None, commit_timeout_s: float | None = None) -> None:
         """Diagnose and publish every trace still being assembled, wait for the broker's
-        acknowledgements at most `shutdown_timeout_s`, then commit (graceful shutdown)."""
-        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        acknowledgements at most `acks_timeout_s` (default `shutdown_timeout_s`), then commit."""
+        deadline = time.monotonic() + (self.config.shutdown_timeout_s if acks_timeout_s is None else acks_timeout_s)
         self._submit(self.assembler.drain())
         while (self._in_flight or self._unsent) and time.monotonic() < deadline:
             self._beat()
@@ -208,16 +218,16 @@ class StreamConsumer:
         if self._in_flight or self._unsent:
             log.error("stopping with %d traces unacknowledged by the broker: their messages stay uncommitted "
                       "and are read again", len(self._unsent) + len(self._in_flight) * self.config.batch_traces)
-        self.commit()
+        self.commit(commit_timeout_s)
 
-    def commit(self) -> None:
+    def commit(self, timeout_s: float | None = None) -> None:
         self._settle()
         points = {tp: offset for tp, offset in self.offsets.commit_points().items() if self._committed.get(tp) != offset}
         self._last_commit = time.monotonic()
         if points:
             try:
                 self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in points.items()},
-                                     timeout_ms=int(self.config.kafka_timeout_s * 1e3))
+                                     timeout_ms=int((timeout_s or self.config.kafka_timeout_s) * 1e3))
             except CommitFailedError as error:  # a rebalance won the race: the new owners re-read
                 log.warning("commit refused during a rebalance (messages will be read again): %s", error)
             except KafkaError as error:  # the broker is away: the next commit carries these offsets too
