@@ -59,7 +59,7 @@ def main() -> None:
     spans_per_trace = spans.num_rows / pc.count_distinct(spans["trace_id"]).as_py()
     port = free_port()
     server = subprocess.Popen([str(Path(sys.executable).parent / "bmeg"), "serve", "--model", str(args.model),
-                               "--device", "cpu", "--port", str(port), "--log-level", "warning",
+                               "--device", "cpu", "--port", str(port), "--log-level", "warning", "--no-auth",
                                "--model-process" if args.model_process else "--in-process"],
                               env={**os.environ, "BMEG_RECENT_DIAGNOSES": "50"})
     try:

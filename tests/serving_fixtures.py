@@ -23,6 +23,16 @@ from bmeg.traces import TraceInputError
 
 APPLICATION = "hotelreservation"
 TRACES = 2000
+#: The servers of the tests run with authentication on, as `bmeg serve` does by default.
+API_KEY = "test-key-9f2c4e"
+KEY_HEADER = {"X-API-Key": API_KEY}
+
+
+def keyed_settings(**values):
+    """`ServingSettings` with the tests' API key (and `values`)."""
+    from bmeg.serving.settings import ServingSettings
+
+    return ServingSettings(api_key=API_KEY, **values)
 
 
 @pytest.fixture(scope="session")

@@ -196,7 +196,7 @@ def test_the_collectors_otlphttp_exporter_to_bmeg_serve(kafka_bootstrap, otelcol
     and publishes one whole diagnosis per trace to Kafka."""
     topic = topic_name("otlphttp")
     port = free_port()
-    env = {**os.environ, "BMEG_OTLP_BOOTSTRAP": kafka_bootstrap, "BMEG_OTLP_DIAGNOSES_TOPIC": f"{topic}.diagnoses",
+    env = {**os.environ, "BMEG_API_KEY": "collector-test-key", "BMEG_OTLP_BOOTSTRAP": kafka_bootstrap, "BMEG_OTLP_DIAGNOSES_TOPIC": f"{topic}.diagnoses",
            "BMEG_OTLP_MITIGATIONS_TOPIC": f"{topic}.mitigations", "BMEG_OTLP_DEAD_LETTER_TOPIC": f"{topic}.dlq"}
     log = tmp_path / "serve.log"
     server = subprocess.Popen([str(Path(sys.executable).parent / "bmeg"), "serve", "--model", str(trained_run_dir),
@@ -208,7 +208,8 @@ def test_the_collectors_otlphttp_exporter_to_bmeg_serve(kafka_bootstrap, otelcol
         while not _ready(port):
             assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        collector = Collector(otelcol_binary, tmp_path, {"otlphttp": {"endpoint": f"http://127.0.0.1:{port}"}})
+        collector = Collector(otelcol_binary, tmp_path, {"otlphttp": {"endpoint": f"http://127.0.0.1:{port}",
+                                                                    "headers": {"X-API-Key": "collector-test-key"}}})
         trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[950:1150]
         spans = traces_of(hotel_dataset.spans, trace_ids)
         wait_all(play(spans, tmp_path, collector.endpoint, rate=25), timeout_s=120)

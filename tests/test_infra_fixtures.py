@@ -21,4 +21,5 @@ def test_missing_part_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_manifest_objects_load_in_order() -> None:
     kinds = [obj["kind"] for obj in conftest_infra.load_manifest(conftest_infra.RBAC_MANIFEST)]
-    assert kinds == ["Namespace", "ServiceAccount", "Role", "RoleBinding"]
+    # the application's Role and its binding, then the leader-election Role in bmeg's namespace
+    assert kinds == ["Namespace", "ServiceAccount", "Role", "RoleBinding", "Role", "RoleBinding"]

@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     # the facade (`bmeg.diagnose`) and the command line sit on top
     "__init__": {"version", "models", "mitigation", "diagnosis", "traces"},
     "cli": {"*"},
+    "__main__": {"cli"},  # `python -m bmeg` (as torchrun starts it) is the command line
 }
 
 #: Edges that break the layering today, each with the work that removes it. The test fails on

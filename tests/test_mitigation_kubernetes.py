@@ -5,9 +5,11 @@ can do only what mitigation/rbac.yaml allows, dry run changes nothing, campaigns
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import pytest
-from conftest_infra import apply_objects
+from conftest_infra import apply_objects, load_manifest
 from kubernetes import client
 
 from bmeg.diagnosis import Diagnosis, ServiceScore, TraceDiagnosis
@@ -184,3 +186,147 @@ def _diagnosis(service: str) -> Diagnosis:
     trace = TraceDiagnosis(trace_id="t1", spans=10, total_us=50_000, anomalous=True, anomaly_score=0.95,
                            threshold=0.5, model="gnn", bottlenecks=[ServiceScore(service=service, score=0.9, bottleneck=True)])
     return Diagnosis(model_version="test", application="socialnet", traces=[trace])
+
+
+# -- autoscalers, the Role's names, in-cluster configuration, the topology allowlist -----------
+# A namespace of these tests' own (others' tests share the API server and `socialnet`), with the
+# Role generated for it, as `bmeg mitigate rbac --namespace` writes it.
+OWN_NAMESPACE = "bmeg-hardening-tests"
+# A minimal structural CRD of our own for KEDA's ScaledObject (not KEDA's: it cannot be
+# downloaded here), shared with tests/test_cluster_manifests.py: both tests apply the same
+# object to the shared API server, so neither changes the schema under the other.
+KEDA_CRD = load_manifest(Path(__file__).resolve().parent / "manifests" / "keda-scaledobject-crd.yaml")[0]
+
+
+@pytest.fixture
+def own_namespace(kube_admin) -> str:
+    from bmeg.mitigation.rbac import controller_rbac
+
+    topology = load_topology("socialnet")
+    deployments = [{**d, "metadata": {**d["metadata"], "namespace": OWN_NAMESPACE}} for d in app_deployments(topology)]
+    apply_objects(kube_admin, [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OWN_NAMESPACE}},
+                               *controller_rbac(topology.services, OWN_NAMESPACE, CATALOGUE), *deployments,
+                               _deployment("intruder")])
+    apps = client.AppsV1Api(kube_admin)
+    for name in ("post-storage-service", "user-service", "intruder"):  # replicas as the topology says
+        apps.patch_namespaced_deployment_scale(name, OWN_NAMESPACE, {"spec": {"replicas": 2}})
+    yield OWN_NAMESPACE
+    autoscaling = client.AutoscalingV2Api(kube_admin)
+    for hpa in autoscaling.list_namespaced_horizontal_pod_autoscaler(OWN_NAMESPACE).items:
+        autoscaling.delete_namespaced_horizontal_pod_autoscaler(hpa.metadata.name, OWN_NAMESPACE)
+    custom = client.CustomObjectsApi(kube_admin)
+    try:
+        for item in custom.list_namespaced_custom_object("keda.sh", "v1alpha1", OWN_NAMESPACE, "scaledobjects")["items"]:
+            custom.delete_namespaced_custom_object("keda.sh", "v1alpha1", OWN_NAMESPACE, "scaledobjects", item["metadata"]["name"])
+    except client.ApiException as error:
+        assert error.status == 404  # the CRD is not installed
+
+
+def _deployment(name: str) -> dict:
+    labels = {"app": name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": OWN_NAMESPACE},
+            "spec": {"replicas": 2, "selector": {"matchLabels": labels}, "template": {"metadata": {"labels": labels},
+                     "spec": {"containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]}}}}
+
+
+def _hpa(name: str, target: str, low: int, high: int) -> dict:
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": name, "namespace": OWN_NAMESPACE},
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target},
+                     "minReplicas": low, "maxReplicas": high,
+                     "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}}]}}
+
+
+def test_a_deployment_outside_the_roles_names_is_forbidden(kube_admin, kube_controller, own_namespace) -> None:
+    executor = KubernetesExecutor(kube_controller, own_namespace, CATALOGUE)
+    assert executor.state("user-service").replicas == 2  # the application's: allowed
+    for action in (lambda: executor.state("intruder"), lambda: executor.scale("intruder", 3),
+                   lambda: executor.set_resources("intruder", cpu_cores=4)):
+        with pytest.raises(ActionForbidden, match="forbidden"):
+            action()
+    assert _stored(kube_admin, own_namespace, "intruder").spec.replicas == 2
+
+
+def test_an_hpa_owned_deployment_gets_new_bounds_not_new_replicas(kube_admin, kube_controller, own_namespace) -> None:
+    apply_objects(kube_admin, [_hpa("post-storage-service", "post-storage-service", 2, 4)])
+    executor = KubernetesExecutor(kube_controller, own_namespace, CATALOGUE)
+    autoscaling = client.AutoscalingV2Api(kube_admin)
+
+    applied = executor.scale("post-storage-service", 6)
+    hpa = autoscaling.read_namespaced_horizontal_pod_autoscaler("post-storage-service", own_namespace)
+    assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (6, 6)
+    assert _stored(kube_admin, own_namespace, "post-storage-service").spec.replicas == 2  # left to the HPA
+    assert applied.previous["autoscaler"] == "HorizontalPodAutoscaler/post-storage-service"
+    executor.rollback(applied)
+    hpa = autoscaling.read_namespaced_horizontal_pod_autoscaler("post-storage-service", own_namespace)
+    assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (2, 4)
+
+
+def test_an_autoscaler_the_role_does_not_name_is_never_fought(kube_admin, kube_controller, own_namespace) -> None:
+    apply_objects(kube_admin, [_hpa("someone-elses-hpa", "user-service", 1, 3)])
+    executor = KubernetesExecutor(kube_controller, own_namespace, CATALOGUE)
+    with pytest.raises(ActionForbidden, match="HorizontalPodAutoscaler someone-elses-hpa"):
+        executor.scale("user-service", 5)
+    assert _stored(kube_admin, own_namespace, "user-service").spec.replicas == 2
+
+
+def test_a_keda_scaled_object_gets_new_bounds(kube_admin, kube_controller, own_namespace) -> None:
+    from kubernetes import dynamic
+
+    apply_objects(kube_admin, [KEDA_CRD])
+    crds = client.ApiextensionsV1Api(kube_admin)
+    deadline = time.monotonic() + 30
+    while not any(c.type == "Established" and c.status == "True"
+                  for c in crds.read_custom_resource_definition("scaledobjects.keda.sh").status.conditions or []):
+        assert time.monotonic() < deadline, "the ScaledObject CRD was not established"
+        time.sleep(0.2)
+    scaled = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "user-service", "namespace": own_namespace},
+              "spec": {"scaleTargetRef": {"name": "user-service"}, "minReplicaCount": 1, "maxReplicaCount": 3,
+                       "triggers": [{"type": "cpu", "metricType": "Utilization", "metadata": {"value": "60"}}]}}
+    deadline = time.monotonic() + 30
+    while True:  # the new resource reaches the dynamic client's discovery a moment after "Established"
+        try:
+            apply_objects(kube_admin, [scaled])
+            break
+        except (dynamic.exceptions.ResourceNotFoundError, client.ApiException):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    executor = KubernetesExecutor(kube_controller, own_namespace, CATALOGUE)
+    custom = client.CustomObjectsApi(kube_admin)
+
+    applied = executor.scale("user-service", 5)
+    spec = custom.get_namespaced_custom_object("keda.sh", "v1alpha1", own_namespace, "scaledobjects", "user-service")["spec"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (5, 5)
+    assert _stored(kube_admin, own_namespace, "user-service").spec.replicas == 2
+    executor.rollback(applied)
+    spec = custom.get_namespaced_custom_object("keda.sh", "v1alpha1", own_namespace, "scaledobjects", "user-service")["spec"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 3)
+
+
+def test_in_cluster_configuration_acts_as_the_pods_service_account(kube_run_dir, kube_controller_kubeconfig, own_namespace, tmp_path) -> None:
+    import yaml
+
+    from bmeg.mitigation.kubernetes import api_client
+
+    kubeconfig = yaml.safe_load(kube_controller_kubeconfig.read_text())
+    (tmp_path / "token").write_text(kubeconfig["users"][0]["user"]["token"])
+    host, _, port = kubeconfig["clusters"][0]["cluster"]["server"].removeprefix("https://").rpartition(":")
+    api = api_client(environ={"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port},
+                     token_file=str(tmp_path / "token"), ca_file=str(kube_run_dir / "ca.crt"))
+    executor = KubernetesExecutor(api, own_namespace, CATALOGUE)
+    assert executor.state("user-service").replicas == 2
+    with pytest.raises(ActionForbidden):
+        executor.state("intruder")
+
+
+def test_the_controller_acts_only_on_the_topologys_services(kube_admin, kube_controller, own_namespace) -> None:
+    """`intruder` is a Deployment here, and a span named it: the controller refuses it unasked."""
+    audit = AuditLog()
+    controller = Controller(KubernetesExecutor(kube_controller, own_namespace, CATALOGUE), CATALOGUE,
+                            SafetyPolicy(dry_run=False, confidence_threshold=0.1), audit,
+                            services=load_topology("socialnet").services)
+    outcomes = controller.handle(_diagnosis("intruder"), now=0.0,
+                                 telemetry={"intruder": ServiceTelemetry(cpu_utilization=0.95, replicas=2)})
+    assert [(o.status, o.detail) for o in outcomes] == [("refused", "not a service of the application's topology: bmeg acts only on those")]
+    assert _stored(kube_admin, own_namespace, "intruder").spec.replicas == 2
+    assert controller.handle(_diagnosis("post-storage-service"), now=0.0, telemetry={
+        "post-storage-service": ServiceTelemetry(cpu_utilization=0.95, replicas=2)})[0].status == "applied"

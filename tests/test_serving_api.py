@@ -19,7 +19,7 @@ from bmeg.models.checkpoint import CheckpointError
 from bmeg.serving.app import create_app
 from bmeg.serving.settings import ServingSettings
 from bmeg.traces import read_spans_bytes, to_otlp_proto_bytes, write_spans
-from serving_fixtures import StandInDetector, traces_of
+from serving_fixtures import KEY_HEADER, StandInDetector, keyed_settings, traces_of
 
 PROTOBUF = {"content-type": "application/x-protobuf"}
 JSON = {"content-type": "application/json"}
@@ -40,7 +40,8 @@ def wait_ready(client: TestClient, timeout_s: float = 30) -> None:
 
 @pytest.fixture(scope="module")
 def client(detector):
-    with TestClient(create_app(detector, ServingSettings(max_spans=5_000, max_body_bytes=2_000_000))) as client:
+    with TestClient(create_app(detector, keyed_settings(max_spans=5_000, max_body_bytes=2_000_000)),
+                    headers=KEY_HEADER) as client:
         yield client
 
 
@@ -174,7 +175,7 @@ def test_readiness_waits_for_the_model_and_reports_a_failed_load(trained_run_dir
         release.wait(10)
         return Detector.load(trained_run_dir, device="cpu")
 
-    with TestClient(create_app(slow_loader)) as client:
+    with TestClient(create_app(slow_loader, keyed_settings()), headers=KEY_HEADER) as client:
         assert client.get("/healthz").status_code == 200
         assert client.get("/readyz").status_code == 503
         assert client.post("/diagnose", content=b"x", headers=PROTOBUF).status_code == 503
@@ -182,25 +183,57 @@ def test_readiness_waits_for_the_model_and_reports_a_failed_load(trained_run_dir
         wait_ready(client)
         assert client.get("/models").json()["model"]["application"] == "hotelreservation"
 
-    with TestClient(create_app(lambda: Detector.load(trained_run_dir / "missing", device="cpu"))) as client:
+    with TestClient(create_app(lambda: Detector.load(trained_run_dir / "missing", device="cpu"), keyed_settings())) as client:
         deadline = time.monotonic() + 10
         while client.get("/readyz").json()["error"] is None and time.monotonic() < deadline:
             time.sleep(0.05)
         state = client.get("/readyz")
-        assert state.status_code == 503 and "CheckpointError" in state.json()["error"]
+        assert state.status_code == 503 and state.json()["error"] == "CheckpointError (details at /models)"
+        assert "missing" in client.get("/models", headers=KEY_HEADER).json()["error"]
 
 
-def test_reload_needs_the_api_key_when_one_is_set(trained_run_dir, monkeypatch):
+def test_reload_and_other_users_data_need_the_api_key(trained_run_dir, flagged_trace, monkeypatch):
     from bmeg.models.detector import Detector
 
     monkeypatch.setenv("BMEG_API_KEY", "s3cret")
     with TestClient(create_app(lambda: Detector.load(trained_run_dir, device="cpu"))) as client:
         wait_ready(client)
-        assert client.post("/models/reload").status_code == 401
-        assert client.post("/models/reload", headers={"X-API-Key": "wrong"}).status_code == 401
-        reloaded = client.post("/models/reload", headers={"X-API-Key": "s3cret"})
-        assert reloaded.status_code == 200 and reloaded.json()["ready"]
-        assert client.get("/models").status_code == 200  # reading needs no key
+        posted = client.post("/diagnose", content=to_otlp_proto_bytes(flagged_trace[0]), headers=PROTOBUF)
+        assert posted.status_code == 200  # diagnosing needs no key
+        for method, path in [("POST", "/models/reload"), ("GET", "/models"), ("GET", "/diagnoses/recent"),
+                             ("GET", f"/diagnoses/{posted.headers['x-diagnosis-id']}")]:
+            for headers in ({}, {"X-API-Key": "wrong"}, {"X-API-Key": ""}, {"X-API-Key": "s3cre"}):
+                refused = client.request(method, path, headers=headers)
+                assert refused.status_code == 401, (method, path, headers)
+                assert "X-API-Key" in refused.json()["detail"]
+            assert client.request(method, path, headers={"X-API-Key": "s3cret"}).status_code == 200, path
+        assert str(trained_run_dir) not in client.get("/readyz").text  # the probe shows no run directory
+        assert client.get("/readyz").json()["ready"]
+
+
+def test_no_key_no_server_unless_told_no_auth(monkeypatch):
+    from pydantic import ValidationError
+
+    monkeypatch.delenv("BMEG_API_KEY", raising=False)
+    with pytest.raises(ValidationError, match="no API key"):
+        create_app(StandInDetector())
+    for empty in ("", "   "):
+        monkeypatch.setenv("BMEG_API_KEY", empty)
+        with pytest.raises(ValidationError, match="BMEG_API_KEY is empty"):
+            create_app(StandInDetector())
+    monkeypatch.delenv("BMEG_API_KEY")
+    with TestClient(create_app(StandInDetector(), ServingSettings(no_auth=True))) as client:
+        assert client.get("/models").status_code == 200
+
+
+def test_openapi_declares_the_api_key_scheme(client):
+    spec = client.get("/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["APIKey"] == {
+        "type": "apiKey", "in": "header", "name": "X-API-Key", "description": "The server's key (BMEG_API_KEY)."}
+    for method, path in [("post", "/models/reload"), ("get", "/models"), ("get", "/diagnoses/recent"),
+                         ("get", "/diagnoses/{diagnosis_id}")]:
+        assert spec["paths"][path][method]["security"] == [{"APIKey": []}], path
+    assert "security" not in spec["paths"]["/diagnose"]["post"]
 
 
 def test_a_failed_reload_keeps_the_model_in_use(trained_run_dir):
@@ -214,7 +247,7 @@ def test_a_failed_reload_keeps_the_model_in_use(trained_run_dir):
             raise CheckpointError("model.pt is from another version")
         return model
 
-    with TestClient(create_app(loader)) as client:
+    with TestClient(create_app(loader, keyed_settings()), headers=KEY_HEADER) as client:
         wait_ready(client)
         response = client.post("/models/reload")
         assert response.status_code == 422 and "another version" in response.json()["detail"]
@@ -222,7 +255,7 @@ def test_a_failed_reload_keeps_the_model_in_use(trained_run_dir):
 
 
 def test_a_slow_diagnosis_times_out_with_504(flagged_trace):
-    app = create_app(StandInDetector(delay_s=0.5), ServingSettings(request_timeout_s=0.1))
+    app = create_app(StandInDetector(delay_s=0.5), keyed_settings(request_timeout_s=0.1))
     with TestClient(app) as client:
         response = client.post("/diagnose", content=to_otlp_proto_bytes(flagged_trace[0]), headers=PROTOBUF)
     assert response.status_code == 504 and "longer than 0.1 s" in response.json()["detail"]

@@ -17,3 +17,12 @@ def test_consume_with_a_missing_model_says_so(tmp_path):
     assert result.exit_code == 1
     assert result.output.startswith("Error: ") and "nowhere" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_serve_refuses_to_start_without_a_key_and_says_how(tmp_path, monkeypatch):
+    monkeypatch.delenv("BMEG_API_KEY", raising=False)
+    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path)])
+    assert result.exit_code == 1 and "no API key: set BMEG_API_KEY" in result.output and "--no-auth" in result.output
+    monkeypatch.setenv("BMEG_API_KEY", "")
+    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--no-auth"])
+    assert result.exit_code == 1 and "BMEG_API_KEY is empty" in result.output

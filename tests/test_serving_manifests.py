@@ -12,7 +12,7 @@ import yaml
 from bmeg.cli.serving import consume, serve
 from bmeg.serving.app import create_app
 from bmeg.serving.settings import ServingSettings
-from serving_fixtures import StandInDetector
+from serving_fixtures import StandInDetector, keyed_settings
 
 KUBERNETES = Path(__file__).resolve().parents[1] / "serving" / "kubernetes"
 
@@ -31,7 +31,7 @@ def test_the_expected_objects_are_there(objects):
     assert set(objects) == {("ConfigMap", "bmeg-serving"), ("ConfigMap", "bmeg-consumer"),
                             ("PersistentVolumeClaim", "bmeg-models"), ("Deployment", "bmeg-server"),
                             ("Service", "bmeg-server"), ("Deployment", "bmeg-consumer"),
-                            ("Service", "bmeg-consumer-metrics")}
+                            ("Service", "bmeg-consumer-metrics"), ("ScaledObject", "bmeg-consumer")}
 
 
 def test_every_container_has_probes_and_resource_requests(objects):
@@ -42,7 +42,7 @@ def test_every_container_has_probes_and_resource_requests(objects):
 
 
 def test_server_probes_are_routes_of_the_app(objects):
-    routes = {getattr(route, "path", None) for route in create_app(StandInDetector()).routes}
+    routes = {getattr(route, "path", None) for route in create_app(StandInDetector(), keyed_settings()).routes}
     (server,) = containers(objects["Deployment", "bmeg-server"])
     probed = {server[probe]["httpGet"]["path"] for probe in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert probed == {"/healthz", "/readyz"} and probed <= routes
@@ -74,3 +74,18 @@ def test_services_target_named_container_ports(objects):
     for name, deployment in (("bmeg-server", "bmeg-server"), ("bmeg-consumer-metrics", "bmeg-consumer")):
         ports = {port["name"] for c in containers(objects["Deployment", deployment]) for port in c["ports"]}
         assert {port["targetPort"] for port in objects["Service", name]["spec"]["ports"]} <= ports
+
+
+def test_consumer_scales_on_its_groups_lag_within_the_partitions(objects):
+    scaled, deployment = objects["ScaledObject", "bmeg-consumer"], objects["Deployment", "bmeg-consumer"]
+    config = objects["ConfigMap", "bmeg-consumer"]["data"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert "replicas" not in deployment["spec"]  # KEDA's HPA owns it
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "kafka"
+    assert trigger["metadata"]["consumerGroup"] == config["CONSUMER_GROUP"]
+    assert trigger["metadata"]["topic"] == config["SPANS_TOPIC"]
+    assert trigger["metadata"]["bootstrapServers"] == config["KAFKA_BOOTSTRAP"]
+    partitions = int(scaled["metadata"]["annotations"]["bmeg.io/topic-partitions"])
+    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"] <= partitions
+    assert trigger["metadata"]["allowIdleConsumers"] == "false"

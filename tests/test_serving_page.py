@@ -1,4 +1,6 @@
-"""The on-call page in headless Chromium: submit a trace, see the bottleneck highlighted."""
+"""The on-call page in headless Chromium: submit a trace, see the bottleneck highlighted; enter
+the API key to see recent diagnoses; script in trace strings never runs (built as text, and the
+Content-Security-Policy allows no inline script)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import uvicorn
 
 from bmeg.serving.app import create_app
 from bmeg.traces import to_otlp_proto_bytes, write_spans
-from serving_fixtures import traces_of
+from serving_fixtures import API_KEY, keyed_settings, traces_of
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +31,8 @@ def server_url(detector):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(detector), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(detector, keyed_settings()), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -58,8 +62,23 @@ def page(browser, server_url):
     requested = []
     page.on("request", lambda request: requested.append(request.url))
     page.goto(server_url)
+    enter_key(page)
     yield page
     assert all(url.startswith(server_url) for url in requested), f"the page fetched from elsewhere: {requested}"
+    page.close()
+
+
+def enter_key(page) -> None:
+    page.fill("#api-key", API_KEY)
+    page.click("#save-key")
+    page.wait_for_function("document.querySelector('#model-info').textContent.startsWith('model: bmeg-')")
+
+
+def test_without_the_key_the_page_asks_for_it(browser, server_url):
+    page = browser.new_page()
+    page.goto(server_url)
+    page.wait_for_selector("#key-needed:not([hidden])")
+    assert page.text_content("#model-info") == "model: enter the API key to see it"
     page.close()
 
 
@@ -91,7 +110,7 @@ def test_an_uploaded_protobuf_batch_then_a_recent_diagnosis_reopens(page, hotel_
     assert page.locator("#trace-picker button").count() == 5
     assert page.locator("#window-ranking table tr").count() >= 3
 
-    page.goto(server_url)  # a fresh page: the diagnosis is in the recent list
+    page.goto(server_url)  # a fresh page: the diagnosis is in the recent list (the key is kept in the tab)
     page.click("#recent li >> nth=0")
     page.wait_for_selector("#trace-picker button")
     assert page.locator("#trace-picker button").count() == 5
@@ -103,3 +122,34 @@ def test_garbage_shows_the_servers_message(page):
     page.click("#diagnose")
     page.wait_for_selector("#error:not([hidden])")
     assert page.text_content("#error").startswith("400: malformed trace payload")
+
+
+SCRIPTS = ['<img src=x onerror="window.pwned=1">', "<script>window.pwned=1</script>",
+           '<svg onload="window.pwned=1">', '"><script>window.pwned=1</script>', "javascript:window.pwned=1"]
+
+
+def test_script_in_trace_strings_never_runs(page, flagged_trace, server_url):
+    """Service, operation and trace strings full of markup: shown as text; and the page's policy
+    forbids inline script even if one became markup (checked by injecting one)."""
+    spans, _ = flagged_trace
+    hostile = spans.set_column(spans.schema.get_field_index("operation"), "operation",
+                               pa.array([SCRIPTS[i % len(SCRIPTS)] for i in range(spans.num_rows)]))
+    hostile = hostile.set_column(hostile.schema.get_field_index("service"), "service",
+                                 pa.array([f"{s}{SCRIPTS[i % len(SCRIPTS)]}" for i, s in enumerate(spans["service"].to_pylist())]))
+    buffer = io.BytesIO()
+    write_spans(hostile, buffer, "otlp-json")
+    page.fill("#trace-text", buffer.getvalue().decode())
+    page.click("#diagnose")
+    page.wait_for_selector("#verdict strong")
+    page.click("#recent li >> nth=0")
+    page.wait_for_selector("#verdict strong")
+    assert page.evaluate("window.pwned") is None
+    assert any(SCRIPTS[1] in text for text in page.locator("#critical-path li").all_text_contents())
+    # were a string ever to become markup, the policy would still stop it
+    page.evaluate("""() => { const box = document.createElement('div');
+        box.innerHTML = '<img src=x onerror="window.pwned=1">'; document.body.append(box);
+        const s = document.createElement('script'); s.textContent = 'window.pwned=2'; document.body.append(s); }""")
+    page.wait_for_timeout(300)
+    assert page.evaluate("window.pwned") is None
+    headers = page.request.get(server_url).headers
+    assert "script-src 'self'" in headers["content-security-policy"] and headers["x-content-type-options"] == "nosniff"

@@ -123,7 +123,7 @@ def test_payloads_that_do_not_parse_or_pass_the_span_limit_are_refused_with_thei
                                            Payload(b"{\"resourceSpans\": []}", "application/json"), payload_of(["ok"])], False, LIMITS)
 
     assert [(a.status, a.message.split(":")[0]) for a in answers[:3]] == [
-        (400, "malformed trace payload"), (413, "101 spans is over the limit of 100 per request"),
+        (400, "malformed trace payload"), (413, "101 spans is over the limit of 100 per request (BMEG_MAX_SPANS)"),
         (400, "the payload holds no spans")]
     assert trace_names(answers[3]) == ["ok"] and detector.calls == [1]
 

@@ -1,18 +1,25 @@
 """Training to a stated minimum on small generated data, the saved run, and the CLI (integration)."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from bmeg.cli import main
+from bmeg.datasets import generate_dataset
 from bmeg.datasets.loader import load_dataset
 from bmeg.models.detector import Detector
 from bmeg.traces.io import write_spans
 from bmeg.training import train
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
 
 #: What a small run (3,000 traces, 8 epochs) must reach on its held-out 20% (55 bottlenecked traces).
 MIN_BR, MIN_BP = 0.6, 0.6
@@ -65,3 +72,44 @@ def test_two_processes_train_as_well_as_one(tmp_path, monkeypatch):
     _, two = train("socialnet", nproc=2, **options)
     assert two["bmeg"]["br"] >= one["bmeg"]["br"] - 0.15
     assert two["bmeg"]["accuracy"] >= one["bmeg"]["accuracy"] - 0.05
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_torchrun_two_nodes_train_as_well_as_one_process(tmp_path, monkeypatch):
+    """`torchrun --nnodes 2 --nproc-per-node 1` twice on this machine, as two nodes would start
+    it (c10d rendezvous on loopback): DDP across the two, rank 0 alone writes its run."""
+    monkeypatch.setenv("BMEG_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    generate_dataset(data, "socialnet", 2000, 0.2, seed=5, progress=False)
+    _, one = train(str(data), epochs=4, seed=5, progress=False)
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "BMEG_CACHE": str(tmp_path / "cache")}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bmeg-{port}",
+             "-m", "bmeg", "train", "--dataset", str(data), "--epochs", "4", "--seed", "5",
+             "--out", str(tmp_path / f"run-{node}"), "--json"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in range(2)
+    ]
+    outputs = [node.communicate(timeout=900) for node in nodes]
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-3000:]
+    written = [tmp_path / f"run-{node}" for node in range(2) if (tmp_path / f"run-{node}").exists()]
+    printed = [stdout for stdout, _ in outputs if stdout.strip()]
+    assert len(written) == 1 and len(printed) == 1  # rank 0 alone writes and prints
+    two = json.loads(printed[0])
+    assert json.loads((written[0] / "metrics.json").read_text())["bmeg"] == two["bmeg"]
+    assert two["history"]["dgcnn"]["processes"] == two["history"]["gcn"]["processes"] == 2
+    assert one["history"]["dgcnn"]["processes"] == 1
+    # the thresholds of the --nproc test above
+    assert two["bmeg"]["br"] >= one["bmeg"]["br"] - 0.15
+    assert two["bmeg"]["accuracy"] >= one["bmeg"]["accuracy"] - 0.05
+    Detector.load(written[0])  # a whole run

@@ -18,6 +18,7 @@ COMMANDS = {
     "train": "bmeg.cli.models:train",
     "critical-path": "bmeg.cli.graphs:critical_path",
     "generate": "bmeg.cli.generate:generate",
+    "datasets": "bmeg.cli.datasets:datasets",
     "twin": "bmeg.cli.realtraces:twin",
     "evaluate": "bmeg.cli.realtraces:evaluate",
     "bootstrap": "bmeg.cli.realtraces:bootstrap",

@@ -2,6 +2,9 @@
 
   bmeg mitigate --sim socialnet --scenario FILE [--json]     closed loop on the simulator
   bmeg mitigate --kubeconfig PATH --bootstrap HOST:PORT      on a cluster, fed by Kafka diagnoses
+  bmeg mitigate --in-cluster --bootstrap HOST:PORT           the same from a pod (mitigation/controller.yaml)
+                [--leader-elect]                             ... by the replica holding the Lease only
+  bmeg mitigate rbac --topology APP --namespace NS           the controller's Role, from the topology
   bmeg mitigate plan DIAGNOSIS.json [--telemetry FILE]       decisions for one diagnosis
   bmeg mitigate log [--json]                                 the audit log
 """
@@ -28,18 +31,26 @@ from bmeg.cli.output import json_option, print_json, print_table
 @click.option("--seed", default=0, show_default=True)
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Act on the cluster of this kubeconfig, fed by diagnoses from Kafka.")
+@click.option("--in-cluster", is_flag=True, help="Act on the cluster this pod runs in, as its ServiceAccount.")
+@click.option("--topology", "topology_name", default="socialnet", show_default=True,
+              help="The application's topology (name or spec file): the only services acted on.")
 @click.option("--namespace", default="socialnet", show_default=True)
 @click.option("--bootstrap", default="127.0.0.1:9092", show_default=True, help="Kafka bootstrap servers.")
 @click.option("--topic", default="bmeg.mitigations", show_default=True)
 @click.option("--max-messages", type=int, help="Stop after this many diagnoses (default: run until stopped).")
 @click.option("--apply", "apply_changes", is_flag=True, help="Really act (the default is a dry run).")
+@click.option("--leader-elect", is_flag=True,
+              help="Act only while holding the Lease bmeg-mitigation (run several replicas; one acts).")
+@click.option("--lease-namespace", default="bmeg", show_default=True, help="Namespace of the Lease.")
+@click.option("--identity", help="This replica's name in the Lease (default: $POD_NAME, else host-pid).")
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Safety policy YAML (default: the shipped bmeg/mitigation/policy.yaml).")
 @click.option("--audit", "audit_path", type=click.Path(dir_okay=False, path_type=Path), help="Audit log SQLite file.")
 @json_option
 @click.pass_context
-def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, seed, kubeconfig, namespace, bootstrap,
-             topic, max_messages, apply_changes, policy_path, audit_path, as_json) -> None:
+def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, seed, kubeconfig, in_cluster, topology_name,
+             namespace, bootstrap, topic, max_messages, apply_changes, leader_elect, lease_namespace, identity, policy_path,
+             audit_path, as_json) -> None:
     """Scale or retune the services a diagnosis names, safely (dry run unless --apply).
 
     \b
@@ -55,12 +66,14 @@ def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, see
     """
     if ctx.invoked_subcommand is not None:
         return
-    if application and kubeconfig:
-        raise click.UsageError("give --sim or --kubeconfig, not both")
+    if sum(map(bool, (application, kubeconfig, in_cluster))) > 1:
+        raise click.UsageError("give one of --sim, --kubeconfig and --in-cluster")
     if application:
         _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, as_json)
-    elif kubeconfig:
-        _on_cluster(kubeconfig, namespace, bootstrap, topic, max_messages, apply_changes, policy_path, audit_path, as_json)
+    elif kubeconfig or in_cluster:
+        election = _election(identity, lease_namespace) if leader_elect else None
+        _on_cluster(kubeconfig, topology_name, namespace, bootstrap, topic, max_messages, apply_changes, policy_path,
+                    audit_path, as_json, election)
     else:
         click.echo(ctx.get_help())
 
@@ -119,24 +132,77 @@ def _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, 
                 title="HPA actions")
 
 
-def _on_cluster(kubeconfig, namespace, bootstrap, topic, max_messages, apply_changes, policy_path, audit_path, as_json) -> None:
-    from kubernetes import config
+def _topology(name: str):
+    from bmeg.faultinject import SpecError, load_topology
 
-    from bmeg.mitigation import AuditLog, Controller, load_catalogue
+    try:
+        return load_topology(name)
+    except SpecError as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _election(identity: str | None, lease_namespace: str):
+    from bmeg.mitigation.leader import Election, default_identity
+
+    try:
+        return Election(identity=identity or default_identity(), namespace=lease_namespace)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+
+
+def _on_cluster(kubeconfig, topology_name, namespace, bootstrap, topic, max_messages, apply_changes, policy_path,
+                audit_path, as_json, election=None) -> None:
+    import signal
+    import sys
+
+    from bmeg.mitigation import ActionError, AuditLog, Controller, load_catalogue
     from bmeg.mitigation.audit import default_audit_path
     from bmeg.mitigation.feed import consume
-    from bmeg.mitigation.kubernetes import KubernetesExecutor
+    from bmeg.mitigation.kubernetes import KubernetesExecutor, api_client
 
     catalogue = load_catalogue()
-    api = config.new_client_from_config(config_file=str(kubeconfig))
+    services = _topology(topology_name).services
+    try:
+        api = api_client(kubeconfig)
+    except ActionError as error:
+        raise click.ClickException(str(error)) from None
     policy = _policy(policy_path, **({"dry_run": False} if apply_changes else {}))
     audit = AuditLog(audit_path or default_audit_path())
-    controller = Controller(KubernetesExecutor(api, namespace, catalogue), catalogue, policy, audit)
-    for outcomes in consume(controller, bootstrap, topic, max_messages=max_messages):
-        for outcome in outcomes:
-            row = {"service": outcome.decision.service, "action": outcome.decision.action,
-                   "status": outcome.status, "detail": outcome.detail}
-            click.echo(json.dumps(row) if as_json else f"{row['service']}: {row['action']} {row['status']} ({row['detail']})")
+    controller = Controller(KubernetesExecutor(api, namespace, catalogue), catalogue, policy, audit, services=services)
+
+    def act(stop=None) -> None:
+        for outcomes in consume(controller, bootstrap, topic, max_messages=max_messages, stop=stop):
+            for outcome in outcomes:
+                row = {"service": outcome.decision.service, "action": outcome.decision.action,
+                       "status": outcome.status, "detail": outcome.detail}
+                click.echo(json.dumps(row) if as_json else f"{row['service']}: {row['action']} {row['status']} ({row['detail']})")
+
+    if election is None:
+        act()
+        return
+    from bmeg.mitigation.leader import lead
+
+    # SIGTERM (a rolling update, a scale-in) ends leadership cleanly: the Lease is released
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    lead(api, election, act)
+
+
+@mitigate.command()
+@click.option("--topology", "topology_name", default="socialnet", show_default=True, help="Topology name or spec file.")
+@click.option("--namespace", default="socialnet", show_default=True, help="The application's namespace.")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), help="Write here (default: stdout).")
+def rbac(topology_name: str, namespace: str, out: Path | None) -> None:
+    """The controller's ServiceAccount, Roles and RoleBindings: only the verbs it uses, only on the
+    topology's Deployments (and their ConfigMaps and autoscalers) by name."""
+    from bmeg.mitigation import load_catalogue
+    from bmeg.mitigation.rbac import controller_rbac, render
+
+    topology = _topology(topology_name)
+    text = render(controller_rbac(topology.services, namespace, load_catalogue()), topology_name, namespace)
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        out.write_text(text)
 
 
 @mitigate.command()

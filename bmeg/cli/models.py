@@ -29,15 +29,19 @@ def metrics_rows(metrics: dict, models=("bmeg", "svm")) -> list[dict]:
 @click.option("--features", type=click.Choice(["full", "thesis"]), default=None, help="[default: full]")
 @click.option("--loss", type=click.Choice(["weighted", "focal", "sampling", "plain"]), default=None, help="[default: weighted]")
 @click.option("--device", default=None, help="auto, cpu, cuda, cuda:1, ... [default: auto]")
-@click.option("--nproc", type=int, default=None, help="Processes for distributed training [default: 1].")
+@click.option("--nproc", type=int, default=None,
+              help="Processes for distributed training on this machine [default: 1]; across machines, "
+                   "start `bmeg train` with torchrun instead (python -m torch.distributed.run ... -m bmeg train).")
 @click.option("--seed", type=int, default=None, help="[default: 0]")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory (default: the cache).")
 @json_option
 def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, device, nproc, seed, out, as_json) -> None:
-    """Train both GNN stages and the SVM, evaluate on the held-out 20%, save the run."""
+    """Train both GNN stages and the SVM, evaluate on the held-out 20%, save the run.
+
+    Started by torchrun, the processes train together (DDP) and only rank 0 saves and prints."""
     from bmeg.models.detector import default_run_dir
     from bmeg.training.pipeline import TrainConfig, load_recipe, run
-    from bmeg.training.trainer import FitConfig
+    from bmeg.training.trainer import FitConfig, is_main_process, torchrun_group
 
     given = lambda **options: {k: v for k, v in options.items() if v is not None}  # noqa: E731
     overrides = given(dataset=dataset, traces=traces, imbalance=imbalance, scenario=scenario, features=features, seed=seed)
@@ -47,7 +51,11 @@ def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, 
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     out = out or default_run_dir(Path(config.dataset).name)
+    if config.fit.nproc > 1 and torchrun_group() is not None:
+        raise click.UsageError("under torchrun, start more processes with its --nproc-per-node, not --nproc")
     _, metrics = run(config, out)
+    if not is_main_process():
+        return
     if as_json:
         print_json(metrics)
         return

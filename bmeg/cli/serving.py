@@ -21,9 +21,9 @@ def _limit_torch_threads() -> None:
     """Small graphs run fastest single-threaded; BMEG_TORCH_THREADS overrides."""
     import torch
 
-    from bmeg.serving.settings import ServingSettings
+    from bmeg.serving.settings import TorchSettings
 
-    torch.set_num_threads(ServingSettings().torch_threads)
+    torch.set_num_threads(TorchSettings().torch_threads)
 
 
 @click.command("serve")
@@ -35,26 +35,41 @@ def _limit_torch_threads() -> None:
 @click.option("--model-process/--in-process", default=False, show_default=True,
               help="Run the model in a child process of its own (a crash there does not take the server "
                    "down) or on a thread of the server (faster on 2 cores: see README, Results).")
-def serve(run_dir: Path | None, device: str, host: str, port: int, log_level: str, model_process: bool) -> None:
+@click.option("--no-auth", is_flag=True, help="Serve without an API key (local use only): anyone who reaches the "
+                                              "server may reload the model and read every recent diagnosis.")
+def serve(run_dir: Path | None, device: str, host: str, port: int, log_level: str, model_process: bool,
+          no_auth: bool) -> None:
     """Serve POST /diagnose, the web page (/), /metrics, /healthz and /readyz.
 
-    Limits and the API key come from the environment: BMEG_MAX_BODY_BYTES, BMEG_MAX_SPANS,
-    BMEG_REQUEST_TIMEOUT_S, BMEG_API_KEY, BMEG_RECENT_DIAGNOSES, BMEG_MAX_BATCH_SPANS,
-    BMEG_BATCH_INTERVAL_MS, BMEG_TORCH_THREADS.
+    The API key (BMEG_API_KEY, sent as X-API-Key) guards POST /models/reload, GET /models and
+    GET /diagnoses/*; without one the server refuses to start unless given --no-auth. Limits come
+    from the environment (BMEG_MAX_BODY_BYTES, BMEG_MAX_SPANS, BMEG_MAX_TRACES, ...: see
+    `bmeg.serving.settings` and the README).
     """
     import uvicorn
+    from pydantic import ValidationError
 
     from bmeg.models.detector import Detector, default_run_dir
     from bmeg.serving.app import create_app
+    from bmeg.serving.httpserver import config
     from bmeg.serving.model_process import ModelProcess
     from bmeg.serving.settings import ServingSettings
 
+    try:
+        settings = ServingSettings(**({"no_auth": True} if no_auth else {}))
+    except ValidationError as error:
+        raise click.ClickException("; ".join(e["msg"].removeprefix("Value error, ") for e in error.errors())) from None
+    if settings.api_key is None:
+        click.echo("WARNING: serving WITHOUT authentication (--no-auth): anyone who reaches this server may reload "
+                   "the model and read every recent diagnosis. For local use only.", err=True)
+    else:
+        click.echo("authentication on: POST /models/reload, GET /models and GET /diagnoses/* need the X-API-Key "
+                   "header", err=True)
     _limit_torch_threads()
     run_dir = run_dir or default_run_dir()
-    loader = (partial(ModelProcess, run_dir, device, ServingSettings().torch_threads) if model_process
+    loader = (partial(ModelProcess, run_dir, device, settings.torch_threads) if model_process
               else partial(Detector.load, run_dir, device=device))
-    app = create_app(loader)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.Server(config(create_app(loader, settings), host, port, settings, log_level=log_level)).run()
 
 
 @click.command("consume")

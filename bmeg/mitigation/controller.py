@@ -6,12 +6,15 @@ has passed and rolls back those that did not improve the p95 latencies. Where th
 can probe (the simulator), a retune's value comes from an online HybridBandits search around
 the current value, each candidate judged TUNA-style on several replicas (`search_around`);
 elsewhere it is the catalogue's default the planner proposed. Everything it
-decides or does goes to the audit log. Time is passed in (`now`, seconds), so the same code
+decides or does goes to the audit log. Given the application's `services` (its topology), it
+acts on nothing else: a service name comes from spans, which anyone who can send a trace
+writes, so a name outside the topology is refused, never looked up. Time is passed in (`now`, seconds), so the same code
 runs against wall-clock time on a cluster and simulated time on the simulator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from bmeg.diagnosis import Diagnosis
@@ -43,8 +46,9 @@ class Pending:
 
 class Controller:
     def __init__(self, executor: Executor, catalogue: Catalogue, policy: SafetyPolicy, audit: AuditLog,
-                 planner_policy: PlannerPolicy = PlannerPolicy()):
+                 planner_policy: PlannerPolicy = PlannerPolicy(), services: Collection[str] | None = None):
         self.executor = executor
+        self.services = None if services is None else frozenset(services)  # None: any (the simulator's own)
         self.catalogue = catalogue
         self.policy = policy
         self.audit = audit
@@ -64,6 +68,8 @@ class Controller:
         self.audit.append("decision", decision.service, decision.action, decision.source, dry_run=dry, at=now,
                           details={"confidence": decision.confidence, "reason": decision.reason, "target": decision.target})
         refusal = self.guard.refusal(decision, now)
+        if self.services is not None and decision.service not in self.services:
+            refusal = "not a service of the application's topology: bmeg acts only on those"
         if refusal is None and decision.service in {p.applied.service for p in self.pending}:
             refusal = "an earlier action on it is still being verified"
         if refusal is None and (decision.service, decision.action) in self.rolled_back:

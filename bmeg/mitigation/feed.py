@@ -4,7 +4,9 @@ Each message on the topic (default `bmeg.mitigations`) is one JSON `Diagnosis`. 
 controller first verifies earlier actions against the latencies the diagnosis carries (the
 application's p95 over its traces, each service's p95), then plans and acts with telemetry
 read from the Deployments. A message that is not a valid Diagnosis is audited as an error
-and skipped; offsets are committed after a message is handled.
+and skipped; offsets are committed after a message is handled. With `stop` (set when this
+controller is no longer the leader, `bmeg.mitigation.leader`), no message is handled once it
+is set: the next leader reads the uncommitted ones again.
 
 A controller acts on the cluster as it is now: a group new to the topic starts at its end
 (not at diagnoses of long ago), and a diagnosis older than `max_age_s` (its newest trace's
@@ -15,6 +17,7 @@ left while the controller was down.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -89,7 +92,8 @@ def handle_message(controller: Controller, payload: bytes, now: float, published
 
 def consume(controller: Controller, bootstrap: str, topic: str = DEFAULT_TOPIC, group: str = "bmeg-mitigation",
             max_messages: int | None = None, idle_timeout_s: float | None = None,
-            max_age_s: float = DEFAULT_MAX_AGE_S, offset_reset: str = "latest") -> Iterator[list[Outcome]]:
+            max_age_s: float = DEFAULT_MAX_AGE_S, offset_reset: str = "latest",
+            stop: threading.Event | None = None) -> Iterator[list[Outcome]]:
     """Handle messages until `max_messages` (or forever); yields each message's outcomes."""
     from kafka import KafkaConsumer
 
@@ -97,14 +101,16 @@ def consume(controller: Controller, bootstrap: str, topic: str = DEFAULT_TOPIC, 
                              auto_offset_reset=offset_reset,
                              consumer_timeout_ms=int(idle_timeout_s * 1000) if idle_timeout_s else float("inf"))
     try:
-        yield from _handle_all(controller, consumer, max_messages, max_age_s)
+        yield from _handle_all(controller, consumer, max_messages, max_age_s, stop)
     finally:
         consumer.close()
 
 
 def _handle_all(controller: Controller, consumer: Iterable, max_messages: int | None,
-                max_age_s: float) -> Iterator[list[Outcome]]:
+                max_age_s: float, stop: threading.Event | None = None) -> Iterator[list[Outcome]]:
     for count, message in enumerate(consumer, start=1):
+        if stop is not None and stop.is_set():
+            return
         published_at = message.timestamp / 1e3 if getattr(message, "timestamp", -1) >= 0 else None
         yield handle_message(controller, message.value, time.time(), published_at, max_age_s)
         consumer.commit()

@@ -1,6 +1,10 @@
 """`KubernetesExecutor`: mitigation actions on a real cluster, with the official client.
 
-- scale out: the Deployment's scale subresource (`patch_namespaced_deployment_scale`);
+- scale out: the Deployment's scale subresource (`patch_namespaced_deployment_scale`), unless an
+  autoscaler owns its replicas: then the autoscaler's bounds change instead (a KEDA ScaledObject's
+  `minReplicaCount`/`maxReplicaCount`, else an autoscaling/v2 HPA's `minReplicas`/`maxReplicas`;
+  KEDA's own HPA is left to KEDA), since patching the replicas under an autoscaler starts a
+  tug of war (it undoes the change, bmeg sees no improvement and rolls back);
 - scale up: a strategic-merge patch of the container's CPU / memory limits;
 - retune: an environment variable of the container, or a ConfigMap key plus a pod-template
   annotation that rolls the Deployment so the pods read the new value;
@@ -9,17 +13,25 @@
 
 Every change annotates the Deployment with what changed and the previous value
 (`bmeg.io/last-action`), so an operator sees it with `kubectl describe`, and returns an
-`Applied` that `rollback` undoes. A 403 from RBAC becomes `ActionForbidden`.
+`Applied` that `rollback` undoes. A 403 from RBAC becomes `ActionForbidden`. The calls made are
+exactly those the generated Role grants (`bmeg.mitigation.rbac`).
+
+`api_client` connects from a kubeconfig, or, in a pod, with the pod's ServiceAccount
+(`config.load_incluster_config()`'s loader).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from kubernetes import client
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from kubernetes.config.incluster_config import SERVICE_CERT_FILENAME, SERVICE_TOKEN_FILENAME, InClusterConfigLoader
 
 from bmeg.mitigation.catalogue import Catalogue, Parameter
 from bmeg.mitigation.executor import ActionError, ActionForbidden, Applied, ServiceState
@@ -28,6 +40,36 @@ STRATEGIC = "application/strategic-merge-patch+json"
 ANNOTATION = "bmeg.io/last-action"
 MIGRATED = "bmeg.io/migrated"
 INTERFERENCE_LABELS = {"bmeg.io/role": "interference"}
+KEDA = ("keda.sh", "v1alpha1", "scaledobjects")
+KEDA_DEFAULT_MIN, KEDA_DEFAULT_MAX = 0, 100  # KEDA's defaults for minReplicaCount, maxReplicaCount
+
+
+def api_client(kubeconfig: Path | None = None, environ: dict[str, str] | None = None,
+               token_file: str = SERVICE_TOKEN_FILENAME, ca_file: str = SERVICE_CERT_FILENAME) -> client.ApiClient:
+    """A client from `kubeconfig`, else the pod's own (in-cluster) configuration: its ServiceAccount's
+    token and CA, the API server from `KUBERNETES_SERVICE_HOST`/`_PORT` (what
+    `config.load_incluster_config()` reads; the files are parameters so tests can point them elsewhere)."""
+    if kubeconfig is not None:
+        return config.new_client_from_config(config_file=str(kubeconfig))
+    environ = dict(os.environ if environ is None else environ)
+    if "KUBERNETES_SERVICE_HOST" not in environ:
+        raise ActionError("not in a pod (no KUBERNETES_SERVICE_HOST): give --kubeconfig")
+    configuration = client.Configuration()
+    try:
+        InClusterConfigLoader(token_file, ca_file, environ=environ).load_and_set(configuration)
+    except config.ConfigException as error:
+        raise ActionError(f"in-cluster configuration: {error}") from None
+    return client.ApiClient(configuration)
+
+
+@dataclass(frozen=True)
+class Autoscaler:
+    """What owns a Deployment's replicas: an HPA or a KEDA ScaledObject, with its bounds."""
+
+    kind: str  # "HorizontalPodAutoscaler" or "ScaledObject"
+    name: str
+    min_replicas: int
+    max_replicas: int
 
 
 def cpu_cores(quantity: str | None) -> float | None:
@@ -64,6 +106,8 @@ class KubernetesExecutor:
     def __init__(self, api: client.ApiClient, namespace: str, catalogue: Catalogue, manager: str = "bmeg-mitigation"):
         self.apps = client.AppsV1Api(api)
         self.core = client.CoreV1Api(api)
+        self.autoscaling = client.AutoscalingV2Api(api)
+        self.custom = client.CustomObjectsApi(api)
         self.namespace = namespace
         self.catalogue = catalogue
         self.manager = manager
@@ -91,13 +135,59 @@ class KubernetesExecutor:
         return (configmap.data or {}).get(parameter.configmap.key)
 
     # ---- actions ------------------------------------------------------------------------
+    def autoscaler(self, service: str) -> Autoscaler | None:
+        """The ScaledObject or HPA whose target is the Deployment `service`, if any."""
+        try:
+            scaled = self.custom.list_namespaced_custom_object(*KEDA[:2], self.namespace, KEDA[2])["items"]
+        except ApiException as error:
+            if error.status != 404:  # 404: KEDA is not installed
+                raise self._error(f"list scaledobjects (for {service})", error) from None
+            scaled = []
+        for item in scaled:
+            target, spec = item["spec"].get("scaleTargetRef", {}), item["spec"]
+            if target.get("kind", "Deployment") == "Deployment" and target.get("name") == service:
+                return Autoscaler("ScaledObject", item["metadata"]["name"], int(spec.get("minReplicaCount", KEDA_DEFAULT_MIN)),
+                                  int(spec.get("maxReplicaCount", KEDA_DEFAULT_MAX)))
+        hpas = self._call(f"list horizontalpodautoscalers (for {service})",
+                          self.autoscaling.list_namespaced_horizontal_pod_autoscaler, self.namespace).items
+        for hpa in hpas:
+            target = hpa.spec.scale_target_ref
+            if target.kind == "Deployment" and target.name == service:
+                return Autoscaler("HorizontalPodAutoscaler", hpa.metadata.name, hpa.spec.min_replicas or 1,
+                                  hpa.spec.max_replicas)
+        return None
+
     def scale(self, service: str, replicas: int) -> Applied:
         before = self.state(service)
-        self._call(f"scale deployment {service}", self.apps.patch_namespaced_deployment_scale, service, self.namespace,
-                   {"spec": {"replicas": int(replicas)}}, _content_type=STRATEGIC)
-        applied = Applied(service, "scale", {"replicas": before.replicas}, {"replicas": int(replicas)})
+        replicas = int(replicas)
+        owner = self.autoscaler(service)
+        if owner is None:
+            self._patch_scale(service, replicas)
+            applied = Applied(service, "scale", {"replicas": before.replicas}, {"replicas": replicas})
+        else:  # more replicas: raise the floor; fewer: lower the ceiling
+            low, high = ((replicas, max(owner.max_replicas, replicas)) if replicas >= before.replicas
+                         else (min(owner.min_replicas, replicas), replicas))
+            self._patch_bounds(owner, low, high)
+            named = f"{owner.kind}/{owner.name}"
+            applied = Applied(service, "scale",
+                              {"replicas": before.replicas, "autoscaler": named, "min_replicas": owner.min_replicas,
+                               "max_replicas": owner.max_replicas},
+                              {"replicas": replicas, "autoscaler": named, "min_replicas": low, "max_replicas": high})
         self._annotate(applied)
         return applied
+
+    def _patch_scale(self, service: str, replicas: int) -> None:
+        self._call(f"scale deployment {service}", self.apps.patch_namespaced_deployment_scale, service, self.namespace,
+                   {"spec": {"replicas": replicas}}, _content_type=STRATEGIC)
+
+    def _patch_bounds(self, owner: Autoscaler, low: int, high: int) -> None:
+        what = f"patch {owner.kind} {owner.name} (it owns the replicas)"
+        if owner.kind == "ScaledObject":
+            self._call(what, self.custom.patch_namespaced_custom_object, *KEDA[:2], self.namespace, KEDA[2], owner.name,
+                       {"spec": {"minReplicaCount": low, "maxReplicaCount": high}})
+        else:
+            self._call(what, self.autoscaling.patch_namespaced_horizontal_pod_autoscaler, owner.name, self.namespace,
+                       {"spec": {"minReplicas": low, "maxReplicas": high}})
 
     def set_resources(self, service: str, *, cpu_cores: float | None = None, memory_mb: float | None = None) -> Applied:
         before = self.state(service)
@@ -155,7 +245,12 @@ class KubernetesExecutor:
 
     def rollback(self, applied: Applied) -> Applied:
         service = applied.service
-        if applied.action == "scale":
+        if applied.action == "scale" and "autoscaler" in applied.previous:
+            kind, _, name = str(applied.previous["autoscaler"]).partition("/")
+            owner = Autoscaler(kind, name, int(applied.new["min_replicas"]), int(applied.new["max_replicas"]))
+            self._patch_bounds(owner, int(applied.previous["min_replicas"]), int(applied.previous["max_replicas"]))
+            undone = Applied(service, "scale", dict(applied.new), dict(applied.previous))
+        elif applied.action == "scale":
             undone = self.scale(service, int(applied.previous["replicas"]))
         elif applied.action == "resources":
             self._patch_limits(service, dict(applied.previous))
@@ -204,10 +299,13 @@ class KubernetesExecutor:
         try:
             return method(*args, **kwargs)
         except ApiException as error:
-            message = _api_message(error)
-            if error.status == 403:
-                raise ActionForbidden(f"{what} in namespace {self.namespace}: forbidden: {message}") from None
-            raise ActionError(f"{what} in namespace {self.namespace}: HTTP {error.status}: {message}") from None
+            raise self._error(what, error) from None
+
+    def _error(self, what: str, error: ApiException) -> ActionError:
+        message = _api_message(error)
+        if error.status == 403:
+            return ActionForbidden(f"{what} in namespace {self.namespace}: forbidden: {message}")
+        return ActionError(f"{what} in namespace {self.namespace}: HTTP {error.status}: {message}")
 
 
 def _parameter_text(parameter: Parameter, value: float | str) -> str:

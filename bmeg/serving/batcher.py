@@ -16,7 +16,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from bmeg.serving.model import ModelSlot
-from bmeg.serving.payloads import Answer, Limits, Payload
+from bmeg.serving.payloads import Answer, Limits, Parts, Payload
 
 
 @dataclass
@@ -44,8 +44,9 @@ class MicroBatcher:
         if self._worker is not None:
             self._worker.cancel()
 
-    async def diagnose(self, payload: Payload, window: bool) -> Answer:
-        """Queue one request's body; raises what the model side answered for it (mostly `RequestRefused`)."""
+    async def diagnose(self, payload: Payload, window: bool) -> Answer | Parts:
+        """Queue one request's body; its answer (or, for a large one, its `Parts` to queue again);
+        raises what the model side answered for it (mostly `RequestRefused`)."""
         request = _Request(payload, window, asyncio.get_running_loop().create_future())
         await self._queue.put(request)
         return await request.done
@@ -83,7 +84,7 @@ class MicroBatcher:
             _settle(request, answer)
 
 
-def _settle(request: _Request, answer: Answer | Exception) -> None:
+def _settle(request: _Request, answer: Answer | Parts | Exception) -> None:
     if request.done.done():  # its caller gave up (timeout, disconnect)
         return
     if isinstance(answer, Exception):

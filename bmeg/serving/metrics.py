@@ -1,11 +1,20 @@
-"""Prometheus metrics of the server, in a registry of their own (one per app, so tests can build many)."""
+"""Prometheus metrics of the server, in a registry of their own (one per app, so tests can build many).
+
+Labels are bounded: `service` is one of the model's services (its training vocabulary) or
+`other`, since service names come from spans, which anyone who can send a trace writes (60,000
+invented names made a 25 MB `/metrics` page); `route` is a route template or `<unmatched>`.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from collections.abc import Iterable
+
 from bmeg.diagnosis import Diagnosis
 
+#: The `service` label of every service the model does not know.
+OTHER = "other"
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -23,6 +32,11 @@ class ServerMetrics:
                                    registry=self.registry)
         self.model = Info("bmeg_model", "The model in use.", registry=self.registry)
         self.model_loaded = Gauge("bmeg_model_loaded", "1 when a model is loaded and ready.", registry=self.registry)
+        self.services: frozenset[str] = frozenset()
+
+    def know_services(self, services: Iterable[str]) -> None:
+        """The services that get a label of their own (the model's); the rest count as `other`."""
+        self.services = frozenset(services) - {OTHER}
 
     def count_diagnosis(self, diagnosis: Diagnosis) -> None:
         self.traces.inc(len(diagnosis.traces))
@@ -31,4 +45,4 @@ class ServerMetrics:
         for trace in diagnosis.anomalous:
             for score in trace.bottlenecks:
                 if score.bottleneck:
-                    self.bottlenecks.labels(score.service).inc()
+                    self.bottlenecks.labels(score.service if score.service in self.services else OTHER).inc()

@@ -1,4 +1,8 @@
-"""The model the server uses: loaded in the background, swapped on reload, used one call at a time."""
+"""The model the server uses: loaded in the background, swapped on reload, used one call at a time.
+
+The model and its `ModelInfo` change together: they are one `_Loaded` pair, assigned in one
+step, so `/readyz` never says ready while `/models` has no model yet.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -14,7 +19,7 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from bmeg.diagnosis import Diagnosis
-from bmeg.serving.payloads import Answer, Limits, Payload, diagnose_payloads
+from bmeg.serving.payloads import Answer, Limits, Parts, Payload, diagnose_payloads
 
 
 @runtime_checkable
@@ -47,30 +52,41 @@ class ModelState(BaseModel):
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class _Loaded:
+    model: DiagnosisModel
+    info: ModelInfo
+
+
 class ModelSlot:
     """Holds the detector. The detector keeps the SVM's window of recent traces, so calls are serialised."""
 
     def __init__(self, model_or_loader: DiagnosisModel | Loader):
+        self._loaded: _Loaded | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
         if isinstance(model_or_loader, DiagnosisModel):
             self._loader: Loader | None = None
             self._set(model_or_loader)
         else:
             self._loader = model_or_loader
-            self._model: DiagnosisModel | None = None
-            self._info: ModelInfo | None = None
-        self.error: str | None = None
-        self._lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
-        return self._model is not None
+        return self._loaded is not None
 
     @property
     def can_reload(self) -> bool:
         return self._loader is not None
 
+    @property
+    def model(self) -> DiagnosisModel | None:
+        loaded = self._loaded
+        return None if loaded is None else loaded.model
+
     def state(self) -> ModelState:
-        return ModelState(ready=self.ready, model=self._info, error=self.error)
+        loaded = self._loaded  # read once: ready and info from the same pair
+        return ModelState(ready=loaded is not None, model=None if loaded is None else loaded.info, error=self.error)
 
     def load(self) -> None:
         """Load (or reload) through the loader; on failure the model in use, if any, stays."""
@@ -85,35 +101,37 @@ class ModelSlot:
             self._set(model)
             self.error = None
 
-    def diagnose_payloads(self, payloads: list[Payload], window: bool, limits: Limits) -> list[Answer | Exception]:
+    def diagnose_payloads(self, payloads: list[Payload], window: bool, limits: Limits) -> list[Answer | Parts | Exception]:
         """`bmeg.serving.payloads.diagnose_payloads` with the model in use (in its process, if it has one)."""
         with self._lock:
-            if self._model is None:
+            model = self.model
+            if model is None:
                 raise RuntimeError("no model loaded")
-            if hasattr(self._model, "diagnose_payloads"):  # a model process: the whole job runs there
-                return self._model.diagnose_payloads(payloads, window, limits)
-            return diagnose_payloads(self._model, payloads, window, limits)
+            if hasattr(model, "diagnose_payloads"):  # a model process: the whole job runs there
+                return model.diagnose_payloads(payloads, window, limits)
+            return diagnose_payloads(model, payloads, window, limits)
 
     def call(self, work: Callable[[DiagnosisModel], T]) -> T:
         """`work` with the model in use, one call at a time (`POST /v1/traces` diagnoses this way)."""
         with self._lock:
-            if self._model is None:
+            model = self.model
+            if model is None:
                 raise RuntimeError("no model loaded")
-            return work(self._model)
+            return work(model)
 
     def close(self) -> None:
         """Stop the model's process, if it has one (see `bmeg.serving.model_process`)."""
         with self._lock:
-            _close(self._model)
+            _close(self.model)
 
     def _set(self, model: DiagnosisModel) -> None:
-        previous, self._model = getattr(self, "_model", None), model
+        run_dir = getattr(model, "run_dir", None)
+        info = ModelInfo(application=model.application, version=model.version,
+                         run_dir=None if run_dir is None else str(run_dir), loaded_at=time.time())
+        previous, self._loaded = self.model, _Loaded(model, info)
         if previous is not model:
             _close(previous)
         freeze_heap()
-        run_dir = getattr(model, "run_dir", None)
-        self._info = ModelInfo(application=model.application, version=model.version,
-                               run_dir=None if run_dir is None else str(run_dir), loaded_at=time.time())
 
 
 def freeze_heap() -> None:

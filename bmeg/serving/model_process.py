@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from bmeg.diagnosis import Diagnosis
 from bmeg.serving.model import freeze_heap
-from bmeg.serving.payloads import Answer, Limits, Payload, RequestRefused, diagnose_payloads
+from bmeg.serving.payloads import Answer, Limits, Parts, Payload, RequestRefused, diagnose_payloads
 
 log = logging.getLogger(__name__)
 _detector = None  # the child's detector, set by _load
@@ -40,7 +40,7 @@ class ModelProcess:
     def __init__(self, run_dir: Path, device: str = "cpu", torch_threads: int = 1):
         self._load_args = (run_dir, device, torch_threads)
         self._start()
-        self.application, self.version, run = self._loaded
+        self.application, self.version, run, self.services = self._loaded
         self.run_dir = Path(run)
 
     @property
@@ -50,7 +50,7 @@ class ModelProcess:
     def diagnose(self, spans: pa.Table, window: bool = False) -> Diagnosis:
         return self._call(_diagnose, spans, window)
 
-    def diagnose_payloads(self, payloads: list[Payload], window: bool, limits: Limits) -> list[Answer | Exception]:
+    def diagnose_payloads(self, payloads: list[Payload], window: bool, limits: Limits) -> list[Answer | Parts | Exception]:
         """`bmeg.serving.payloads.diagnose_payloads` in the child: parsing and planning happen there too."""
         return self._call(_diagnose_payloads, payloads, window, limits)
 
@@ -76,7 +76,7 @@ class ModelProcess:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _load(run_dir: Path, device: str, torch_threads: int, parent_pid: int) -> tuple[str, str, str]:
+def _load(run_dir: Path, device: str, torch_threads: int, parent_pid: int) -> tuple[str, str, str, list[str]]:
     global _detector
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     import torch
@@ -86,7 +86,7 @@ def _load(run_dir: Path, device: str, torch_threads: int, parent_pid: int) -> tu
     torch.set_num_threads(torch_threads)
     _detector = Detector.load(run_dir, device=device)
     freeze_heap()
-    return _detector.application, _detector.version, str(_detector.run_dir)
+    return _detector.application, _detector.version, str(_detector.run_dir), list(_detector.services)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -100,5 +100,5 @@ def _diagnose(spans: pa.Table, window: bool) -> Diagnosis:
     return _detector.diagnose(spans, window=window)
 
 
-def _diagnose_payloads(payloads: list[Payload], window: bool, limits: Limits) -> list[Answer | Exception]:
+def _diagnose_payloads(payloads: list[Payload], window: bool, limits: Limits) -> list[Answer | Parts | Exception]:
     return diagnose_payloads(_detector, payloads, window, limits)

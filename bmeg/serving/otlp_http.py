@@ -4,6 +4,9 @@ send spans to bmeg without Kafka (the OTLP/HTTP specification's request and resp
 - Body: an `ExportTraceServiceRequest`, `application/x-protobuf` or `application/json` (OTLP/JSON:
   hex ids, unknown fields ignored), optionally `Content-Encoding: gzip`. The body is refused
   past `BMEG_MAX_BODY_BYTES` (413) and inflated at most to it, so a small bomb cannot take memory.
+- The API key (`BMEG_API_KEY`, sent as `X-API-Key`: the `otlphttp` exporter's `headers`) is
+  required when the server has one: what comes in here is published and may reach the
+  mitigation controller, which acts on the cluster (401 without it).
 - Answer: `ExportTraceServiceResponse` in the request's encoding (empty: every span accepted),
   once the spans are queued. The spans are assembled into traces, diagnosed and published to
   Kafka exactly as `bmeg consume` does (`bmeg.serving.ingest`).
@@ -18,6 +21,7 @@ ingest worker with the server and, at shutdown, publishes what it holds.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -29,6 +33,7 @@ from bmeg.traces import TraceInputError
 from bmeg.traces.io import read_spans_bytes
 
 PROTOBUF, JSON = "application/x-protobuf", "application/json"
+API_KEY_HEADER = "X-API-Key"  # as bmeg.serving.app's
 
 
 @asynccontextmanager
@@ -56,7 +61,7 @@ router = APIRouter(lifespan=_lifespan)
 
 
 @router.post("/v1/traces", response_class=Response,
-             responses={400: {"description": "Not an OTLP trace export"}, 404: {"description": "Off: no Kafka configured"},
+             responses={400: {"description": "Not an OTLP trace export"}, 401: {"description": "No or wrong API key"}, 404: {"description": "Off: no Kafka configured"},
                         413: {"description": "Too large"}, 415: {"description": "Unsupported content type"},
                         429: {"description": "Queue full: retry after Retry-After"},
                         503: {"description": "No model loaded, or publishing failed"}})
@@ -65,6 +70,7 @@ async def export_traces(request: Request) -> Response:
     ingest = getattr(request.app.state, "otlp_ingest", None)
     if ingest is None:
         raise HTTPException(404, "POST /v1/traces is off: set BMEG_OTLP_BOOTSTRAP to the Kafka brokers to publish to")
+    _require_key(request)
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type not in (PROTOBUF, JSON):
         raise HTTPException(415, f"content type {media_type or '(none)'}: send {PROTOBUF} or {JSON}")
@@ -85,6 +91,16 @@ async def export_traces(request: Request) -> Response:
     if media_type == JSON:
         return Response(b"{}", media_type=JSON)
     return Response(ExportTraceServiceResponse().SerializeToString(), media_type=PROTOBUF)
+
+
+def _require_key(request: Request) -> None:
+    expected = request.app.state.settings.api_key
+    if expected is None:  # the settings allow this only with no_auth
+        return
+    key = request.headers.get(API_KEY_HEADER)
+    if key is None or not secrets.compare_digest(key.encode(), expected.get_secret_value().encode()):
+        raise HTTPException(401, f"this needs the API key: send it in the {API_KEY_HEADER} header",
+                            headers={"WWW-Authenticate": API_KEY_HEADER})
 
 
 async def _body(request: Request, limit: int) -> bytes:

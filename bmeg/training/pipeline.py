@@ -3,6 +3,10 @@
 The dataset is split 80/20 per class (the thesis's protocol); a fifth of the training part,
 again per class, is held out for validation: best epochs, thresholds and the router's cut are
 chosen there, never on the test part.
+
+Started by torchrun, every process runs this whole pipeline in torchrun's process group (the
+two GNN stages train under DDP across the processes, `bmeg.training.trainer`); only rank 0
+writes the run directory. Each machine's local rank 0 loads (or generates) the dataset first.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from bmeg.models.svm import FirmSVM, critical_path_frame, firm_features
 from bmeg.training.evaluate import evaluate, true_services
 from bmeg.training.graphset import GraphSet
 from bmeg.training.plots import plot_run
-from bmeg.training.trainer import FitConfig, fit, resolve_device
+from bmeg.training.trainer import FitConfig, fit, process_group, resolve_device
 
 
 @dataclass(frozen=True)
@@ -80,11 +84,16 @@ class Labelled:
 
 
 def run(config: TrainConfig, out: Path | None = None) -> tuple[Detector, dict]:
-    """Train on `config.dataset`; returns the detector and the metrics (also written to `out`)."""
-    dataset = load_dataset(config.dataset, config.traces, config.imbalance, config.seed, config.scenario,
-                           progress=config.fit.progress)
-    data = label(dataset, config.seed)
-    detector, histories, raw = fit_detector(data, config, application=dataset.card["topology"]["name"])
+    """Train on `config.dataset`; returns the detector and the metrics (also written to `out`,
+    by rank 0 alone under torchrun)."""
+    with process_group(config.fit.device) as group:
+        dataset = group.local_leader_first(lambda: load_dataset(
+            config.dataset, config.traces, config.imbalance, config.seed, config.scenario,
+            progress=config.fit.progress and group.rank == 0))
+        data = label(dataset, config.seed)
+        detector, histories, raw = fit_detector(data, config, application=dataset.card["topology"]["name"])
+    if group.rank != 0:
+        out = None
     metrics = evaluate(detector, data, raw)
     metrics["config"] = {**asdict(config), "dataset_path": str(dataset.path)}
     metrics["history"] = {name: asdict(history) for name, history in histories.items()}

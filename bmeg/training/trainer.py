@@ -5,6 +5,13 @@ weights), `focal` (focal loss with the same weights as alpha), `sampling` (posit
 again until classes balance; graph-level only) or `plain`. The best epoch by validation
 average precision is kept. With `nproc > 1` the epochs run under DistributedDataParallel (gloo
 on CPU, NCCL on GPU), each process taking its share of every epoch's mini-batches.
+
+Across machines, `torchrun` starts the processes instead (env:// rendezvous: RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT come from the environment). `process_group` joins its
+group once for a whole run, and `fit` then trains under DDP in that group: every process runs
+the whole pipeline on the same data, takes its share of each epoch's mini-batches, and ends
+with rank 0's best epoch (broadcast), so every rank holds the same model; the caller lets only
+rank 0 write. `nproc` is for one machine without torchrun and must stay 1 under it.
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ import copy
 import os
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +37,9 @@ from bmeg.training.graphset import GraphSet, MiniBatch
 
 Target = Literal["graph", "node"]
 LOSSES = ("weighted", "focal", "sampling", "plain")
+T = TypeVar("T")
+#: What torchrun (or any launcher of the env:// rendezvous) sets in each process it starts.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class History:
     train_loss: list[float] = field(default_factory=list)
     val_ap: list[float] = field(default_factory=list)
     best_epoch: int = 0
+    processes: int = 1  # that trained together (DDP when more than 1)
 
 
 def limit_cpu_threads() -> None:
@@ -70,6 +82,65 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _rank_device(name: str, local_rank: int) -> torch.device:
+    """The device of the process with this rank on its machine: its own GPU when on GPU."""
+    device = resolve_device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    return device
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place among the processes of one run (rank 0 of 1 when alone)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+
+    def local_leader_first(self, work: Callable[[], T]) -> T:
+        """`work()` on each machine's local rank 0 first, then on its other ranks: one process per
+        machine fills a shared cache (e.g. generates the dataset), the others then read it."""
+        if self.world == 1:
+            return work()
+        result = work() if self.local_rank == 0 else None
+        dist.barrier()
+        return result if self.local_rank == 0 else work()  # type: ignore[return-value]
+
+
+def torchrun_group() -> Group | None:
+    """Where this process stands when started by torchrun (from its environment); None otherwise."""
+    if not all(name in os.environ for name in TORCHRUN_ENV):
+        return None
+    try:
+        return Group(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"]))
+    except ValueError:
+        raise ValueError("RANK, LOCAL_RANK and WORLD_SIZE must be integers (as torchrun sets them)") from None
+
+
+def is_main_process() -> bool:
+    """Rank 0 of torchrun's processes, or a process alone: the one that writes and prints."""
+    group = torchrun_group()
+    return group is None or group.rank == 0
+
+
+@contextmanager
+def process_group(device: str = "auto") -> Iterator[Group]:
+    """Under torchrun, join its process group (env://) for the block; alone, do nothing."""
+    group = torchrun_group()
+    if group is None:
+        yield Group()
+        return
+    resolved = _rank_device(device, group.local_rank)
+    if resolved.type == "cuda":
+        torch.cuda.set_device(resolved)
+    dist.init_process_group("nccl" if resolved.type == "cuda" else "gloo", init_method="env://")
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group()
 
 
 def logits_and_labels(model: nn.Module, batch: MiniBatch, target: Target) -> tuple[Tensor, Tensor]:
@@ -97,7 +168,20 @@ def predict_proba(models: dict[Target, nn.Module], graphs: GraphSet, traces: np.
 
 def fit(model: nn.Module, graphs: GraphSet, train: np.ndarray, val: np.ndarray, target: Target,
         config: FitConfig, label: str = "") -> History:
-    """Train `model` in place; returns the history. Uses `config.nproc` processes."""
+    """Train `model` in place; returns the history. Uses `config.nproc` processes, or under
+    torchrun (inside `process_group`) the processes of its group."""
+    if dist.is_initialized():
+        if config.nproc > 1:
+            raise ValueError("under torchrun, start more processes with torchrun's --nproc-per-node, not --nproc")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = _rank_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
+        history = _train(rank, world, device, model, graphs, train, val, target, config, label)
+        # every rank keeps rank 0's best epoch (their validation scores could differ in the last bits)
+        shared: list[Any] = [(model.state_dict(), history) if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        state, history = shared[0]
+        model.load_state_dict(state)
+        return history
     if config.nproc == 1:
         return _fit_process(0, 1, model, graphs, train, val, target, config, label, None)
     with tempfile.TemporaryDirectory() as scratch:
@@ -114,13 +198,23 @@ def fit(model: nn.Module, graphs: GraphSet, train: np.ndarray, val: np.ndarray, 
 
 def _fit_process(rank: int, world: int, model: nn.Module, graphs: GraphSet, train: np.ndarray, val: np.ndarray,
                  target: Target, config: FitConfig, label: str, result_path: str | None) -> History:
-    device = resolve_device(config.device)
+    """One of `world` processes forked on this machine (`nproc`): its own group, for this fit."""
+    device = _rank_device(config.device, rank)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    history = _train(rank, world, device, model, graphs, train, val, target, config, label)
+    if world > 1:
+        if rank == 0:
+            torch.save({"state": model.state_dict(), "history": history}, result_path)
+        dist.barrier()
+        dist.destroy_process_group()
+    return history
+
+
+def _train(rank: int, world: int, device: torch.device, model: nn.Module, graphs: GraphSet, train: np.ndarray,
+           val: np.ndarray, target: Target, config: FitConfig, label: str) -> History:
+    """The epochs of one process; under DDP when world > 1 (its group already joined)."""
     distributed = world > 1
-    if distributed:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            device = torch.device("cuda", rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world)
     if device.type == "cpu":
         limit_cpu_threads()
     torch.manual_seed(config.seed)
@@ -129,7 +223,7 @@ def _fit_process(rank: int, world: int, model: nn.Module, graphs: GraphSet, trai
     optimizer = torch.optim.Adam(trained.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     labels = graphs.y[train] if target == "graph" else graphs.node_y[graphs.node_rows(train)]
     loss_fn = _loss_function(config.loss, labels, device)
-    history, best_state, best_ap = History(), None, -1.0
+    history, best_state, best_ap = History(processes=world), None, -1.0
     rng = np.random.default_rng(config.seed)
     epochs = tqdm(range(config.epochs), desc=f"train {label}", disable=not config.progress or rank > 0, unit="epoch")
     for epoch in epochs:
@@ -153,11 +247,6 @@ def _fit_process(rank: int, world: int, model: nn.Module, graphs: GraphSet, trai
         epochs.set_postfix(loss=f"{history.train_loss[-1]:.4f}", val_ap=f"{ap:.3f}")
     model.load_state_dict(best_state)
     model.to("cpu")
-    if distributed:
-        if rank == 0:
-            torch.save({"state": model.state_dict(), "history": history}, result_path)
-        dist.barrier()
-        dist.destroy_process_group()
     return history
 
 

@@ -20,6 +20,23 @@ function ms(us) {
   return us >= 1000 ? `${(us / 1000).toFixed(1)} ms` : `${us.toFixed(0)} µs`;
 }
 
+// The API key (X-API-Key) is asked for once and kept in this tab's sessionStorage: the
+// recent diagnoses and the model are shown only to those who hold it.
+const KEY = "bmeg-api-key";
+
+function authHeaders(extra = {}) {
+  const key = sessionStorage.getItem(KEY);
+  return key ? { ...extra, "X-API-Key": key } : extra;
+}
+
+function saveKey(event) {
+  event.preventDefault();
+  sessionStorage.setItem(KEY, $("api-key").value);
+  $("api-key").value = "";
+  loadModel();
+  loadRecent();
+}
+
 function showError(message) {
   $("error").textContent = message;
   $("error").hidden = !message;
@@ -54,7 +71,7 @@ async function diagnose(event) {
   try {
     const { body, type } = await payload();
     const query = $("window").checked ? "?window=true" : "";
-    const response = await fetch(`/diagnose${query}`, { method: "POST", body, headers: { "Content-Type": type } });
+    const response = await fetch(`/diagnose${query}`, { method: "POST", body, headers: authHeaders({ "Content-Type": type }) });
     if (!response.ok) throw new Error(await failure(response));
     await openDiagnosis(response.headers.get("X-Diagnosis-Id"));
     loadRecent();
@@ -64,7 +81,7 @@ async function diagnose(event) {
 }
 
 async function openDiagnosis(id) {
-  const response = await fetch(`/diagnoses/${encodeURIComponent(id)}`);
+  const response = await fetch(`/diagnoses/${encodeURIComponent(id)}`, { headers: authHeaders() });
   if (!response.ok) throw new Error(await failure(response));
   current = await response.json();
   const traces = current.diagnosis.traces;
@@ -76,7 +93,8 @@ async function openDiagnosis(id) {
 
 // -- recent diagnoses and the model ------------------------------------------------------
 async function loadRecent() {
-  const response = await fetch("/diagnoses/recent?limit=20");
+  const response = await fetch("/diagnoses/recent?limit=20", { headers: authHeaders() });
+  $("key-needed").hidden = response.status !== 401;
   if (!response.ok) return;
   const list = $("recent");
   list.replaceChildren();
@@ -92,7 +110,11 @@ async function loadRecent() {
 }
 
 async function loadModel() {
-  const response = await fetch("/models");
+  const response = await fetch("/models", { headers: authHeaders() });
+  if (response.status === 401) {
+    $("model-info").textContent = "model: enter the API key to see it";
+    return;
+  }
   const state = await response.json();
   $("model-info").textContent = state.model
     ? `model: ${state.model.version}`
@@ -160,7 +182,8 @@ function renderRanking(trace) {
 
 function scoreRow(score) {
   const row = el("tr", { class: score.bottleneck ? "bottleneck" : "" });
-  const bar = el("div", { class: "bar", style: `width: ${Math.round(score.score * 100)}px` });
+  const bar = el("div", { class: "bar" });
+  bar.style.width = `${Math.round(score.score * 100)}px`;  // CSSOM, not a style attribute: the CSP allows no inline style
   const cell = el("td");
   cell.append(bar);
   row.append(el("td", {}, score.service), el("td", { class: "num" }, score.score.toFixed(2)), cell);
@@ -223,7 +246,8 @@ function renderGraph(graph, trace) {
   const pathEdges = new Set(pathNodes.slice(1).map((id, i) => `${pathNodes[i]}>${id}`));
   const { position, width, height } = layout(graph);
   // Scaled down to the panel's width when wider, never up.
-  const svg = el("svg:svg", { viewBox: `0 0 ${width} ${height}`, style: `max-width: ${width}px`, role: "img", "aria-label": "call graph" });
+  const svg = el("svg:svg", { viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": "call graph" });
+  svg.style.maxWidth = `${width}px`;
 
   for (const e of graph.edges) {
     const from = position.get(e.source), to = position.get(e.target);
@@ -253,6 +277,7 @@ function clip(text, length) {
 }
 
 $("trace-form").addEventListener("submit", diagnose);
+$("key-form").addEventListener("submit", saveKey);
 $("refresh-recent").addEventListener("click", loadRecent);
 loadModel();
 loadRecent();
