@@ -3,7 +3,6 @@ controller exactly what it needs: scaling is allowed, deleting is forbidden."""
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
 from kubernetes import client
@@ -30,9 +29,15 @@ def _deployment(name: str, replicas: int) -> client.V1Deployment:
 
 @pytest.fixture
 def deployment(kube_admin, kube_app_namespace: str):
-    """A fresh one-replica Deployment, created by the admin and removed afterwards."""
+    """A fresh one-replica Deployment of a service of the topology (the controller's Role names
+    them: `bmeg mitigate rbac`), created by the admin and removed afterwards."""
     apps = client.AppsV1Api(kube_admin)
-    name = f"infra-{uuid.uuid4().hex[:8]}"
+    name = "media-frontend"
+    try:  # left by an interrupted run
+        apps.delete_namespaced_deployment(name, kube_app_namespace)
+    except ApiException as error:
+        if error.status != 404:
+            raise
     apps.create_namespaced_deployment(kube_app_namespace, _deployment(name, replicas=1))
     yield name
     apps.delete_namespaced_deployment(name, kube_app_namespace)
