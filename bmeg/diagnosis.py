@@ -8,6 +8,7 @@ ranks services over the whole window.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 import pydantic_core
@@ -54,6 +55,9 @@ class TraceDiagnosis(BaseModel):
     latencies: list[ServiceLatency] = Field(default_factory=list)
     mitigations: list[MitigationHint] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list, description="Repairs made to the input trace.")
+    start_time: datetime | None = Field(None, description="When the trace's root span started (UTC).")
+    partial: bool = Field(False, description="Assembled from a stream without its root or some parent spans "
+                                             "(they never arrived): never handed to mitigation.")
 
 
 class Diagnosis(BaseModel):

@@ -26,6 +26,9 @@ for service in kafka kube-apiserver; do
     fi
 done
 bash scripts/chromium.sh
+# The real OpenTelemetry Collector for tests/test_collector_*.py (built once, cached).
+BMEG_OTELCOL_BINARY=$(bash scripts/otelcol.sh build)
+export BMEG_OTELCOL_BINARY
 
 status=0
 python -m pytest -m "integration or not integration" -p no:cacheprovider || status=$?

@@ -13,6 +13,7 @@ passes in (`bmeg.models.history`); without one, each trace is judged on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from itertools import compress
 from pathlib import Path
 
@@ -258,6 +259,7 @@ class Detector:
             ranked_bottleneck.tolist(), present_count.tolist(), by_latency.tolist(),
             np.take_along_axis(latency, by_latency, axis=1).tolist(), np.take_along_axis(ratio, by_latency, axis=1).tolist(),
             _path_steps(forest, scores, paths), self._warnings(forest, scores), scores.route,
+            forest.start_ns[forest.root].tolist(),
         )
         return [
             {
@@ -272,9 +274,11 @@ class Detector:
                               for i, value, ratio_i in zip(by_latency_t[:present_t], latency_t, ratio_t)],
                 "mitigations": [],
                 "warnings": warnings,
+                "start_time": datetime.fromtimestamp(start_ns / 1e9, tz=UTC),
+                "partial": False,
             }
             for (trace_id, spans, total_us, anomalous, anomaly, to_svm, top, ranked_t, score_t, bottleneck_t,
-                 present_t, by_latency_t, latency_t, ratio_t, path, warnings, route) in rows
+                 present_t, by_latency_t, latency_t, ratio_t, path, warnings, route, start_ns) in rows
         ]
 
     def _warnings(self, forest: SpanForest, scores: Scores) -> list[list[str]]:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import pyarrow as pa
 from pydantic import BaseModel
@@ -38,6 +38,7 @@ class DiagnosisModel(Protocol):
 
 
 Loader = Callable[[], DiagnosisModel]
+T = TypeVar("T")
 
 
 class ModelInfo(BaseModel):
@@ -112,6 +113,14 @@ class ModelSlot:
             if hasattr(model, "diagnose_payloads"):  # a model process: the whole job runs there
                 return model.diagnose_payloads(payloads, window, limits)
             return diagnose_payloads(model, payloads, window, limits)
+
+    def call(self, work: Callable[[DiagnosisModel], T]) -> T:
+        """`work` with the model in use, one call at a time (`POST /v1/traces` diagnoses this way)."""
+        with self._lock:
+            model = self.model
+            if model is None:
+                raise RuntimeError("no model loaded")
+            return work(model)
 
     def close(self) -> None:
         """Stop the model's process, if it has one (see `bmeg.serving.model_process`)."""
