@@ -1,45 +1,62 @@
-"""Streaming benchmark: OTLP traces through Kafka and `StreamConsumer`, end to end.
+"""Streaming benchmark: traces in the OpenTelemetry Collector's message shapes through Kafka and
+one `StreamConsumer`, end to end.
 
-    python bench/stream.py --model RUN_DIR --bootstrap 127.0.0.1:19092 [--traces 20000]
-                           [--spans-per-trace 30 | --dataset-traces] [--traces-per-message 50]
+    python bench/stream.py --model RUN_DIR [--bootstrap 127.0.0.1:19092] [--traces 20000]
+                           [--spans-per-trace 30] --shape trace-per-message|batches [--json]
+    python bench/stream.py --model RUN_DIR --compare OTHER_CHECKOUT [--runs 3] [--shape ...]
 
-Produces `--traces` traces to a new topic as OTLP protobuf, `--traces-per-message` traces per
-message as the OpenTelemetry Collector batches them, spread over the partitions: random
-well-formed call trees of `--spans-per-trace` spans over socialnet's services (bench/ingest.py's
-generator), or with `--dataset-traces` the model's own dataset (cycled under fresh trace ids). Then one consumer
-diagnoses them all and the benchmark counts the diagnoses on the output topic, in a process
-of its own (as a real reader of `bmeg.diagnoses` would: not in the consumer's interpreter).
-Prints traces/s from the consumer's start to the last diagnosis published (this includes
-one idle timeout, the wait that ends the last traces), the same without it, and the traces
-lost (must be 0). Target: >= 2,000 traces/s through one consumer.
+Shapes (the Collector's `kafka` exporter writes one or the other):
+- `trace-per-message`: as with `partition_traces_by_id: true`: each message holds one trace
+  and is keyed by its trace id (so it lands on the trace's partition);
+- `batches`: as without it, behind the batch processor: each message is one service's spans of
+  `--window` consecutive traces, and each service's windows are offset from the others' (each
+  SDK exports on its own schedule), so one trace's spans are spread over as many messages as it
+  has services, interleaved with other traces' pieces; unkeyed, spread over the partitions.
+
+The traces are random call trees of `--spans-per-trace` spans over socialnet's services, shaped
+as instrumented services write them: a call into another service is the caller's `client`
+span and the callee's `server` span under it; a database call is a `client` span with
+`db.system`. Everything is produced first; then one consumer reads
+it all and a separate process (as a real reader of `bmeg.diagnoses` would be) counts the
+diagnoses. Prints traces/s from the consumer's start to the last diagnosis (and without the
+final idle timeout, the wait that ends traces the assembler cannot tell are complete), the
+consumer's CPU time per trace (all its threads: steadier than traces/s on a shared machine),
+lost traces (no diagnosis) and split ones (more than one diagnosis, or one with fewer spans than
+sent, or marked partial). Target: >= 2,000 traces/s per consumer process, 0 lost, 0 split.
 
 With `--consumers 1,2` it measures instead, one after the other in the same run, that many
 consumer processes in one group (each its own interpreter, as replicas would run), each on a
 fresh topic of the broker's default partition count holding the same traces: traces/s from the
 moment every process is ready (model loaded, subscribed) to the last diagnosis published.
+
+`--compare OTHER_CHECKOUT` runs this benchmark `--runs` times alternately with this checkout's
+bmeg and with OTHER_CHECKOUT's (e.g. a `git worktree` of main), each in a fresh process, and
+prints each side's median.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
+import statistics
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
-import torch
-from kafka import KafkaConsumer, KafkaProducer
 
-from bmeg.datasets.loader import load_dataset
-from bmeg.models.detector import Detector
-from bmeg.serving.assembler import split_by_trace
-from bmeg.serving.consumer import ConsumerConfig, StreamConsumer
-from bmeg.traces import to_otlp_proto_bytes
-from ingest import random_traces  # bench/ingest.py, beside this file
+import numpy as np
+
+from ingest import SERVICES, STORE_CALLS  # bench/ingest.py, beside this file
+
+SHAPES = ("trace-per-message", "batches")
+HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
@@ -48,33 +65,58 @@ def main() -> None:
     parser.add_argument("--bootstrap", default=os.environ.get("BMEG_KAFKA_BOOTSTRAP", "127.0.0.1:19092"))
     parser.add_argument("--traces", type=int, default=20_000)
     parser.add_argument("--spans-per-trace", type=int, default=30)
-    parser.add_argument("--dataset-traces", action="store_true", help="Use the model's dataset instead.")
-    parser.add_argument("--traces-per-message", type=int, default=50)
+    parser.add_argument("--shape", choices=SHAPES, default="trace-per-message")
+    parser.add_argument("--window", type=int, default=50, help="Traces per service export (batches shape).")
     parser.add_argument("--idle-timeout", type=float, default=0.5)
     parser.add_argument("--batch-traces", type=int, default=512)
+    parser.add_argument("--json", action="store_true", help="Print one JSON line of the figures.")
+    parser.add_argument("--compare", type=Path, help="Another checkout: alternate runs with its bmeg, print medians.")
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--consumers", help="Comma-separated consumer process counts to compare, e.g. 1,2.")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     if args.consumers:
         compare_consumer_processes(args, [int(n) for n in args.consumers.split(",")])
         return
+    if args.compare is not None:
+        compare(args)
+        return
+    figures = measure(args)
+    if args.json:
+        print(json.dumps(figures))
+        return
+    print(f"{figures['traces']} traces of {figures['spans_per_trace']} spans, shape {args.shape}: "
+          f"{figures['messages']} messages")
+    print(f"{figures['traces_per_s']:.0f} traces/s end to end, {figures['traces_per_s_without_idle']:.0f} without the "
+          f"final idle timeout; consumer CPU {figures['cpu_us_per_trace']:.0f} us per trace "
+          f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
+    print(f"lost: {figures['lost']}, split: {figures['split']}")
+    met = figures["traces_per_s"] >= 2000 and figures["lost"] == 0 and figures["split"] == 0
+    print(f"target >= 2000 traces/s, 0 lost, 0 split: {'met' if met else 'NOT met'}")
 
+
+def measure(args) -> dict:
+    import torch
+
+    from bmeg.models.detector import Detector
+    from bmeg.serving.consumer import ConsumerConfig, StreamConsumer
+
+    torch.set_num_threads(1)
     detector = Detector.load(args.model, device="cpu")
-    source = dataset_traces(detector) if args.dataset_traces else trace_tables(random_traces(2_000, args.spans_per_trace))
-    messages, spans_per_trace = build_messages(source, args.traces, args.traces_per_message)
+    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=int.from_bytes(os.urandom(4), "little"))
+    messages = trace_per_message(spans) if args.shape == "trace-per-message" else batches(spans, args.window)
+    expected = dict(Counter(spans["trace_id"].to_pylist()))
     name = f"bmeg-bench-{uuid.uuid4().hex[:8]}"
     config = ConsumerConfig(bootstrap=args.bootstrap, topic=name, group_id=f"{name}-group",
                             diagnoses_topic=f"{name}.diagnoses", mitigations_topic=f"{name}.mitigations",
                             dead_letter_topic=f"{name}.dlq", idle_timeout_s=args.idle_timeout,
                             batch_traces=args.batch_traces)
-    produced_s = produce(args.bootstrap, name, messages)
-    print(f"produced {args.traces} traces (~{spans_per_trace:.0f} spans each) in {len(messages)} messages "
-          f"in {produced_s:.1f} s")
+    produce(args.bootstrap, name, messages)
 
     # The counter starts (imports, subscribes) before the consumer, so the two share no start-up time.
-    results, counter_end = multiprocessing.get_context("spawn").Pipe(duplex=False)
-    counter = multiprocessing.get_context("spawn").Process(
-        target=count_diagnoses, args=(args.bootstrap, config.diagnoses_topic, args.traces, counter_end))
+    context = multiprocessing.get_context("spawn")
+    results, counter_end = context.Pipe(duplex=False)
+    counter = context.Process(target=count_diagnoses, args=(args.bootstrap, config.diagnoses_topic, expected,
+                                                            counter_end))
     counter.start()
     results.recv()  # "ready"
     consumer = StreamConsumer(detector, config)
@@ -82,27 +124,27 @@ def main() -> None:
     started, cpu_started = time.monotonic(), time.process_time()
     thread = threading.Thread(target=consumer.run, args=(stop,))
     thread.start()
-    received, last_at = results.recv()
+    received, split, last_at = results.recv()
     counter.join()
+    cpu_s = time.process_time() - cpu_started  # this process runs only the consumer now
     stop.set()
     thread.join(60)
-
     elapsed = last_at - started
-    print(f"diagnosed {received} traces in {elapsed:.1f} s: {received / elapsed:.0f} traces/s end to end, "
-          f"{received / max(elapsed - args.idle_timeout, 1e-9):.0f} traces/s without the final idle timeout "
-          f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
-    # This process runs only the consumer now (the counter has its own): its CPU time is the
-    # consumer's, a steadier figure than traces/s on a shared machine.
-    print(f"consumer CPU time: {(time.process_time() - cpu_started) * 1e6 / max(received, 1):.0f} us per trace "
-          f"(all its threads, until it stopped)")
-    print(f"lost: {args.traces - received}")
-    print(f"target >= 2000 traces/s: {'met' if received / elapsed >= 2000 else 'NOT met'}")
+    return {"shape": args.shape, "traces": args.traces, "spans_per_trace": args.spans_per_trace,
+            "messages": len(messages), "traces_per_s": received / elapsed,
+            "traces_per_s_without_idle": received / max(elapsed - args.idle_timeout, 1e-9),
+            "cpu_us_per_trace": cpu_s * 1e6 / max(received, 1), "lost": args.traces - received, "split": split,
+            "load_average": os.getloadavg()[0]}
 
 
 def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> None:
-    detector = Detector.load(args.model, device="cpu")
-    source = dataset_traces(detector) if args.dataset_traces else trace_tables(random_traces(2_000, args.spans_per_trace))
-    messages, _ = build_messages(source, args.traces, args.traces_per_message)
+    from kafka import KafkaConsumer
+
+    from bmeg.serving.consumer import ConsumerConfig
+
+    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=0)
+    messages = trace_per_message(spans) if args.shape == "trace-per-message" else batches(spans, args.window)
+    expected = dict(Counter(spans["trace_id"].to_pylist()))
     spawn = multiprocessing.get_context("spawn")
     rates: dict[int, list[float]] = {}
     for count in counts:
@@ -119,13 +161,13 @@ def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> N
             worker.start()
         ready.wait()  # every process has loaded the model and subscribed
         results, counter_end = spawn.Pipe(duplex=False)
-        counter = spawn.Process(target=count_diagnoses,
-                                args=(args.bootstrap, config.diagnoses_topic, args.traces, counter_end))
+        counter = spawn.Process(target=count_diagnoses, args=(args.bootstrap, config.diagnoses_topic, expected,
+                                                              counter_end))
         counter.start()
         results.recv()  # "ready"
         started = time.monotonic()
         go.set()
-        received, last_at = results.recv()
+        received, split, last_at = results.recv()
         counter.join()
         stop.set()
         for worker in workers:
@@ -133,17 +175,22 @@ def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> N
         rates.setdefault(count, []).append(received / (last_at - started))
         partitions = len(KafkaConsumer(bootstrap_servers=args.bootstrap).partitions_for_topic(name) or ())
         print(f"{count} consumer process(es), {partitions} partitions: {received} traces in {last_at - started:.1f} s, "
-              f"{rates[count][-1]:.0f} traces/s end to end, lost {args.traces - received} "
+              f"{rates[count][-1]:.0f} traces/s end to end, lost {args.traces - received}, split {split} "
               f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
-    medians = {count: float(np.median(values)) for count, values in rates.items()}
+    medians = {count: statistics.median(values) for count, values in rates.items()}
     first = counts[0]
     for count in sorted(set(counts) - {first}):
         print(f"{count} vs {first} consumer process(es), medians of {len(rates[count])} and {len(rates[first])} runs: "
               f"{medians[count]:.0f} vs {medians[first]:.0f} traces/s, x{medians[count] / medians[first]:.2f}")
 
 
-def consume_in_process(model: Path, config: ConsumerConfig, ready, go, stop) -> None:
+def consume_in_process(model: Path, config, ready, go, stop) -> None:
     """One replica: load the model, join the group, wait for the start, consume until stopped."""
+    import torch
+
+    from bmeg.models.detector import Detector
+    from bmeg.serving.consumer import StreamConsumer
+
     torch.set_num_threads(1)
     consumer = StreamConsumer(Detector.load(model, device="cpu"), config)
     ready.wait()
@@ -151,56 +198,130 @@ def consume_in_process(model: Path, config: ConsumerConfig, ready, go, stop) -> 
     consumer.run(stop)
 
 
-def dataset_traces(detector: Detector) -> list[pa.Table]:
-    return trace_tables(load_dataset(Path(detector.metrics["config"]["dataset_path"])).spans)
+def instrumented_traces(count: int, spans_per_trace: int, seed: int) -> pa.Table:
+    """Random traces as instrumented services write them (module docstring); times nest."""
+    from bmeg.traces import span_table
+
+    rng = np.random.default_rng(seed)
+    columns: dict[str, list] = {name: [] for name in ("trace_id", "span_id", "parent_id", "service", "operation",
+                                                      "start_ns", "duration_ns", "kind", "db_system")}
+
+    def add(trace_id, parent, service, operation, start, duration, kind, db=None) -> tuple:
+        span_id = f"{int(rng.integers(1, 2**63)):016x}"
+        for name, value in zip(columns, (trace_id, span_id, parent, service, operation, start, duration, kind, db)):
+            columns[name].append(value)
+        return span_id, service, start, duration
+
+    for _ in range(count):
+        trace_id = f"{int(rng.integers(1, 2**63)):016x}{int(rng.integers(1, 2**63)):016x}"
+        start = 1_700_000_000_000_000_000 + int(rng.integers(0, 10**12))
+        servers = [add(trace_id, None, SERVICES[0], "compose_post_server", start, int(rng.lognormal(np.log(10e6), 0.5)),
+                       "server")]
+        made = 1
+        while made < spans_per_trace:
+            span_id, service, up_start, up_duration = servers[int(rng.integers(0, len(servers)))]
+            call_start = up_start + int(rng.random() * 0.5 * up_duration)
+            call_duration = max(int(rng.uniform(0.05, 0.5) * up_duration), 2)
+            if made + 2 > spans_per_trace or rng.random() < 0.3:  # a database call
+                store = STORE_CALLS[int(rng.integers(0, len(STORE_CALLS)))]
+                add(trace_id, span_id, service, store, call_start, call_duration, "client", store.split("_")[0])
+                made += 1
+                continue
+            callee = SERVICES[int(rng.integers(1, len(SERVICES)))]
+            operation = callee.replace("-service", "") + "_server"
+            client = add(trace_id, span_id, service, operation, call_start, call_duration, "client")
+            servers.append(add(trace_id, client[0], callee, operation, call_start + 1, call_duration - 1, "server"))
+            made += 2
+    return span_table(columns)
 
 
-def trace_tables(spans: pa.Table) -> list[pa.Table]:
-    return [trace for _, trace in split_by_trace(spans)]
+def trace_per_message(spans: pa.Table) -> list[tuple[bytes | None, bytes]]:
+    from bmeg.serving.assembler import split_by_trace
+    from bmeg.traces import to_otlp_proto_bytes
+
+    return [(trace_id.encode(), to_otlp_proto_bytes(trace)) for trace_id, trace in split_by_trace(spans)]
 
 
-def build_messages(traces: list[pa.Table], count: int, per_message: int) -> tuple[list[bytes], float]:
-    """OTLP messages of `per_message` traces each: the given traces, cycled under new ids."""
-    messages = []
-    for first in range(0, count, per_message):
-        chosen = [renamed(traces[i % len(traces)], i) for i in range(first, min(first + per_message, count))]
-        messages.append(to_otlp_proto_bytes(pa.concat_tables(chosen)))
-    return messages, sum(trace.num_rows for trace in traces) / len(traces)
+def batches(spans: pa.Table, window: int) -> list[tuple[bytes | None, bytes]]:
+    """Each service's spans of `window` consecutive traces per message, the services' windows
+    offset from one another, in the order the exports would leave."""
+    import pyarrow.compute as pc
+
+    from bmeg.traces import to_otlp_proto_bytes
+
+    trace_ids = spans["trace_id"].unique().to_pylist()
+    position = pc.index_in(spans["trace_id"], pa.array(trace_ids))
+    spans = spans.append_column("position", position)
+    timed = []
+    for s, service in enumerate(SERVICES):
+        phase = s * window // len(SERVICES)
+        mine = spans.filter(pc.equal(spans["service"], service))
+        edges = [0, *range(phase or window, len(trace_ids) + window, window)]
+        for low, high in zip(edges, edges[1:]):
+            part = mine.filter(pc.and_(pc.greater_equal(mine["position"], low), pc.less(mine["position"], high)))
+            if part.num_rows:
+                timed.append((high, s, to_otlp_proto_bytes(part.drop_columns(["position"]))))
+    return [(None, message) for _, _, message in sorted(timed, key=lambda item: item[:2])]
 
 
-def renamed(trace: pa.Table, copy: int) -> pa.Table:
-    trace_id = f"{copy:032x}"
-    return trace.set_column(trace.schema.get_field_index("trace_id"), "trace_id",
-                            pa.array([trace_id] * trace.num_rows, pa.string()))
+def produce(bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes]]) -> None:
+    from kafka import KafkaProducer
 
-
-def produce(bootstrap: str, topic: str, messages: list[bytes]) -> float:
-    started = time.perf_counter()
-    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 20,
-                             max_request_size=16 << 20)
-    for message in messages:
-        producer.send(topic, message)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 20, max_request_size=16 << 20)
+    for key, message in messages:
+        producer.send(topic, message, key=key)
     producer.flush()
     producer.close()
-    return time.perf_counter() - started
 
 
-def count_diagnoses(bootstrap: str, topic: str, expected: int, results, quiet_s: float = 30) -> None:
-    """Send "ready", then (distinct trace ids diagnosed, `time.monotonic()` when the last new one
-    arrived); stops when all are in or after `quiet_s` without a new one."""
+def count_diagnoses(bootstrap: str, topic: str, expected: dict[str, int], results, quiet_s: float = 30) -> None:
+    """Send "ready", then (traces diagnosed, traces split, `time.monotonic()` when the last new
+    trace came); stops when every trace is in or after `quiet_s` without a new one."""
+    from kafka import KafkaConsumer
+
     reader = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None)
     reader.poll(timeout_ms=100)  # joins the topic now, not while the consumer runs
     results.send("ready")
-    seen: set[bytes] = set()
+    seen: Counter[str] = Counter()
+    short: set[str] = set()
     last_at = waiting_since = time.monotonic()
-    while len(seen) < expected and time.monotonic() - waiting_since < quiet_s:
+    while len(seen) < len(expected) and time.monotonic() - waiting_since < quiet_s:
         for batch in reader.poll(timeout_ms=200).values():
             before = len(seen)
-            seen.update(record.key for record in batch)
+            for record in batch:
+                (trace,) = json.loads(record.value)["traces"]
+                seen[trace["trace_id"]] += 1
+                if trace["spans"] != expected.get(trace["trace_id"]) or trace.get("partial"):
+                    short.add(trace["trace_id"])
             if len(seen) > before:
                 last_at = waiting_since = time.monotonic()
+    time.sleep(1)  # a split trace's second diagnosis would come now
+    for batch in reader.poll(timeout_ms=500).values():
+        seen.update(json.loads(record.value)["traces"][0]["trace_id"] for record in batch)
     reader.close()
-    results.send((len(seen), last_at))
+    split = short | {trace_id for trace_id, count in seen.items() if count > 1}
+    results.send((len(seen), len(split), last_at))
+
+
+def compare(args) -> None:
+    """Alternate runs of this checkout's bmeg and the other's; print each side's median."""
+    sides = {"this": HERE.parent, "other": args.compare.resolve()}
+    passed = ["--model", str(args.model), "--bootstrap", args.bootstrap, "--traces", str(args.traces),
+              "--spans-per-trace", str(args.spans_per_trace), "--shape", args.shape, "--window", str(args.window),
+              "--idle-timeout", str(args.idle_timeout), "--batch-traces", str(args.batch_traces)]
+    figures: dict[str, list[dict]] = {side: [] for side in sides}
+    for run in range(args.runs):
+        for side, checkout in (sides.items() if run % 2 == 0 else reversed(sides.items())):
+            output = subprocess.run([sys.executable, str(Path(__file__).resolve()), *passed, "--json"], check=True,
+                                    capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(checkout)})
+            figures[side].append(json.loads(output.stdout.strip().splitlines()[-1]))
+            print(f"run {run + 1} {side} ({checkout}): {figures[side][-1]}", flush=True)
+    for side, runs in figures.items():
+        median = {key: statistics.median(run[key] for run in runs)
+                  for key in ("traces_per_s", "traces_per_s_without_idle", "cpu_us_per_trace", "lost", "split")}
+        print(f"{side} ({sides[side]}), median of {len(runs)}: {median['traces_per_s']:.0f} traces/s "
+              f"({median['traces_per_s_without_idle']:.0f} without the final idle timeout), "
+              f"{median['cpu_us_per_trace']:.0f} us CPU per trace, lost {median['lost']:.0f}, split {median['split']:.0f}")
 
 
 if __name__ == "__main__":

@@ -39,10 +39,10 @@ def main() -> None:
     os.environ.setdefault("BMEG_CACHE", os.path.join(tempfile.gettempdir(), "bmeg-bench-cache"))
 
     from bmeg.datasets.loader import load_dataset
+    from bmeg.models.graphset import GraphSet
+    from bmeg.models.inference import logits_and_labels
     from bmeg.serving.model import freeze_heap
     from bmeg.training import train
-    from bmeg.training.graphset import GraphSet
-    from bmeg.training.trainer import logits_and_labels
     from bmeg.training.pipeline import label
 
     detector, _ = train("socialnet", traces=args.traces, imbalance=0.1, epochs=1, progress=False)
@@ -65,7 +65,7 @@ def main() -> None:
         from bmeg.models.detector import Detector
 
         detector = Detector.load(args.model, device="cpu")
-        print(f"inference with {args.model} (router: SVM for traces of <= {detector.svm_max_services} services)")
+        print(f"inference with {args.model} (router: {detector.router})")
     ids = data.traces["trace_id"]
     batch_ids = ids.slice(0, 256)
     spans = data.forest.spans

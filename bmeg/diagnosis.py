@@ -8,6 +8,7 @@ ranks services over the whole window.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 import pydantic_core
@@ -47,11 +48,16 @@ class TraceDiagnosis(BaseModel):
     anomaly_score: float = Field(description="Probability the trace is affected by a bottleneck.")
     threshold: float = Field(description="Decision threshold the verdict used.")
     model: Literal["gnn", "svm"] = Field(description="Which model decided: the GNN stages or the SVM fallback.")
+    route: str = Field("", description="Why the router chose that model (the graph's services and distinct paths "
+                                       "against the router's cuts).")
     bottlenecks: list[ServiceScore] = Field(default_factory=list, description="Services ranked by score.")
     critical_path: list[CriticalPathStep] = Field(default_factory=list)
     latencies: list[ServiceLatency] = Field(default_factory=list)
     mitigations: list[MitigationHint] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list, description="Repairs made to the input trace.")
+    start_time: datetime | None = Field(None, description="When the trace's root span started (UTC).")
+    partial: bool = Field(False, description="Assembled from a stream without its root or some parent spans "
+                                             "(they never arrived): never handed to mitigation.")
 
 
 class Diagnosis(BaseModel):

@@ -26,12 +26,14 @@ for service in kafka kube-apiserver; do
     fi
 done
 bash scripts/chromium.sh
-# The socialnet testbed (tests/test_testbed_*.py): Debian's stores and tools, the Collector,
-# the Go application (each cached: apt skips what is installed, the builds what is built).
+# The real OpenTelemetry Collector for tests/test_collector_*.py and the testbed (built once, cached).
+BMEG_OTELCOL_BINARY=$(bash scripts/otelcol.sh build)
+export BMEG_OTELCOL_BINARY
+# The socialnet testbed (tests/test_testbed_*.py): Debian's stores and tools, the Go application
+# (each cached: apt skips what is installed, the build what is built).
 if [ "$(id -u)" -eq 0 ] || command -v sudo >/dev/null; then
     bash scripts/apt-install.sh redis-server memcached postgresql stress-ng iproute2 >/dev/null
 fi
-bash scripts/otelcol.sh build >/dev/null
 if [ -f testbed/build.sh ]; then bash testbed/build.sh >/dev/null; fi
 
 status=0

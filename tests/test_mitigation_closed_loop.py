@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import numpy as np
 import pandas as pd
@@ -122,6 +123,18 @@ def test_feed_handles_a_diagnosis_and_audits_a_bad_message() -> None:
     assert diagnosis_latencies(_diagnosis()).app_p95_ms == pytest.approx(40.0)
 
 
+def test_feed_skips_a_stale_diagnosis() -> None:
+    audit = AuditLog()
+    controller = Controller(_Deployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), audit)
+    old = _diagnosis()
+    old.traces[0].start_time = datetime.fromtimestamp(1_000.0, tz=UTC)
+    assert handle_message(controller, encode(old), now=1_000.0 + 301) == []  # the default limit: 300 s
+    assert audit.records(kind="refused")[0].outcome.startswith("stale: 301 s old")
+    assert handle_message(controller, encode(_diagnosis()), now=5_000.0, published_at=4_000.0) == []  # by the record's time
+    [outcome] = handle_message(controller, encode(old), now=1_010.0)
+    assert outcome.decision.target == {"replicas": 3}
+
+
 def test_cli_log_and_plan(tmp_path) -> None:
     audit_path = tmp_path / "audit.sqlite"
     AuditLog(audit_path).append("action", "text-service", "scale_out", "dry-run", dry_run=True, details={"x": 1})
@@ -153,7 +166,8 @@ def test_feed_consumes_diagnoses_from_kafka(kafka_bootstrap: str) -> None:
     producer.close()
     audit = AuditLog()
     controller = Controller(_Deployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), audit)
-    handled = list(consume(controller, kafka_bootstrap, topic, group=topic, max_messages=2, idle_timeout_s=30))
+    handled = list(consume(controller, kafka_bootstrap, topic, group=topic, max_messages=2, idle_timeout_s=30,
+                           offset_reset="earliest"))  # a new group starts at the end by default
     assert [len(outcomes) for outcomes in handled] == [0, 1]
     assert [r.kind for r in audit.records()] == ["error", "decision", "action"]
 

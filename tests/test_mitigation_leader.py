@@ -163,9 +163,11 @@ def test_a_controller_that_stops_leading_leaves_the_rest_to_the_next(kafka_boots
 
     stop = threading.Event()
     first = []
-    for outcomes in consume(controller(), kafka_bootstrap, topic, group=topic, idle_timeout_s=30, stop=stop):
+    for outcomes in consume(controller(), kafka_bootstrap, topic, group=topic, idle_timeout_s=30, stop=stop,
+                            offset_reset="earliest"):
         first.append(outcomes)
         stop.set()  # lost the lease after the first message
     assert len(first) == 1
-    second = list(consume(controller(), kafka_bootstrap, topic, group=topic, max_messages=2, idle_timeout_s=30))
+    second = list(consume(controller(), kafka_bootstrap, topic, group=topic, max_messages=2, idle_timeout_s=30,
+                          offset_reset="earliest"))
     assert len(second) == 2 and all(len(outcomes) == 1 for outcomes in second)

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pandas as pd
+import pyarrow.compute as pc
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,10 +17,24 @@ from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkp
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
-from bmeg.models.svm import PATH, START, FirmSVM, firm_features
-from bmeg.training.graphset import GraphSet
-from bmeg.training.metrics import accuracy_at_k, average_at_k, classification_table, threshold_for_precision
+from bmeg.models.graphset import GraphSet
+from bmeg.models.history import StreamHistory
+from bmeg.models.router import Router, choose, distinct_paths
+from bmeg.models.svm import (
+    PATH,
+    START,
+    FirmSVM,
+    TraceSVM,
+    TraceVectorizer,
+    firm_features,
+)
 from bmeg.traces import span_table
+from bmeg.training.metrics import (
+    accuracy_at_k,
+    average_at_k,
+    classification_table,
+    threshold_for_precision,
+)
 
 
 def star_trace(trace_id: str, leaf_us: list[int], operation: str = "op") -> dict[str, list]:
@@ -139,11 +154,12 @@ def test_firm_svm_learns_separable_pairs_and_validates_input():
     y = np.r_[np.zeros(200), np.ones(20)]
     svm = FirmSVM().fit(X, y)
     assert (svm.predict(X) == y).mean() > 0.98
-    assert np.all((svm.score_samples(X) > 0) & (svm.score_samples(X) < 1))
-    with pytest.raises(ValueError, match="both"):
+    proba = svm.predict_proba(X)
+    assert np.all((proba > 0) & (proba < 1)) and np.allclose(proba.sum(axis=1), 1.0)
+    with pytest.raises(ValueError, match="both classes"):
         FirmSVM().fit(X, np.zeros(len(X)))
-    with pytest.raises(ValueError, match="expected X"):
-        FirmSVM().fit(X[:, :1], y)
+    with pytest.raises(ValueError, match="features"):
+        svm.predict(X[:, :1])
 
 
 def test_checkpoint_errors_are_clear(tmp_path):
@@ -152,9 +168,9 @@ def test_checkpoint_errors_are_clear(tmp_path):
     (tmp_path / "model.pt").write_bytes(b"not a checkpoint at all")
     with pytest.raises(CheckpointError, match="not a bmeg checkpoint"):
         load_checkpoint(tmp_path)
-    save_checkpoint(tmp_path, {"application": "socialnet"}, svm={"fake": True})
-    state, svm = load_checkpoint(tmp_path, application="socialnet")
-    assert state["application"] == "socialnet" and svm == {"fake": True}
+    save_checkpoint(tmp_path, {"application": "socialnet", "svm": {"coef_": [0.5, 1.5]}})
+    state = load_checkpoint(tmp_path, application="socialnet")
+    assert state["application"] == "socialnet" and state["svm"] == {"coef_": [0.5, 1.5]}
     with pytest.raises(CheckpointError, match="trained on 'socialnet', not 'hotelreservation'"):
         load_checkpoint(tmp_path, application="hotelreservation")
     stale = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -186,13 +202,18 @@ def test_threshold_for_precision_prefers_recall_at_the_precision():
 def _tiny_detector():
     from bmeg.models.detector import Detector
 
-    encoder = FeatureEncoder().fit(assemble(span_table(many_traces(20))))
+    forest = assemble(span_table(many_traces(20)))
+    encoder = FeatureEncoder().fit(forest)
     rng = np.random.default_rng(0)
-    svm = FirmSVM().fit(rng.normal(size=(40, 2)), np.r_[np.zeros(30), np.ones(10)])
+    firm = FirmSVM().fit(rng.normal(size=(40, 2)), np.r_[np.zeros(30), np.ones(10)])
+    keys = np.char.add(np.char.add(forest.spans["service"].to_numpy(zero_copy_only=False).astype(str), "\x1f"),
+                       forest.spans["operation"].to_numpy(zero_copy_only=False).astype(str))
+    vectorizer = TraceVectorizer().fit(keys)
+    svm = TraceSVM().fit(rng.normal(size=(40, vectorizer.num_columns)), np.r_[np.zeros(30), np.ones(10)])
     return Detector(
         application="toy", encoder=encoder, dgcnn=DGCNN(encoder.num_features, k=10).eval(),
-        gcn=GCNNodeClassifier(encoder.num_features).eval(), svm=svm,
-        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5}, svm_max_services=-1, svm_window=20,
+        gcn=GCNNodeClassifier(encoder.num_features).eval(), vectorizer=vectorizer, svm=svm, firm=firm,
+        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5, "svm_node": 0.5}, router=Router(), firm_window=20,
         services=["front", "svc0", "svc1", "svc2"], service_baseline_us={"svc1": 200.0},
         hparams={"dgcnn": {"k": 10}, "gcn": {}}, metrics={},
     )
@@ -207,6 +228,7 @@ def test_detector_round_trip_and_diagnosis(tmp_path):
     assert [t.trace_id for t in diagnosis.traces] == ["t0000", "t0001", "t0002"]
     trace = diagnosis.traces[1]
     assert trace.spans == 4 and trace.model == "gnn" and 0 <= trace.anomaly_score <= 1
+    assert trace.route.startswith("gnn: every trace goes to the GNN")
     assert {s.service for s in trace.bottlenecks} == {"front", "svc0", "svc1", "svc2"}
     assert trace.latencies[0].service == "svc1" and trace.latencies[0].ratio == pytest.approx(25.0)
     assert sum(step.exclusive_us for step in trace.critical_path) == pytest.approx(trace.total_us)
@@ -231,3 +253,134 @@ def test_checkpoint_with_other_features_is_rejected(tmp_path):
     torch.save(state, tmp_path / "model.pt")
     with pytest.raises(CheckpointError, match="differ from this bmeg"):
         Detector.load(tmp_path)
+
+
+@pytest.mark.parametrize("make", [lambda: TraceSVM(), lambda: FirmSVM(max_samples=200)], ids=["TraceSVM", "FirmSVM"])
+def test_svms_follow_the_scikit_learn_contract(make):
+    from sklearn.utils.estimator_checks import check_estimator
+
+    failed = [(r["check_name"], str(r["exception"])[:200]) for r in check_estimator(make(), on_fail=None)
+              if r["status"] == "failed"]
+    assert failed == []
+
+
+def test_svm_state_is_plain_values_and_gives_the_same_answers():
+    import json
+
+    from sklearn.svm import SVC
+
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(300, 2))
+    y = (X[:, 0] ** 2 + X[:, 1] > 1).astype(int)
+    firm = FirmSVM(random_state=0).fit(X, y)
+    # the numpy kernel expansion is libsvm's margin on the same standardised data
+    reference = SVC(class_weight="balanced").fit((X - firm.mean_) / firm.scale_, y)
+    assert np.allclose(reference.decision_function((X - firm.mean_) / firm.scale_), firm.decision_function(X))
+    trace = TraceSVM(random_state=0).fit(X, y)
+    for model in (firm, trace):
+        state = json.loads(json.dumps(model.to_state()))  # JSON-able: no objects, no pickle
+        again = type(model).from_state(state)
+        assert np.allclose(again.predict_proba(X), model.predict_proba(X))
+        assert again.get_params() == model.get_params()
+
+
+def test_trace_vectorizer_log_times_deviations_and_missing_keys():
+    vectorizer = TraceVectorizer(deviations=("z",)).fit(np.array(["a\x1fop", "b\x1fop"], dtype=object))
+    keys = np.array(["a\x1fop", "a\x1fop", "b\x1fop", "new\x1fop"], dtype=object)
+    rows = vectorizer.transform(np.array([0, 0, 1, 1]), 3, keys, np.array([10.0, 20.0, 5.0, 7.0]),
+                                np.array([[1.0], [4.0], [-2.0], [9.0]]))
+    assert rows.shape == (3, 4)
+    assert rows[0].tolist() == pytest.approx([np.log1p(30.0), 0.0, 4.0, 0.0])  # sum of times, largest deviation
+    assert rows[1].tolist() == pytest.approx([0.0, np.log1p(5.0), 0.0, -2.0])  # an unknown key is left out
+    assert rows[2].tolist() == [0.0, 0.0, 0.0, 0.0]  # a trace without nodes: missing = 0
+
+
+def test_distinct_paths_and_router_reasons():
+    spans = many_traces(2)
+    for key, values in star_trace("fan", [10, 10, 10], operation="same").items():
+        spans[key].extend(values)
+    forest = assemble(span_table(spans))
+    keys = np.char.add(forest.spans["service"].to_numpy(zero_copy_only=False).astype(str),
+                       forest.spans["operation"].to_numpy(zero_copy_only=False).astype(str))
+    assert distinct_paths(forest, keys).tolist() == [3, 3, 3]
+    chain = {"trace_id": ["c"] * 3, "span_id": ["c1", "c2", "c3"], "parent_id": [None, "c1", "c2"],
+             "service": ["a", "b", "c"], "operation": ["x"] * 3, "start_ns": [0, 10, 20], "duration_ns": [100, 50, 10]}
+    assert distinct_paths(assemble(span_table(chain)), np.array(["a", "b", "c"], dtype=object)).tolist() == [1]
+    router = Router(max_services=3, max_paths=2)
+    assert router.to_svm(np.array([3, 3, 4]), np.array([2, 3, 1])).tolist() == [True, False, False]
+    assert router.reasons(np.array([3, 3, 4]), np.array([2, 3, 1])) == [
+        "svm: 3 services <= 3 and 2 distinct paths <= 2", "gnn: 3 distinct paths > 2", "gnn: 4 services > 3"]
+
+
+def test_router_takes_the_cheaper_model_only_within_the_tolerance():
+    y = np.array([1, 0, 1, 0, 1, 0, 1, 0])
+    services = np.array([2, 2, 2, 2, 9, 9, 9, 9])
+    paths = np.array([1, 1, 1, 1, 5, 5, 5, 5])
+    gnn = y.astype(bool)
+    svm_good_on_small = np.where(services <= 2, y, 1 - y).astype(bool)
+    all_hit = {"gnn": np.ones(8, bool), "svm": np.ones(8, bool)}
+    cheap_svm = {"gnn": 1e-3, "svm": 1e-4}
+
+    def chosen(svm_verdict, hits=all_hit, cost=cheap_svm):
+        return choose(y, {"gnn": gnn, "svm": svm_verdict}, hits, services, paths, cost)
+
+    router, rows = chosen(svm_good_on_small)
+    assert router == Router(2, 1)  # as good as the GNN where it goes, and cheaper
+    assert min(row["cost_s_per_trace"] for row in rows if row["quality"] == 1.0) == pytest.approx(0.5 * 1e-4 + 0.5 * 1e-3)
+    assert chosen(np.zeros(8, dtype=bool))[0] == Router()  # cheaper but worse verdicts: never
+    assert chosen(svm_good_on_small, {"gnn": np.ones(8, bool), "svm": np.zeros(8, bool)})[0] == Router()  # worse ranking
+    assert chosen(svm_good_on_small, cost={"gnn": 1e-4, "svm": 1e-3})[0] == Router()  # dearer
+
+
+def _history_of(detector, traces: int) -> StreamHistory:
+    history = StreamHistory(visits=detector.encoder.history)
+    detector.diagnose(span_table(many_traces(traces)), history=history)
+    return history
+
+
+@pytest.mark.parametrize("router", [Router(), Router.everything()], ids=["gnn", "svm"])
+def test_a_verdict_does_not_depend_on_the_batch(router):
+    from dataclasses import replace
+
+    detector = replace(_tiny_detector(), router=router)
+    history = _history_of(detector, 12)
+    spans = many_traces(6, slow=2)
+    for t, key in enumerate(spans["trace_id"]):  # later than the history
+        spans["start_ns"][t] += 10**12
+    table = span_table(spans)
+    batch = detector.diagnose(table, history=history.copy())
+    alone = [detector.diagnose(table.filter(pc.equal(table["trace_id"], trace.trace_id)), history=history.copy()).traces[0]
+             for trace in batch.traces]
+    for together, single in zip(batch.traces, alone):
+        assert (together.anomalous, together.model, together.route) == (single.anomalous, single.model, single.route)
+        assert together.anomaly_score == pytest.approx(single.anomaly_score, abs=1e-6)
+        assert [(s.service, s.bottleneck) for s in together.bottlenecks] == [(s.service, s.bottleneck) for s in single.bottlenecks]
+    # no hidden state: the same call twice gives the same answer
+    assert detector.diagnose(table, history=history.copy()) == batch
+    assert detector.diagnose(table) == detector.diagnose(table)
+
+
+def test_the_history_is_read_and_recorded():
+    detector = _tiny_detector()
+    history = StreamHistory(visits=detector.encoder.history)
+    detector.diagnose(span_table(many_traces(4, slow=1)), history=history)
+    assert set(history.z_self) == {"front", "svc0", "svc1", "svc2"} and len(history.z_self["svc1"]) == 4
+    forest = assemble(span_table(many_traces(1)))
+    quiet = detector.encoder.transform(forest, past={})[:, -1]
+    after_slow = detector.encoder.transform(forest, past={"svc1": np.array([40.0, 40.0])})[:, -1]
+    assert not np.allclose(quiet, after_slow)  # the temporal feature reads the history
+
+
+def test_a_trace_after_its_past_reads_as_in_a_replay():
+    """The temporal feature of a trace given its stream's past equals the replay over the whole stream."""
+    encoder = FeatureEncoder(history=5).fit(assemble(span_table(many_traces(20))))
+    spans = many_traces(9, slow=4)
+    forest = assemble(span_table(spans))
+    replay = encoder.transform(forest)[:, -1]
+    z = encoder.transform(forest)[:, encoder.names.index("z_log_self_time_us")]
+    services = forest.spans["service"].to_numpy(zero_copy_only=False)
+    last = forest.trace_index == forest.num_traces - 1
+    past = {name: z[(services == name) & ~last] for name in set(services)}  # forest order is time order here
+    alone = assemble(span_table({key: [v for v, t in zip(values, spans["trace_id"]) if t == "t0008"]
+                                 for key, values in spans.items()}))
+    assert np.allclose(encoder.transform(alone, past=past)[:, -1], replay[last])

@@ -46,10 +46,13 @@ def client(detector):
 
 
 @pytest.mark.parametrize("format, headers", [("otlp-proto", PROTOBUF), ("otlp-json", JSON), ("jaeger-json", JSON)])
-def test_each_format_gets_the_models_diagnosis(client, detector, flagged_trace, format, headers):
+def test_each_format_gets_the_models_diagnosis(detector, flagged_trace, format, headers):
     spans, flagged = flagged_trace
     body = encoded(spans, format)
-    response = client.post("/diagnose", content=body, headers=headers)
+    # a fresh server: its stream history (what it served before) is empty, as the detector's here
+    with TestClient(create_app(detector, keyed_settings(max_spans=5_000, max_body_bytes=2_000_000)),
+                    headers=KEY_HEADER) as client:
+        response = client.post("/diagnose", content=body, headers=headers)
 
     assert response.status_code == 200, response.text
     diagnosis = Diagnosis.model_validate(response.json())

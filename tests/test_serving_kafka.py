@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -123,17 +124,19 @@ def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_r
         kafka_bootstrap, detector, hotel_dataset):
     config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces never finish while it runs
     first_ids = hotel_dataset.traces["trace_id"].to_pylist()[30:40]
-    produce(kafka_bootstrap, config.topic, split_messages(hotel_dataset.spans, first_ids))
+    rootless, roots = _without_roots(traces_of(hotel_dataset.spans, first_ids))  # complete only with their roots
+    produce(kafka_bootstrap, config.topic, split_messages(rootless, first_ids))
 
     crashing = StreamConsumer(detector, config)
     deadline = time.monotonic() + 60
-    while crashing.metrics.registry.get_sample_value("bmeg_consumer_spans_total") < len(traces_of(hotel_dataset.spans, first_ids)):
+    while crashing.metrics.registry.get_sample_value("bmeg_consumer_spans_total") < rootless.num_rows:
         assert time.monotonic() < deadline, "the consumer read nothing"
         crashing.step()
     crashing.commit()
     assert set(committed(kafka_bootstrap, config).values()) <= {None, 0}  # every trace is still pending
     crashing.consumer.close(autocommit=False)  # a crash: no flush, no commit
-    crashing.producer.close()
+    crashing.publisher.producer.close()
+    produce(kafka_bootstrap, config.topic, [(0, to_otlp_proto_bytes(roots))])
 
     restarted = StreamConsumer(detector, dataclasses.replace(config, idle_timeout_s=0.5))
     run_until(restarted, lambda: diagnosed(restarted) >= len(first_ids))
@@ -178,6 +181,12 @@ def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, traine
     assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
 
 
+def _without_roots(spans: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """(every span but the roots, the roots): a trace is never complete before its root is in."""
+    has_parent = spans["parent_id"].is_valid()
+    return spans.filter(has_parent), spans.filter(pc.invert(has_parent))
+
+
 def _wait_for(condition, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -201,20 +210,21 @@ def _consume_process(bootstrap: str, config: ConsumerConfig, run_dir: Path, log:
 
 def test_a_rebalance_keeps_the_traces_of_kept_partitions_safe_and_hands_over_the_others(
         kafka_bootstrap, trained_run_dir, hotel_dataset):
-    """A second consumer joins while the first holds assembled traces. The first keeps half the
-    partitions, with their traces, and their offsets stay held below those traces while newer
-    messages arrive; it drops the traces of the half it lost, which the second reads and
-    diagnoses. Every trace is diagnosed whole."""
+    """A second consumer joins while the first holds traces being assembled (their roots not
+    sent yet). The first keeps half the partitions, with their traces, and their offsets stay
+    held below those traces while newer messages arrive; it drops the traces of the half it
+    lost, which the second reads again. Then the roots come: every trace is diagnosed whole."""
     from bmeg.models.detector import Detector
 
-    config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces finish only at the stop
+    config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces finish only when whole
     trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[110:130]
     spans = traces_of(hotel_dataset.spans, trace_ids)
+    rootless, roots = _without_roots(spans)
     early, late = trace_ids[:16], trace_ids[16:]
-    produce(kafka_bootstrap, config.topic, _keyed_messages(spans, early, partitions=range(PARTITIONS)))
+    produce(kafka_bootstrap, config.topic, _keyed_messages(rootless, early, partitions=range(PARTITIONS)))
 
     first = StreamConsumer(Detector.load(trained_run_dir, device="cpu"), config)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while len(first.assembler) < len(early):
         assert time.monotonic() < deadline, "the first consumer read nothing"
         first.step()
@@ -229,24 +239,30 @@ def test_a_rebalance_keeps_the_traces_of_kept_partitions_safe_and_hands_over_the
         kept = sorted(tp.partition for tp in first.consumer.assignment())
         assert sorted(trace.trace_id for trace in first.assembler) == sorted(
             trace_id for i, trace_id in enumerate(early) if i % PARTITIONS in kept)
-        produce(kafka_bootstrap, config.topic, _keyed_messages(spans, late, partitions=kept))
+        produce(kafka_bootstrap, config.topic, _keyed_messages(rootless, late, partitions=kept))
         while len(first.assembler) < len(early) // 2 + len(late):
             assert time.monotonic() < deadline + 120, "the first consumer did not read the later traces"
             first.step()
         first.commit()
         points = committed(kafka_bootstrap, config)
         assert all(points[p] in (None, 0) for p in kept), points  # held below the early traces
+        partition_of = {**{t: i % PARTITIONS for i, t in enumerate(early)}, **{t: kept[i % len(kept)] for i, t in enumerate(late)}}
+        produce(kafka_bootstrap, config.topic, [(partition_of[t], to_otlp_proto_bytes(traces_of(roots, [t])))
+                                                for t in trace_ids])
+        while len(first.assembler):  # whole now: diagnosed at once
+            assert time.monotonic() < deadline + 180, "the first consumer did not finish its traces"
+            first.step()
         first.close()
+        records = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))
     finally:
         stop.set()
         thread.join(30)
 
-    records = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))
     expected_spans = Counter(spans["trace_id"].to_pylist())
     assert {record.key.decode() for record in records} == set(trace_ids)
     for record in records:
         (trace,) = Diagnosis.model_validate_json(record.value).traces
-        assert trace.spans == expected_spans[trace.trace_id] and not trace.warnings, trace.warnings
+        assert trace.spans == expected_spans[trace.trace_id] and not trace.partial and not trace.warnings, trace
 
 
 def _keyed_messages(spans: pa.Table, trace_ids: list[str], partitions) -> list[tuple[int, bytes]]:
@@ -259,3 +275,101 @@ def _keyed_messages(spans: pa.Table, trace_ids: list[str], partitions) -> list[t
         partition = partitions[i % len(partitions)]
         messages += [(partition, to_otlp_proto_bytes(trace.slice(start, third))) for start in range(0, trace.num_rows, third)]
     return messages
+
+
+def test_poison_of_every_kind_is_dead_lettered_truncated_and_the_partition_moves_on(
+        kafka_bootstrap, detector, hotel_dataset, flagged_trace):
+    """JSON without a content-type is read (the Collector sets none); a gzip bomb, 1 MB of
+    garbage and a trace whose diagnosis is over the broker's limit (200 KB here) go to the dead-letter topic
+    with their reason (truncated), and every offset is committed: nothing wedges."""
+    import gzip
+    import json
+
+    from bmeg.serving.publishing import TRUNCATED_HEADER
+    from bmeg.traces.io import table_to_otlp_json
+
+    config = config_for(kafka_bootstrap, dead_letter_max_bytes=64 << 10)
+    plain_ids = hotel_dataset.traces["trace_id"].to_pylist()[200:204]
+    flagged_spans, _ = flagged_trace
+    huge_id = hotel_dataset.traces["trace_id"].to_pylist()[205]
+    huge = traces_of(hotel_dataset.spans, [huge_id])
+    huge = huge.set_column(huge.schema.get_field_index("service"), "service",
+                           pa.array(["s" * 40_000 + str(i % 2) for i in range(huge.num_rows)]))
+    bomb = gzip.compress(b"\0" * (200 << 20))  # 200 MiB inflated, ~200 KB on the wire
+    messages = [
+        (0, json.dumps(table_to_otlp_json(traces_of(hotel_dataset.spans, plain_ids[:2]))).encode()),
+        (1, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, plain_ids[2:]))),
+        (1, bomb), (2, b"\x0a\xff" + os.urandom(1_000_000)), (3, to_otlp_proto_bytes(huge)),
+        (3, to_otlp_proto_bytes(flagged_spans)),
+    ]
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)  # the broker refuses a diagnosis over 200 KB
+    admin.create_topics([NewTopic(topic, PARTITIONS, 1, topic_configs={"max.message.bytes": str(200_000)})
+                         for topic in (config.diagnoses_topic, config.mitigations_topic)])
+    admin.close()
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, max_request_size=2 << 20)
+    for partition, value in messages:
+        producer.send(config.topic, value=value, partition=partition).get(timeout=30)
+    producer.close()
+    config = dataclasses.replace(config, max_message_bytes=16 << 20)
+    flagged_id = flagged_spans["trace_id"][0].as_py()
+
+    consumer = StreamConsumer(detector, config)
+    dead_lettered = lambda: sum(s.value for s in consumer.metrics.dead_letters.collect()[0].samples  # noqa: E731
+                                if s.name.endswith("_total"))
+    run_until(consumer, lambda: diagnosed(consumer) >= len(plain_ids) + 1 and dead_lettered() >= 3)
+
+    by_trace = {r.key.decode(): Diagnosis.model_validate_json(r.value)
+                for r in read_topic(kafka_bootstrap, config.diagnoses_topic, len(plain_ids) + 1)}
+    assert sorted(by_trace) == sorted([*plain_ids, flagged_id])
+    assert all(d.traces[0].start_time is not None and not d.traces[0].partial for d in by_trace.values())
+    flagged = by_trace[flagged_id].traces[0]
+    assert flagged.anomalous and flagged.mitigations  # the hints REST gives, on Kafka too
+    assert {hint.service for hint in flagged.mitigations} <= {score.service for score in flagged.bottlenecks}
+    dead = {dict(r.headers)[ERROR_HEADER].decode(): r for r in read_topic(kafka_bootstrap, config.dead_letter_topic, 3)}
+    reasons = sorted(dead)
+    assert any(r.startswith("undecodable message: gzip data inflates past the limit") for r in reasons), reasons
+    assert any(r.startswith("undecodable message") and "gzip" not in r for r in reasons), reasons
+    (too_large,) = [r for r in reasons if r.startswith("diagnosis too large")]
+    assert len(dead[too_large].value) == 64 << 10 and int(dict(dead[too_large].headers)[TRUNCATED_HEADER]) > 200_000
+    ends = end_offsets(kafka_bootstrap, config.topic)
+    assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
+
+
+@pytest.mark.parametrize("codec", ["gzip", "snappy", "lz4", "zstd"])
+def test_the_collectors_compression_codecs_are_read(kafka_bootstrap, detector, hotel_dataset, codec):
+    config = config_for(kafka_bootstrap)
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[210:213]
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, compression_type=codec)
+    producer.send(config.topic, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, trace_ids)))
+    producer.flush()
+    producer.close()
+    consumer = StreamConsumer(detector, config)
+    run_until(consumer, lambda: diagnosed(consumer) >= len(trace_ids))
+    assert {r.key.decode() for r in read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))} == set(trace_ids)
+
+
+def test_healthz_fails_while_the_poll_loop_is_stuck_and_recovers_after(kafka_bootstrap, hotel_dataset):
+    """A model that hangs (here: 6 s per trace, one trace per batch) holds the loop once two
+    batches are in flight: /healthz answers 503 while the loop has not gone round within the
+    liveness timeout (so Kubernetes restarts a wedged pod), and 200 again once it moves."""
+    from bmeg.serving.consumer import serve_probes
+    from serving_fixtures import StandInDetector
+
+    config = config_for(kafka_bootstrap, batch_traces=1, liveness_timeout_s=2.0)
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[220:224]
+    produce(kafka_bootstrap, config.topic, [(0, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t]))) for t in trace_ids])
+    consumer = StreamConsumer(StandInDetector(delay_s=6.0), config)
+    port = _free_port()
+    probes = serve_probes(consumer, "127.0.0.1", port)
+    seen: list[int] = []
+    try:
+        run_until(consumer, lambda: _probe(port, seen) and 503 in seen and seen[-1] == 200, timeout_s=90)
+    finally:
+        probes.shutdown()
+    assert 503 in seen and seen[-1] == 200, seen
+    assert diagnosed(consumer) >= 3  # the loop moved on after the model answered
+
+
+def _probe(port: int, seen: list[int]) -> bool:
+    seen.append(httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code)
+    return True

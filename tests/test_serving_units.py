@@ -18,10 +18,11 @@ from bmeg.traces import span_table, to_otlp_proto_bytes
 from serving_fixtures import StandInDetector
 
 
-def spans_of(trace_ids: list[str], service: str = "api") -> pa.Table:
+def spans_of(trace_ids: list[str], service: str = "api", parent: str | None = None) -> pa.Table:
+    """One span per trace id given, each a root (`parent` None) or a child of `parent`."""
     n = len(trace_ids)
     return span_table({
-        "trace_id": trace_ids, "span_id": [f"{i:016x}" for i in range(n)], "parent_id": [None] * n,
+        "trace_id": trace_ids, "span_id": [f"{i:016x}" for i in range(n)], "parent_id": [parent] * n,
         "service": [service] * n, "operation": ["GET"] * n, "start_ns": [1_000] * n, "duration_ns": [500] * n,
     })
 
@@ -128,6 +129,9 @@ def test_payloads_that_do_not_parse_or_pass_the_span_limit_are_refused_with_thei
 
 
 # -- assembly ----------------------------------------------------------------------------
+ABSENT = "00000000000000ff"  # a parent span that never arrives
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0
@@ -139,9 +143,9 @@ class Clock:
 def test_a_trace_spread_over_messages_finishes_once_idle_with_all_its_sources():
     clock = Clock()
     assembler = TraceAssembler(idle_timeout_s=2.0, max_spans=100, clock=clock)
-    assert assembler.add(spans_of(["a", "b", "a"]), ("p0", 1)) == 2
+    assert assembler.add(spans_of(["a", "b", "a"], parent=ABSENT), ("p0", 1)).traces == 2
     clock.now = 1.5
-    assembler.add(spans_of(["a"]), ("p1", 7))
+    assembler.add(spans_of(["a"], parent=ABSENT), ("p1", 7))
     clock.now = 2.5  # b idle for 2.5 s, a for 1 s
 
     (b,) = assembler.finished()
@@ -149,14 +153,15 @@ def test_a_trace_spread_over_messages_finishes_once_idle_with_all_its_sources():
     clock.now = 3.6
     (a,) = assembler.finished()
     assert (a.trace_id, a.table().num_rows, a.sources) == ("a", 3, {("p0", 1), ("p1", 7)})
+    assert a.partial and b.partial  # their root never came
     assert len(assembler) == 0
 
 
 def test_a_trace_at_the_span_cap_finishes_at_once():
     assembler = TraceAssembler(idle_timeout_s=60, max_spans=3, clock=Clock())
-    assembler.add(spans_of(["big"] * 2 + ["small"]), ("p", 0))
+    assembler.add(spans_of(["big"] * 2 + ["small"], parent=ABSENT), ("p", 0))
     assert assembler.finished() == []
-    assembler.add(spans_of(["big"]), ("p", 1))
+    assembler.add(spans_of(["big"], parent=ABSENT), ("p", 1))
     assert [t.trace_id for t in assembler.finished()] == ["big"]
     assert [t.trace_id for t in assembler.drain()] == ["small"]
 
@@ -226,7 +231,7 @@ def test_never_commits_past_a_message_whose_trace_is_unpublished(data):
             source = tracker.source(partition, next_offset[partition])
             next_offset[partition] += 1
             traces = data.draw(st.lists(st.sampled_from("abcdef"), min_size=0, max_size=4))
-            tracker.received(source, assembler.add(spans_of(traces), source) if traces else 0)
+            tracker.received(source, assembler.add(spans_of(traces, parent=ABSENT), source).traces if traces else 0)
         elif action == "publish":
             clock.now += 1
             pending += assembler.finished()

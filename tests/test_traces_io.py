@@ -107,8 +107,8 @@ def test_read_spans_bytes_by_content_type(shared_dir):
     "data, message",
     [
         (b'{"resourceSpans": [', "invalid JSON"),
-        (b'{"hello": "world"}', "neither OTLP"),
-        (b"[1, 2, 3]", "neither OTLP"),
+        (b'{"hello": "world"}', "JSON is none of OTLP"),
+        (b"[1, 2, 3]", "JSON is none of OTLP"),
         (b"\x1f\x8b\x08garbage", "corrupt gzip"),
         (b"PAR1 not really parquet", "cannot read span Parquet"),
     ],

@@ -146,9 +146,9 @@ def test_otlp_json_accepts_enum_names_int_times_and_json_lines():
     "document, message",
     [
         ({"resourceSpans": "no"}, "malformed OTLP/JSON"),
-        ({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "xyz"}]}]}]}, "not a hex id"),
+        ({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "xyz"}]}]}]}, "neither a hex nor a base64 id"),
+        ({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "e!6=="}]}]}]}, "neither a hex nor a base64 id"),
         ({"resourceSpans": [{"scopeSpans": [{"spans": [{"startTimeUnixNano": "-5"}]}]}]}, "malformed OTLP/JSON"),
-        ({"resourceSpans": [{"scopeSpans": [{"spanz": []}]}]}, "malformed OTLP/JSON"),
         ({"spans": []}, "needs an object with 'resourceSpans'"),
     ],
 )

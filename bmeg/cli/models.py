@@ -11,9 +11,9 @@ from bmeg.cli.output import json_option, print_json, print_table
 TABLE_COLUMNS = ("accuracy", "nbp", "bp", "nbr", "br", "ac1", "ac3")
 
 
-def metrics_rows(metrics: dict, models=("bmeg", "svm")) -> list[dict]:
+def metrics_rows(metrics: dict, models=("bmeg", "gnn", "svm")) -> list[dict]:
     """The thesis's table: one row per model."""
-    names = {"bmeg": "B-MEG", "svm": "SVM (FIRM)", "gnn": "GNN only"}
+    names = {"bmeg": "B-MEG (routed)", "svm": "SVM (per trace)", "gnn": "GNN only"}
     return [{"model": names[m], **{c.upper(): metrics[m][c] for c in TABLE_COLUMNS}} for m in models]
 
 
@@ -61,7 +61,7 @@ def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, 
         return
     print_table(metrics_rows(metrics), title=f"Held-out test ({metrics['test_traces']} traces, "
                                              f"{metrics['test_anomalous']} bottlenecked)")
-    click.echo(f"run saved to {out} (model.pt, svm.joblib, metrics.json, plots)")
+    click.echo(f"run saved to {out} (model.pt, metrics.json, plots)")
 
 
 @click.command("diagnose")

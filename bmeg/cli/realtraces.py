@@ -54,20 +54,33 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--traces", type=int, default=6000, show_default=True, help="Synthetic traces to train on.")
 @click.option("--epochs", type=int, default=10, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--features", type=click.Choice(["relative", "full", "thesis"]), default="relative", show_default=True,
+              help="Node features (see bmeg.models.features).")
+@click.option("--held-back", type=float, default=0.25, show_default=True,
+              help="Later share of the normal traces held back to calibrate stage 1 on.")
+@click.option("--false-alarm-rate", type=float, default=0.01, show_default=True,
+              help="Share of held-back healthy traces stage 1 may flag.")
 @format_option
 @json_option
-def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, input_format: str | None,
-              as_json: bool) -> None:
+def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,
+              false_alarm_rate: float, input_format: str | None, as_json: bool) -> None:
     """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
     from bmeg.cli.models import metrics_rows
     from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
 
-    _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
-                               input_format=input_format, progress=not as_json)
+    try:
+        _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
+                                   input_format=input_format, progress=not as_json, features=features,
+                                   held_back=held_back, false_alarm_rate=false_alarm_rate)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
     if as_json:
         print_json(metrics)
         return
     print_table(metrics_rows(metrics), title="held-out synthetic test traces (twin)")
+    calibration = metrics["calibration"]
+    click.echo(f"stage 1 on {calibration['healthy_traces']} held-back real healthy traces: "
+               f"{calibration['flagged_before']:.1%} flagged before calibration, {calibration['flagged_after']:.1%} after")
     click.echo(f"run saved to {out} (twin.yaml, model, metrics.json)")
 
 
@@ -88,14 +101,18 @@ def evaluate() -> None:
 @click.option("--window-minutes", type=float, default=2.0, show_default=True, help="Window after each injection.")
 @click.option("--pod-suffix-parts", type=int, default=2, show_default=True,
               help="Dash-separated parts a pod name has after its service name (0: the pod is the service).")
+@click.option("--offset-hours", type=int, default=0, show_default=True,
+              help="Shift the fault list's times by whole hours (a fault list in another time zone).")
+@click.option("--published/--no-published", default=True, show_default=True,
+              help="Run RCAEval's TraceRCA and MicroRank too (when the `eval` extra is installed).")
 @format_option
 @json_option
 def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path | None, window_minutes: float,
-        pod_suffix_parts: int, input_format: str | None, as_json: bool) -> None:
+        pod_suffix_parts: int, offset_hours: int, published: bool, input_format: str | None, as_json: bool) -> None:
     """Rank root-cause services after each injected fault; AC@k for bmeg and the baselines."""
     from bmeg.evaluation.faults import read_fault_list
     from bmeg.evaluation.rankers import default_rankers
-    from bmeg.evaluation.rca import report, run_rca
+    from bmeg.evaluation.rca import hour_offset, report, run_rca
     from bmeg.evaluation.windows import TraceFiles
     from bmeg.faultinject.twin import rpc_view
     from bmeg.models.detector import Detector
@@ -106,12 +123,16 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
         faults = read_fault_list(faults_path, pod_suffix_parts)
         normal = rpc_view(read_spans(normal_path, format=input_format))
         detector = Detector.load(run_dir or _bootstrapped(normal_path, input_format, as_json))
-        rankers = default_rankers(detector, normal)
+        rankers = default_rankers(detector, normal, published)
         files = TraceFiles(traces_path, input_format, progress=not as_json)
-        results = run_rca(files, faults, normal, rankers, window_minutes, progress=not as_json)
+        slip = hour_offset(files, faults, window_minutes)
+        results = run_rca(files, faults, normal, rankers, window_minutes, progress=not as_json,
+                          offset_hours=offset_hours)
     except (TraceInputError, ValueError) as error:
         raise click.ClickException(str(error)) from error
-    summary = report(results, [r.name for r in rankers])
+    summary = report(results, [r.name for r in rankers], files, window_minutes)
+    summary["time_zone_check"] = slip
+    summary["method_errors"] = {r.name: errors for r in rankers if (errors := getattr(r, "errors", None))}
     if as_json:
         print_json(summary)
         return
@@ -123,6 +144,72 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
     print_table(rows, title="by fault type")
     for skipped in summary["skipped"]:
         click.echo(f"skipped: {skipped['type']} on {skipped['service']} at {skipped['start_ns']}: {skipped['reason']}")
+    if slip["hours"] and slip["hours"] != offset_hours:
+        click.echo(f"time-zone slip? shifting the fault list by {slip['hours']:+d} h puts {slip['windows_over_traces']} "
+                   f"fault windows over the traces, against {slip['unshifted_windows_over_traces']} unshifted: "
+                   f"check the list's time zone, and pass --offset-hours {slip['hours']} if it is one")
+    for name, errors in summary["method_errors"].items():
+        click.echo(f"{name} failed on {len(errors)} fault(s) (counted as misses): {errors[0]}")
+
+
+@evaluate.command("healthy")
+@click.argument("traces", type=click.Path(exists=True, path_type=Path))
+@click.option("--model", "run_dir", type=click.Path(exists=True, path_type=Path), required=True)
+@format_option
+@json_option
+def healthy(traces: Path, run_dir: Path, input_format: str | None, as_json: bool) -> None:
+    """The share of the fault-free traces in TRACES that stage 1 flags (false alarms)."""
+    from bmeg.faultinject.twin import rpc_view
+    from bmeg.models.detector import Detector
+    from bmeg.traces import TraceInputError
+    from bmeg.traces.io import read_spans
+    from bmeg.training.calibration import flagged_share
+
+    try:
+        forest = rpc_view(read_spans(traces, format=input_format))
+    except TraceInputError as error:
+        raise click.ClickException(str(error)) from error
+    summary = {"traces": forest.num_traces, "flagged_share": flagged_share(Detector.load(run_dir), forest)}
+    if as_json:
+        print_json(summary)
+    else:
+        click.echo(f"{summary['flagged_share']:.2%} of {summary['traces']} healthy traces flagged anomalous")
+
+
+@evaluate.command("rca-sim")
+@click.argument("topology", type=click.Path(exists=True, path_type=Path))
+@click.option("--model", "run_dir", type=click.Path(exists=True, path_type=Path), required=True,
+              help="Run directory (e.g. from `bmeg bootstrap`, whose twin.yaml is a TOPOLOGY).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for the simulated traces.")
+@click.option("--window-seconds", type=float, default=60.0, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--published/--no-published", default=True, show_default=True)
+@json_option
+def rca_sim(topology: Path, run_dir: Path, out: Path, window_seconds: float, seed: int, published: bool,
+            as_json: bool) -> None:
+    """The rca harness on faults simulated from TOPOLOGY (one per service and source): synthetic validation."""
+    from bmeg.evaluation.faults import read_fault_list
+    from bmeg.evaluation.rankers import default_rankers
+    from bmeg.evaluation.rca import report, run_rca
+    from bmeg.evaluation.simulated import simulated_faults
+    from bmeg.evaluation.windows import TraceFiles
+    from bmeg.faultinject import load_topology
+    from bmeg.faultinject.twin import rpc_view
+    from bmeg.models.detector import Detector
+
+    sim = simulated_faults(load_topology(topology), out, normal_s=2 * window_seconds, window_s=window_seconds, seed=seed)
+    normal = rpc_view(sim.normal)
+    rankers = default_rankers(Detector.load(run_dir), normal, published)
+    files = TraceFiles(sim.traces)
+    results = run_rca(files, read_fault_list(sim.fault_list, 0), normal, rankers, sim.window_minutes,
+                      progress=not as_json)
+    summary = report(results, [r.name for r in rankers], files, sim.window_minutes)
+    if as_json:
+        print_json(summary)
+        return
+    for group in ("latency_faults", "overall"):
+        rows = [{"ranker": name, **values} for name, values in summary[group].items()]
+        print_table(rows, title=f"simulated: {group.replace('_', ' ')}")
 
 
 def _bootstrapped(normal_path: Path, input_format: str | None, quiet: bool) -> Path:

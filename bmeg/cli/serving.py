@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from bmeg.serving.assembler import DEFAULT_IDLE_TIMEOUT_S
+
 model_option = click.option("--model", "run_dir", type=click.Path(path_type=Path), default=None,
                             help="Run directory of `bmeg train` (default: the cache's socialnet run).")
 device_option = click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
@@ -76,25 +78,27 @@ def serve(run_dir: Path | None, device: str, host: str, port: int, log_level: st
 @click.option("--bootstrap", required=True, help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT].")
 @click.option("--topic", default="otlp_spans", show_default=True, help="Topic of the spans.")
 @click.option("--group", "group_id", default="bmeg-diagnoser", show_default=True, help="Consumer group.")
-@click.option("--encoding", type=click.Choice(["otlp_proto", "otlp_json"]), default="otlp_proto", show_default=True,
-              help="Encoding of messages without a content-type header.")
+@click.option("--encoding", type=click.Choice(["auto", "otlp_proto", "otlp_json"]), default="auto", show_default=True,
+              help="Encoding of messages without a content-type header (auto: detected from the bytes).")
 @click.option("--diagnoses-topic", default="bmeg.diagnoses", show_default=True)
 @click.option("--mitigations-topic", default="bmeg.mitigations", show_default=True)
 @click.option("--dead-letter-topic", default="otlp_spans.dlq", show_default=True)
-@click.option("--idle-timeout", "idle_timeout_s", type=float, default=2.0, show_default=True,
-              help="Seconds without a new span after which a trace is finished.")
+@click.option("--idle-timeout", "idle_timeout_s", type=float, default=DEFAULT_IDLE_TIMEOUT_S, show_default=True,
+              help="Seconds without a new span after which an incomplete trace is finished (above the senders' "
+                   "export interval: the OpenTelemetry SDKs export every 5 s).")
 @click.option("--max-trace-spans", type=int, default=10_000, show_default=True, help="A trace is finished at this size.")
 @click.option("--batch-traces", type=int, default=512, show_default=True, help="Traces diagnosed per model call.")
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz (liveness) on this port.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address the metrics port binds (0.0.0.0 in a pod, for the probes).")
 def consume(run_dir: Path | None, device: str, bootstrap: str, topic: str, group_id: str, encoding: str,
             diagnoses_topic: str, mitigations_topic: str, dead_letter_topic: str, idle_timeout_s: float,
-            max_trace_spans: int, batch_traces: int, metrics_port: int | None) -> None:
+            max_trace_spans: int, batch_traces: int, metrics_port: int | None, metrics_host: str) -> None:
     """Diagnose every trace on a Kafka topic; publish diagnoses, forward bottlenecks. Stops on SIGTERM."""
-    from prometheus_client import start_http_server
-
     from bmeg.models.checkpoint import CheckpointError
     from bmeg.models.detector import Detector, default_run_dir
-    from bmeg.serving.consumer import ConsumerConfig, StreamConsumer
+    from bmeg.serving.consumer import ConsumerConfig, StreamConsumer, serve_probes
+    from bmeg.serving.publishing import PublishError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _limit_torch_threads()
@@ -103,17 +107,22 @@ def consume(run_dir: Path | None, device: str, bootstrap: str, topic: str, group
     except CheckpointError as error:
         raise click.ClickException(str(error)) from error
     config = ConsumerConfig(
-        bootstrap=bootstrap, topic=topic, group_id=group_id, encoding=encoding, diagnoses_topic=diagnoses_topic,
-        mitigations_topic=mitigations_topic, dead_letter_topic=dead_letter_topic, idle_timeout_s=idle_timeout_s,
-        max_trace_spans=max_trace_spans, batch_traces=batch_traces,
+        bootstrap=bootstrap, topic=topic, group_id=group_id, encoding=None if encoding == "auto" else encoding,
+        diagnoses_topic=diagnoses_topic, mitigations_topic=mitigations_topic, dead_letter_topic=dead_letter_topic,
+        idle_timeout_s=idle_timeout_s, max_trace_spans=max_trace_spans, batch_traces=batch_traces,
     )
     consumer = StreamConsumer(detector, config)
-    if metrics_port is not None:
-        start_http_server(metrics_port, registry=consumer.metrics.registry)
+    probes = serve_probes(consumer, metrics_host, metrics_port) if metrics_port is not None else None
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     click.echo(f"consuming {topic} on {bootstrap} as group {group_id} with {detector.version}", err=True)
-    consumer.run(stop)
+    try:
+        consumer.run(stop)
+    except PublishError as error:
+        raise click.ClickException(f"stopped, offsets not committed past the failed record: {error}") from error
+    finally:
+        if probes is not None:
+            probes.shutdown()
     diagnosed = consumer.metrics.registry.get_sample_value("bmeg_consumer_traces_diagnosed_total")
     click.echo(f"stopped: published {diagnosed:.0f} diagnoses; pending traces published, offsets committed", err=True)

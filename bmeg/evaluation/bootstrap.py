@@ -1,35 +1,57 @@
-"""The zero-label path: normal traces -> twin -> labelled synthetic dataset -> trained model.
+"""The zero-label path: normal traces -> twin -> labelled synthetic dataset -> trained model
+-> baselines and stage 1 set on the application's own healthy traces.
 
 No real fault label is used anywhere: the twin is fitted from fault-free traces, the
 fault-injection toolkit injects faults into the twin's services (single and multiple
-campaigns), and the detector learns from the simulator's labels. The run directory holds the
-model (as `bmeg train` writes it), `twin.yaml`, and the generated data under `data/`.
+campaigns), and the detector learns from the simulator's labels. Then the model is made to
+read the real application: its per-operation baselines are refitted on the real normal
+traces the twin came from, and its stage-1 thresholds are raised until at most
+`false_alarm_rate` of the later, held-back real normal traces are flagged
+(`bmeg.training.calibration`). The run directory holds the model (as `bmeg train` writes it,
+with a `calibration` entry in its metrics), `twin.yaml`, and the generated data under `data/`.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bmeg.datasets.generate import generate_dataset
-from bmeg.faultinject.twin import fit_twin
+from bmeg.evaluation.rankers import with_normal_baselines
+from bmeg.faultinject.twin import fit_twin, rpc_view
+from bmeg.training.calibration import DEFAULT_FALSE_ALARM_RATE
 from bmeg.traces.io import read_spans
 
 #: Scenarios the dataset is generated from, one shard each, sharing the traces equally.
 SCENARIOS = ("single", "multiple")
+#: A twin is never the real application: train on features that mean the same in both.
+BOOTSTRAP_FEATURES = "relative"
+#: The later share of the normal traces held back to calibrate stage 1 on.
+HELD_BACK = 0.25
 
 
 def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, imbalance: float = 0.3,
-              epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True):
-    """Fit a twin, generate a labelled dataset from it, train on it; returns (Detector, metrics)."""
+              epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True,
+              features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
+              false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE):
+    """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
+    healthy traces; returns (Detector, metrics)."""
     from bmeg.training import train
+    from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = fit_twin(read_spans(normal_traces, format=input_format), name="twin",
-                    description=f"twin fitted from {normal_traces}")
+    fitting, healthy = split_by_time(read_spans(normal_traces, format=input_format), held_back)
+    spec = fit_twin(fitting, name="twin", description=f"twin fitted from {normal_traces}")
     twin_file = out / "twin.yaml"
     twin_file.write_text(spec.to_yaml())
     for index, scenario in enumerate(SCENARIOS):  # a seed each: the shards' trace ids must differ
         generate_dataset(out / "data" / scenario, topology=twin_file, traces=traces // len(SCENARIOS),
                          imbalance=imbalance, seed=seed * len(SCENARIOS) + index, scenario=scenario, progress=progress)
-    return train(out / "data", out=out, epochs=epochs, seed=seed, progress=progress)
+    detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features)
+    detector = with_normal_baselines(detector, rpc_view(fitting))
+    metrics["calibration"] = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate).to_dict()
+    detector.metrics = metrics
+    detector.save(out)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return detector, metrics

@@ -4,12 +4,16 @@
 see `bmeg.faultinject.twin.rpc_view`) and statistics of a normal period, and returns
 `[(service, score), ...]`, most suspicious first.
 
-- `bmeg`: the detector's GNN node scores, averaged over the window's anomalous traces, times
-  how far each service's own time moved from the normal period (see `BmegRanker`).
-- `bmeg-gnn`: the detector's own window ranking (mean GNN score over anomalous traces).
+- `bmeg`: the rank fusion of the GNN's window ranking and how far each service's own time
+  moved from the normal period (see `BmegRanker`).
+- `bmeg-gnn`: the GNN alone: each service's mean node score in the window against its mean
+  in the normal period (see `node_score_shift`).
 - `firm-svm`: FIRM's SVM scores on the critical path, averaged over the window.
-- `microrank`: spectrum ranking (Ochiai) of services over anomalous vs normal traces.
-- `tracerca`: services whose anomalous spans are over-represented in anomalous traces.
+- `ochiai-spectrum (internal)`: spectrum ranking (Ochiai) of services over anomalous vs normal
+  traces; an internal approximation in MicroRank's family, *not* MicroRank (no PageRank
+  weighting; see `bmeg.evaluation.rcaeval` for the published method).
+- `jaccard-association (internal)`: services whose anomalous spans are over-represented in
+  anomalous traces; an internal approximation in TraceRCA's family, *not* TraceRCA.
 - `self-time`: the increase of each service's exclusive time against the normal period.
 
 Shared definitions: a span is *anomalous* when its duration is above the normal period's p95
@@ -36,6 +40,8 @@ Ranking = list[tuple[str, float]]
 ANOMALY_QUANTILE = 0.95
 #: Exclusive times below this (ns) count as this: keeps ratios of tiny times sane.
 MIN_EXCLUSIVE_NS = 10_000
+#: A service's structure shift below this (5% of its spans changed) counts as none.
+STRUCTURE_NOISE = 0.05
 
 
 def span_keys(forest: SpanForest) -> np.ndarray:
@@ -64,6 +70,8 @@ class NormalStats:
     exclusive_ns: pd.Series  # by (counted service, span key): median exclusive ns
     server_ns: pd.Series  # by span key of a non-client span: median self ns
     gap_ns: pd.Series  # by client span key: median ns a call spent outside both processes
+    children: pd.Series  # by span key: mean number of children
+    errors: pd.Series  # by span key: share of spans where an error begins
 
     @classmethod
     def from_forest(cls, forest: SpanForest) -> NormalStats:
@@ -78,6 +86,8 @@ class NormalStats:
             exclusive_ns=frame.groupby(["service", "key"])["ns"].median(),
             server_ns=own[~own["client"]].groupby("key")["ns"].median(),
             gap_ns=own[own["client"]].groupby("key")["ns"].median(),
+            children=pd.Series(_child_counts(forest), index=keys).groupby(level=0).mean(),
+            errors=pd.Series(_error_origins(forest), index=keys).groupby(level=0).mean(),
         )
 
     def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
@@ -120,6 +130,42 @@ class NormalStats:
         return pd.concat([servers, caller, callee], axis=1).max(axis=1)
 
 
+    def structure_shift(self, forest: SpanForest) -> pd.Series:
+        """Per service, how far its operations' structure moved from the normal period: per
+        operation, |mean children - normal mean| / max(normal mean, 1) plus the rise of the
+        share of its spans where an error *begins* (an error span with no error child: callers
+        that record the failed call are not where it began); a service's shift is the mean
+        over its spans. Means against means, so an operation whose call count varies from
+        request to request is not a change. A code fault (an early return, an exception)
+        changes the calls a service makes and its status, not its time; the change counts for
+        the service that made (or skipped) the calls. Operations the normal period never saw
+        are not scored."""
+        keys = span_keys(forest)
+        frame = pd.DataFrame({"key": keys, "children": _child_counts(forest), "errors": _error_origins(forest)})
+        by_key = frame.groupby("key").agg(children=("children", "mean"), errors=("errors", "mean"),
+                                          spans=("children", "size"))
+        normal_children = self.children.reindex(by_key.index)
+        change = (by_key["children"] - normal_children).abs() / np.maximum(normal_children, 1.0)
+        change += (by_key["errors"] - self.errors.reindex(by_key.index)).clip(lower=0.0)
+        known = change.notna()
+        service = pd.Series(forest.spans["service"].to_numpy(zero_copy_only=False), index=keys).groupby(level=0).first()
+        weighted = (change[known] * by_key["spans"][known]).groupby(service.reindex(change[known].index)).sum()
+        return weighted / by_key["spans"][known].groupby(service.reindex(change[known].index)).sum()
+
+
+def _child_counts(forest: SpanForest) -> np.ndarray:
+    has_parent = forest.parent >= 0
+    return np.bincount(forest.parent[has_parent], minlength=forest.num_spans).astype(np.float64)
+
+
+def _error_origins(forest: SpanForest) -> np.ndarray:
+    """1.0 where a span has an error status and none of its children has."""
+    error = pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False)
+    has_parent = forest.parent >= 0
+    child_errors = np.bincount(forest.parent[has_parent], weights=error[has_parent], minlength=forest.num_spans)
+    return (error & (child_errors == 0)).astype(np.float64)
+
+
 def _own_times(forest: SpanForest) -> pd.DataFrame:
     """Per span: service, key, own ns (self time; a client span's is its call's gap), client?, callee."""
     service = forest.spans["service"].to_numpy(zero_copy_only=False)
@@ -158,10 +204,20 @@ class SelfTimeRanker:
         return _ranking(normal.exclusive_increase(window))
 
 
-class MicroRankRanker:
-    """Spectrum analysis (MicroRank-style): Ochiai of 'service covered' vs 'trace anomalous'."""
+class StructureRanker:
+    """A rule for code faults: rank services by how far their spans' calls and status moved
+    from the normal period (`NormalStats.structure_shift`)."""
 
-    name = "microrank"
+    name = "structure-shift"
+
+    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
+        return _ranking(normal.structure_shift(window))
+
+
+class MicroRankRanker:
+    """Spectrum analysis: Ochiai of 'service covered' vs 'trace anomalous' (not the published MicroRank)."""
+
+    name = "ochiai-spectrum (internal)"
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         covered = _presence(window).to_numpy()
@@ -174,13 +230,13 @@ class MicroRankRanker:
 
 
 class TraceRCARanker:
-    """Association (TraceRCA-style): services with anomalous spans, over-represented in anomalous traces.
+    """Association (not the published TraceRCA): services with anomalous spans, over-represented in anomalous traces.
 
     Score = Jaccard of {anomalous traces} and {traces where the service has an anomalous span},
     i.e. support and confidence of 'service anomalous -> trace anomalous' in one number.
     """
 
-    name = "tracerca"
+    name = "jaccard-association (internal)"
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         frame = pd.DataFrame({
@@ -208,7 +264,8 @@ class _DetectorScores:
 
     def __call__(self, window: SpanForest):
         if self._last is None or self._last[0] != id(window):
-            self._last = (id(window), self.detector.score(window))
+            # the window is a recorded slice of a stream: each trace reads the window's earlier traces
+            self._last = (id(window), self.detector.score(window, replay=True))
         return self._last[1]
 
 
@@ -220,27 +277,41 @@ def _mean_over(scores, weights: np.ndarray, values: np.ndarray) -> pd.Series:
     return pd.Series(mean[seen > 0], index=np.asarray(scores.services)[seen > 0])
 
 
-def _gnn_means(scores) -> tuple[pd.Series, pd.Series]:
-    """(mean service score over the anomalous traces, the same over all traces weighted by anomaly score)."""
-    return (_mean_over(scores, scores.anomalous.astype(float), scores.service),
-            _mean_over(scores, scores.anomaly, scores.service))
-
-
 class FirmSvmRanker:
-    """FIRM: the detector's SVM score of each service on the critical path, averaged over the window."""
+    """FIRM: the detector's FIRM SVM culprit score of each service on the critical path (RI and CI
+    over the window's traces), averaged over the traces where the service is on the path."""
 
     name = "firm-svm"
 
-    def __init__(self, scores: _DetectorScores):
-        self.scores = scores
+    def __init__(self, detector):
+        self.detector = detector
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        scores = self.scores(window)
-        return _ranking(_mean_over(scores, np.ones(window.num_traces), scores.svm_service))
+        services, scores = self.detector.firm_scores(window)
+        on_path = scores > 0
+        mean = scores.sum(axis=0) / np.maximum(on_path.sum(axis=0), 1)
+        return _ranking(pd.Series(mean, index=services))
+
+
+def node_score_shift(window_scores, normal_scores) -> pd.Series:
+    """Per service: its nodes' mean GNN score in the window minus the same in the normal period.
+
+    A mean over the service's visits (nodes), not a sum or a per-trace maximum, so a service is
+    not ranked up for being visited often or having many nodes per trace; minus its own
+    normal-period mean, so a service the model always scores high (a large orchestrator whose
+    spans are long whatever happens) is ranked by what changed, not by where time goes.
+    A service the normal period never saw is compared with 0.
+    """
+    def mean_by_service(scores) -> pd.Series:
+        return pd.Series(scores.gnn_node).groupby(scores.node_services).mean()
+
+    window = mean_by_service(window_scores)
+    return window - mean_by_service(normal_scores).reindex(window.index).fillna(0.0).to_numpy()
 
 
 class GnnRanker:
-    """The detector's window ranking: mean routed service score over the anomalous traces."""
+    """The GNN alone: each service's mean node score in the window against the normal period
+    (`node_score_shift`); no rule, no stage-1 verdict."""
 
     name = "bmeg-gnn"
 
@@ -248,8 +319,7 @@ class GnnRanker:
         self.scores = scores
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        flagged, weighted = _gnn_means(self.scores(window))
-        return _ranking(flagged if len(flagged) else weighted)  # nothing flagged: every trace, weighted
+        return _ranking(node_score_shift(self.scores(window), self.scores(normal.forest)))
 
 
 def with_normal_baselines(detector, normal: SpanForest):
@@ -264,14 +334,36 @@ def with_normal_baselines(detector, normal: SpanForest):
     from bmeg.models.features import FeatureEncoder
 
     encoder = FeatureEncoder(detector.encoder.variant, detector.encoder.history).fit(normal)
-    return replace(detector, encoder=encoder, recent=None)
+    return replace(detector, encoder=encoder)
+
+
+def rank_fusion(*scores: pd.Series) -> pd.Series:
+    """Reciprocal-rank fusion: sum over the rankings of 1 / (1 + rank), rank 1 = first.
+
+    Each ranking counts by its order only, so one ranking's scale (a low GNN score, a large
+    time shift) can never bury what the other ranks first; a service ranked first by one and
+    second by the other beats one ranked first by one and tenth by the other. Services missing
+    from a ranking are ranked after all of its services. Exact ties keep the first ranking's order.
+    """
+    index = scores[0].index
+    for series in scores[1:]:
+        index = index.union(series.index, sort=False)
+    total = pd.Series(0.0, index=index)
+    for series in scores:
+        ranks = series.rank(ascending=False, method="min").reindex(index).fillna(len(series) + 1)
+        total += 1.0 / (1.0 + ranks)
+    first = scores[0].rank(ascending=False, method="first").reindex(index).fillna(len(index) + 1)
+    return total.iloc[np.lexsort((first.to_numpy(), -total.to_numpy()))]
 
 
 class BmegRanker:
-    """B-MEG on a window: the GNN's mean node score over anomalous traces, weighed by how far each
-    service's own time moved from the normal period (`NormalStats.service_shift`): the
-    detector's scores say which services look like bottlenecks trace by trace; the
-    normal-period comparison says which of them changed since the faults began."""
+    """B-MEG on a window: reciprocal-rank fusion (`rank_fusion`) of how far each service's own
+    time moved from the normal period (`NormalStats.service_shift`, call gaps split between
+    caller and callee) and the GNN's own window ranking (`node_score_shift`): by rank, not by
+    product, so a low GNN score cannot bury the service the time shift ranks first. Services
+    whose structure moved (`NormalStats.structure_shift` at least `STRUCTURE_NOISE`: a code
+    fault) come before the others, by how far it moved; on simulated latency faults no
+    service's structure moves that far, so there the order is the fusion's."""
 
     name = "bmeg"
 
@@ -279,19 +371,31 @@ class BmegRanker:
         self.scores = scores
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        flagged, weighted = _gnn_means(self.scores(window))
-        # a service in no flagged trace keeps its anomaly-weighted score instead of dropping out
-        gnn = flagged.combine_first(weighted)
-        moved = normal.service_shift(window).reindex(gnn.index).fillna(0.0).clip(lower=0.0)
-        return _ranking(gnn * (1.0 + moved))
+        gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
+        fused = rank_fusion(normal.service_shift(window), gnn)
+        structure = normal.structure_shift(window).reindex(fused.index).fillna(0.0)
+        changed = structure >= STRUCTURE_NOISE
+        # services whose structure changed come first, by how much; then the rest, by rank fusion
+        first = structure[changed].sort_values(ascending=False, kind="stable")
+        return _ranking_in_order(pd.concat([first + 1.0 + fused.max(), fused[~changed]]))
 
 
-def default_rankers(detector=None, normal: SpanForest | None = None) -> list[Ranker]:
-    """Every ranker: the detector-based ones first when a detector (and its normal period) is given."""
-    baselines: list[Ranker] = [MicroRankRanker(), TraceRCARanker(), SelfTimeRanker()]
+def _ranking_in_order(scores: pd.Series) -> Ranking:
+    return [(str(service), float(score)) for service, score in scores.items()]
+
+
+def default_rankers(detector=None, normal: SpanForest | None = None, published: bool = True) -> list[Ranker]:
+    """Every ranker: the detector-based ones first when a detector (and its normal period) is
+    given; RCAEval's TraceRCA and MicroRank when `published` and RCAEval is installed."""
+    from bmeg.evaluation.rcaeval import METHODS, RCAEvalRanker, rcaeval_available
+
+    baselines: list[Ranker] = [SelfTimeRanker(), StructureRanker()]
+    if published and rcaeval_available():
+        baselines += [RCAEvalRanker(name) for name in METHODS]
+    baselines += [MicroRankRanker(), TraceRCARanker()]
     if detector is None:
         return baselines
     if normal is not None:
         detector = with_normal_baselines(detector, normal)
     scores = _DetectorScores(detector)
-    return [BmegRanker(scores), GnnRanker(scores), FirmSvmRanker(scores), *baselines]
+    return [BmegRanker(scores), GnnRanker(scores), FirmSvmRanker(detector), *baselines]

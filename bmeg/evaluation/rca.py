@@ -4,13 +4,19 @@ and over the latency-type faults.
 
 Every ranker sees the same windows, in the RPC view (`bmeg.faultinject.twin.rpc_view`), and
 the same normal-period statistics. A fault whose window holds no traces is reported as skipped
-and not scored.
+and not scored, with the time range the trace files do cover.
+
+Published fault lists often give local times where the traces are in UTC (or the other way
+round). `hour_offset` looks for the whole-hour shift of the fault list (-14 h to +14 h) that puts
+the most faults' windows over the trace files; where it puts more there than no shift does, the
+report says so (and `run_rca(..., offset_hours=...)` applies a shift the user confirms).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 
 from tqdm import tqdm
 
@@ -22,6 +28,9 @@ from bmeg.graphs import SpanForest
 from bmeg.training.metrics import accuracy_at_k, average_at_k
 
 DEFAULT_WINDOW_MINUTES = 2.0
+HOUR_NS = 3600 * 10**9
+#: Time-zone offsets tried by `hour_offset` (UTC-12 to UTC+14, either way round).
+MAX_OFFSET_HOURS = 14
 
 
 @dataclass
@@ -54,13 +63,39 @@ def scores(results: Sequence[FaultResult], ranker: str) -> dict:
             "avg5": average_at_k(rankings, truths, 5)}
 
 
+def utc(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def hour_offset(files: TraceFiles, faults: Sequence[InjectedFault],
+                window_minutes: float = DEFAULT_WINDOW_MINUTES) -> dict:
+    """The whole-hour shift of the fault list that puts the most windows over the trace files.
+
+    Returns `{"hours", "windows_over_traces", "unshifted_windows_over_traces"}`; `hours` is 0
+    when no shift does better than none (ties go to the smallest shift).
+    """
+    length_ns = int(window_minutes * 60e9)
+
+    def covered(hours: int) -> int:
+        return sum(files.overlaps(f.start_ns + hours * HOUR_NS, f.start_ns + hours * HOUR_NS + length_ns)
+                   for f in faults)
+
+    counts = {hours: covered(hours) for hours in range(-MAX_OFFSET_HOURS, MAX_OFFSET_HOURS + 1)}
+    best = max(counts, key=lambda hours: (counts[hours], -abs(hours)))
+    return {"hours": best if counts[best] > counts[0] else 0, "windows_over_traces": counts[best],
+            "unshifted_windows_over_traces": counts[0]}
+
+
 def run_rca(files: TraceFiles, faults: Sequence[InjectedFault], normal: SpanForest, rankers: Sequence[Ranker],
-            window_minutes: float = DEFAULT_WINDOW_MINUTES, progress: bool = False) -> list[FaultResult]:
-    """Rank services for each fault with every ranker; faults with an empty window get no rankings."""
+            window_minutes: float = DEFAULT_WINDOW_MINUTES, progress: bool = False,
+            offset_hours: int = 0) -> list[FaultResult]:
+    """Rank services for each fault with every ranker; faults with an empty window get no rankings.
+    `offset_hours` shifts every fault's time (a fault list written in another time zone)."""
     stats = NormalStats.from_forest(rpc_view(normal))
     length_ns = int(window_minutes * 60e9)
     results = []
     for fault in tqdm(faults, desc="faults", unit="fault", disable=not progress):
+        fault = replace(fault, start_ns=fault.start_ns + offset_hours * HOUR_NS)
         spans = files.window(fault.start_ns, fault.start_ns + length_ns)
         window = rpc_view(spans)
         result = FaultResult(fault, window.num_traces)
@@ -70,8 +105,10 @@ def run_rca(files: TraceFiles, faults: Sequence[InjectedFault], normal: SpanFore
     return results
 
 
-def report(results: Sequence[FaultResult], rankers: Sequence[str]) -> dict:
-    """`{"overall", "latency_faults", "by_type", "faults", "skipped"}`, groups keyed by ranker."""
+def report(results: Sequence[FaultResult], rankers: Sequence[str], files: TraceFiles | None = None,
+           window_minutes: float = DEFAULT_WINDOW_MINUTES) -> dict:
+    """`{"overall", "latency_faults", "by_type", "faults", "skipped"}`, groups keyed by ranker.
+    With `files`, a skipped fault's reason names the time range the traces cover."""
     scored = [r for r in results if r.rankings]
     latency = [r for r in scored if r.fault.is_latency]
     kinds = sorted({r.fault.kind for r in scored})
@@ -85,5 +122,21 @@ def report(results: Sequence[FaultResult], rankers: Sequence[str]) -> dict:
         "by_type": {kind: groups([r for r in scored if r.fault.kind == kind]) for kind in kinds},
         "faults": [r.to_dict() for r in scored],
         "skipped": [{"service": r.fault.service, "type": r.fault.kind, "start_ns": r.fault.start_ns,
-                     "reason": "no traces in the window"} for r in results if not r.rankings],
+                     "reason": _empty_reason(r.fault, files, window_minutes)} for r in results if not r.rankings],
     }
+
+
+def _empty_reason(fault: InjectedFault, files: TraceFiles | None, window_minutes: float) -> str:
+    end_ns = fault.start_ns + int(window_minutes * 60e9)
+    reason = f"no traces in the window {utc(fault.start_ns)} to {utc(end_ns)}"
+    coverage = files.coverage() if files is not None else None
+    if files is None or coverage is None:
+        return reason
+    if files.overlaps(fault.start_ns, end_ns):
+        return reason + " (a trace file overlaps it, but no trace's root starts in it)"
+    reason += f"; the trace files cover {utc(coverage[0])} to {utc(coverage[1])}"
+    before = [f.last_ns for f in files.files if f.last_ns < fault.start_ns]
+    after = [f.first_ns for f in files.files if f.first_ns >= end_ns]
+    if before and after:
+        reason += f", with no file between {utc(max(before))} and {utc(min(after))}"
+    return reason

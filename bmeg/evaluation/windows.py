@@ -47,6 +47,16 @@ class TraceFiles:
     def _read(self, file: Path) -> pa.Table:
         return read_spans(file, format=self.format)
 
+    def coverage(self) -> tuple[int, int] | None:
+        """(earliest span start, latest span end) over every file, None when all are empty."""
+        if not self.files:
+            return None
+        return min(f.first_ns for f in self.files), max(f.last_ns for f in self.files)
+
+    def overlaps(self, start_ns: int, end_ns: int) -> bool:
+        """Whether some file's time span overlaps [start_ns, end_ns)."""
+        return any(f.first_ns < end_ns and f.last_ns >= start_ns for f in self.files)
+
     def window(self, start_ns: int, end_ns: int) -> pa.Table:
         """Spans of the traces whose root (earliest span) starts in [start_ns, end_ns)."""
         tables = [self._read(f.path) for f in self.files if f.first_ns < end_ns and f.last_ns >= start_ns]

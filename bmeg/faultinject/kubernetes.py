@@ -9,24 +9,21 @@
 Every fault is undone when it ends and whatever happens: the campaign restores the
 Deployments and deletes its pods in a `finally`, and SIGTERM is turned into an exception so a
 killed campaign cleans up too. The traces of the campaign's window come from the Jaeger query
-API into a span table. `app_deployments` writes an application's Deployments from its topology.
+API into a span table (`bmeg.traces.fetch`). `app_deployments` writes an application's Deployments
+from its topology.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import threading
 import time
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import pyarrow as pa
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -35,7 +32,7 @@ from bmeg.faultinject.spec import TopologySpec
 from bmeg.mitigation.catalogue import Catalogue
 from bmeg.mitigation.executor import Applied
 from bmeg.mitigation.kubernetes import INTERFERENCE_LABELS, KubernetesExecutor
-from bmeg.traces.jaeger import jaeger_json_to_table
+from bmeg.traces.fetch import fetch_jaeger_traces  # noqa: F401 (moved to bmeg.traces; its callers import it here)
 
 DEFAULT_STRESS_IMAGE = "ghcr.io/colinianking/stress-ng:latest"
 SUPPORTED_SOURCES = ("interference", "saturation", "misconfiguration")
@@ -186,16 +183,6 @@ def _sigterm_raises():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def fetch_jaeger_traces(query_url: str, service: str, start_s: float, end_s: float, limit: int = 1000,
-                        timeout_s: float = 30) -> pa.Table:
-    """The traces through `service` in [start_s, end_s] (Unix seconds) from the Jaeger query API."""
-    query = urllib.parse.urlencode({"service": service, "start": int(start_s * 1e6), "end": int(end_s * 1e6), "limit": limit})
-    url = f"{query_url.rstrip('/')}/api/traces?{query}"
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        document = json.load(response)
-    return jaeger_json_to_table([document], source=url)
 
 
 def app_deployments(topology: TopologySpec, image: str = "registry.invalid/bmeg/app:1") -> list[dict]:

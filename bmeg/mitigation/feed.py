@@ -7,6 +7,11 @@ read from the Deployments. A message that is not a valid Diagnosis is audited as
 and skipped; offsets are committed after a message is handled. With `stop` (set when this
 controller is no longer the leader, `bmeg.mitigation.leader`), no message is handled once it
 is set: the next leader reads the uncommitted ones again.
+
+A controller acts on the cluster as it is now: a group new to the topic starts at its end
+(not at diagnoses of long ago), and a diagnosis older than `max_age_s` (its newest trace's
+start time, else the record's timestamp) is audited as stale and skipped, e.g. a backlog
+left while the controller was down.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from bmeg.mitigation.planner import ServiceTelemetry, gather_evidence
 from bmeg.mitigation.safety import Latencies
 
 DEFAULT_TOPIC = "bmeg.mitigations"
+#: Older diagnoses describe a cluster that has moved on (and the controller's verification windows are minutes).
+DEFAULT_MAX_AGE_S = 300.0
 
 
 def diagnosis_latencies(diagnosis: Diagnosis) -> Latencies | None:
@@ -56,11 +63,25 @@ def cluster_telemetry(controller: Controller, diagnosis: Diagnosis) -> dict[str,
     return telemetry
 
 
-def handle_message(controller: Controller, payload: bytes, now: float) -> list[Outcome]:
+def diagnosis_age_s(diagnosis: Diagnosis, now: float, published_at: float | None) -> float | None:
+    """Seconds since the newest trace of the diagnosis started, else since it was published."""
+    starts = [trace.start_time.timestamp() for trace in diagnosis.traces if trace.start_time is not None]
+    if starts:
+        return now - max(starts)
+    return None if published_at is None else now - published_at
+
+
+def handle_message(controller: Controller, payload: bytes, now: float, published_at: float | None = None,
+                   max_age_s: float = DEFAULT_MAX_AGE_S) -> list[Outcome]:
     try:
         diagnosis = Diagnosis.model_validate_json(payload)
     except (ValidationError, ValueError) as error:
         controller.audit.append("error", "-", "read diagnosis", f"not a Diagnosis: {str(error)[:500]}",
+                                dry_run=controller.policy.dry_run, at=now)
+        return []
+    age = diagnosis_age_s(diagnosis, now, published_at)
+    if age is not None and age > max_age_s:
+        controller.audit.append("refused", "-", "read diagnosis", f"stale: {age:.0f} s old (limit {max_age_s:.0f} s)",
                                 dry_run=controller.policy.dry_run, at=now)
         return []
     latencies = diagnosis_latencies(diagnosis)
@@ -71,25 +92,27 @@ def handle_message(controller: Controller, payload: bytes, now: float) -> list[O
 
 def consume(controller: Controller, bootstrap: str, topic: str = DEFAULT_TOPIC, group: str = "bmeg-mitigation",
             max_messages: int | None = None, idle_timeout_s: float | None = None,
+            max_age_s: float = DEFAULT_MAX_AGE_S, offset_reset: str = "latest",
             stop: threading.Event | None = None) -> Iterator[list[Outcome]]:
     """Handle messages until `max_messages` (or forever); yields each message's outcomes."""
     from kafka import KafkaConsumer
 
     consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-                             auto_offset_reset="earliest",
+                             auto_offset_reset=offset_reset,
                              consumer_timeout_ms=int(idle_timeout_s * 1000) if idle_timeout_s else float("inf"))
     try:
-        yield from _handle_all(controller, consumer, max_messages, stop)
+        yield from _handle_all(controller, consumer, max_messages, max_age_s, stop)
     finally:
         consumer.close()
 
 
 def _handle_all(controller: Controller, consumer: Iterable, max_messages: int | None,
-                stop: threading.Event | None = None) -> Iterator[list[Outcome]]:
+                max_age_s: float, stop: threading.Event | None = None) -> Iterator[list[Outcome]]:
     for count, message in enumerate(consumer, start=1):
         if stop is not None and stop.is_set():
             return
-        yield handle_message(controller, message.value, time.time())
+        published_at = message.timestamp / 1e3 if getattr(message, "timestamp", -1) >= 0 else None
+        yield handle_message(controller, message.value, time.time(), published_at, max_age_s)
         consumer.commit()
         if max_messages is not None and count >= max_messages:
             return

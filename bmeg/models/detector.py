@@ -1,24 +1,28 @@
-"""The two-stage detector with its SVM fallback, and the `Diagnosis` it produces.
+"""The two-stage detector with its SVM fallback and router, and the `Diagnosis` it produces.
 
-`Detector.score(forest)` runs every model over a forest of traces and returns arrays (used by
-evaluation and by `diagnose`); `Detector.diagnose(spans)` turns them into the typed
-`Diagnosis` with its evidence. Small or simple traces (few distinct services) go to the SVM,
-the others to the GNN stages; the cut is chosen on validation data at training time.
+`Detector.score(forest)` runs the models over a forest of traces and returns arrays (used by
+evaluation and by `diagnose`); `Detector.diagnose(spans)` turns them into the typed `Diagnosis`
+with its evidence. The router (`bmeg.models.router`) sends small and simple traces to the
+per-trace SVM and the others to the GNN stages; only the chosen model runs on a trace.
+
+A `Detector` holds no state between calls: calling it twice on the same traces gives the same
+answer. History features read an explicit `StreamHistory` that a streaming caller owns and
+passes in (`bmeg.models.history`); without one, each trace is judged on its own.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from itertools import compress
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
-from bmeg.version import __version__
 from bmeg.diagnosis import Diagnosis
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
 from bmeg.graphs.critical_path import CriticalPaths
@@ -27,129 +31,207 @@ from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkp
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
+from bmeg.models.graphset import GraphSet
+from bmeg.models.history import Observation, StreamHistory
+from bmeg.models.inference import limit_cpu_threads, predict_proba, resolve_device
+from bmeg.models.router import Router, distinct_paths
+from bmeg.models.svm import (
+    FirmSVM,
+    TraceSVM,
+    TraceVectorizer,
+    critical_path_frame,
+    firm_features,
+)
 from bmeg.paths import cache_dir
-from bmeg.models.svm import FirmSVM, critical_path_frame, firm_features
-from bmeg.training.graphset import GraphSet
-from bmeg.training.trainer import limit_cpu_threads, predict_proba, resolve_device
+from bmeg.version import __version__
+
 
 def default_run_dir(application: str = "socialnet") -> Path:
     """Where `bmeg train` writes and `bmeg diagnose` reads by default."""
     return cache_dir() / "runs" / application
 
 
+#: The self-time z-score at which an SVM-routed trace's service scores 0.5 (the p90 of a normal
+#: node is at z = 1 by construction of the baselines, `bmeg.models.features`).
+SVM_SERVICE_Z = 3.0
 #: How many ranked services a trace's diagnosis lists.
 TOP_SERVICES = 5
 
 
-@dataclass
+@dataclass(frozen=True)
 class Scores:
-    """Every model's output over a forest (trace order = forest order)."""
+    """The models' output over a forest (trace order = forest order). A model that did not run
+    on a trace (the router sent it to the other) has NaN there."""
 
     services: list[str]  # columns of the [T, S] matrices
     node_services: np.ndarray  # [N] service of each node (stores split out)
     gnn_anomaly: np.ndarray  # [T] DGCNN P(anomalous)
+    gnn_node: np.ndarray  # [N] GCN P(bottleneck) of each node (NaN where the GNN did not run)
     gnn_service: np.ndarray  # [T, S] max GCN node score per service (0 where absent)
-    svm_service: np.ndarray  # [T, S] SVM score per service on the critical path (0 off it)
+    svm_anomaly: np.ndarray  # [T] trace SVM P(anomalous)
+    svm_service: np.ndarray  # [T, S] own-time deviation score of each service, for SVM-routed traces (0 where absent)
     present: np.ndarray  # bool [T, S]
+    num_paths: np.ndarray  # [T] distinct root-to-leaf paths
     to_svm: np.ndarray  # bool [T]: routed to the SVM
+    route: list[str]  # [T] why
     anomaly: np.ndarray  # [T] routed anomaly score
     anomalous: np.ndarray  # bool [T]
     service: np.ndarray  # [T, S] routed service scores
+    observation: Observation | None  # what a stream history records of these traces
 
     @property
-    def svm_anomaly(self) -> np.ndarray:
-        return self.svm_service.max(axis=1, initial=0.0)
+    def num_services(self) -> np.ndarray:
+        return self.present.sum(axis=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Detector:
     application: str
     encoder: FeatureEncoder
     dgcnn: DGCNN
     gcn: GCNNodeClassifier
-    svm: FirmSVM
-    thresholds: dict[str, float]  # graph (DGCNN), node (GCN), svm
-    svm_max_services: int  # traces with at most this many services go to the SVM (-1: none)
-    svm_window: int
+    vectorizer: TraceVectorizer
+    svm: TraceSVM  # the router's per-trace fallback
+    firm: FirmSVM  # FIRM's culprit finder over a window
+    thresholds: dict[str, float]  # graph (DGCNN), node (GCN), svm (trace SVM), svm_node (its services)
+    router: Router
+    firm_window: int
     services: list[str]  # the training vocabulary
     service_baseline_us: dict[str, float]  # median self time per trace in normal traces
     hparams: dict
     metrics: dict
     device: torch.device = torch.device("cpu")
     run_dir: Path | None = None
-    recent: deque[pd.DataFrame] = field(default_factory=deque)  # earlier traces, for SVM windows
 
     @property
     def version(self) -> str:
         return f"bmeg-{__version__}/{self.application}/{self.encoder.variant}"
 
     # -- scoring -----------------------------------------------------------------------------
-    def score(self, forest: SpanForest, paths: CriticalPaths | None = None, remember: bool = False,
-              all_models: bool = False) -> Scores:
-        """Scores of the traces. The SVM runs where the router sends a trace to it, or everywhere
-        with `all_models` (evaluation). `remember` keeps the traces for later SVM windows."""
+    def score(self, forest: SpanForest, paths: CriticalPaths | None = None, history: StreamHistory | None = None,
+              all_models: bool = False, replay: bool = False) -> Scores:
+        """Scores of the traces. Each trace reads `history` (none: nothing before it), never its
+        batch; with `replay` the forest is a recorded stream and each trace also reads the
+        forest's earlier traces (training and evaluation). The router picks one model per trace,
+        or both run everywhere with `all_models` (evaluation)."""
         paths = paths or critical_paths(forest)
         services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
-        graphs = GraphSet.from_forest(forest, self.encoder.transform(forest, paths, services))
-        everything = np.arange(forest.num_traces)
-        probabilities = predict_proba({"graph": self.dgcnn, "node": self.gcn}, graphs, everything, self.device)
-        gnn_anomaly, node_scores = probabilities["graph"], probabilities["node"]
+        past = None if replay else (history.z_self if history is not None else {})
+        x = self.encoder.transform(forest, paths, services, past)
         codes, names = pd.factorize(services)
-        gnn_service = np.zeros((forest.num_traces, len(names)))
-        np.maximum.at(gnn_service, (forest.trace_index, codes), node_scores)
-        present = np.zeros_like(gnn_service, dtype=bool)
+        present = np.zeros((forest.num_traces, len(names)), dtype=bool)
         present[forest.trace_index, codes] = True
-        svm_service = np.zeros_like(gnn_service)
-        if all_models or self.svm_max_services >= 0:  # the SVM and its window are in use
-            frame = critical_path_frame(forest, services, paths)
-            if all_models or np.any(present.sum(axis=1) <= self.svm_max_services):
-                svm_service = self._svm_scores(frame, list(names))
-            if remember:
-                self._remember(frame)
+        keys = node_keys(services, forest)
+        num_paths = distinct_paths(forest, keys)
+        to_svm = self.router.to_svm(present.sum(axis=1), num_paths)
+        everything = np.arange(forest.num_traces)
+        gnn_anomaly, gnn_node, gnn_service = self._gnn_scores(forest, x, codes, len(names), everything if all_models
+                                                              else np.flatnonzero(~to_svm))
+        svm_anomaly, svm_service = self._svm_scores(forest, x, keys, codes, present,
+                                                    everything if all_models else np.flatnonzero(to_svm))
+        z_column = self.encoder.names.index("z_log_self_time_us") if self.encoder.variant != "thesis" else None
+        observation = None if z_column is None else Observation(
+            services, forest.start_ns[forest.root][forest.trace_index], x[:, z_column])
         raw = Scores(
-            services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_service=gnn_service, svm_service=svm_service,
-            present=present, to_svm=np.zeros(forest.num_traces, bool), anomaly=gnn_anomaly,
-            anomalous=np.zeros(forest.num_traces, bool), service=gnn_service,
+            services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_node=gnn_node,
+            gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
+            to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
+            service=gnn_service, observation=observation,
         )
         return self.route(raw)
 
-    def route(self, scores: Scores) -> Scores:
-        """Apply the router and the thresholds to raw model scores."""
-        to_svm = scores.present.sum(axis=1) <= self.svm_max_services
+    def route(self, scores: Scores, router: Router | None = None) -> Scores:
+        """Apply the router (this detector's unless given) and the thresholds to raw scores."""
+        router = router or self.router
+        to_svm = router.to_svm(scores.num_services, scores.num_paths)
         anomaly = np.where(to_svm, scores.svm_anomaly, scores.gnn_anomaly)
         threshold = np.where(to_svm, self.thresholds["svm"], self.thresholds["graph"])
         service = np.where(to_svm[:, None], scores.svm_service, scores.gnn_service)
-        return replace(scores, to_svm=to_svm, anomaly=anomaly, anomalous=anomaly >= threshold, service=service)
+        return replace(scores, to_svm=to_svm, route=router.reasons(scores.num_services, scores.num_paths),
+                       anomaly=anomaly, anomalous=anomaly >= threshold, service=service)
 
-    def _svm_scores(self, frame: pd.DataFrame, names: list[str]) -> np.ndarray:
-        history = pd.concat(list(self.recent), ignore_index=True) if self.recent else None
-        features = firm_features(frame, self.svm_window, history)  # [T, S, 2]
+    def _gnn_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int,
+                    traces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """P(anomalous) per trace, P(bottleneck) per node and its max per (trace, service), for
+        `traces` (NaN elsewhere)."""
+        anomaly = np.full(forest.num_traces, np.nan)
+        node = np.full(forest.num_spans, np.nan)
+        service = np.full((forest.num_traces, width), np.nan)
+        if len(traces) == 0:
+            return anomaly, node, service
+        graphs = GraphSet.from_forest(forest, x)
+        probabilities = predict_proba({"graph": self.dgcnn, "node": self.gcn}, graphs, traces, self.device)
+        rows = graphs.node_rows(traces)
+        anomaly[traces] = probabilities["graph"]
+        node[rows] = probabilities["node"]
+        service[traces] = 0.0
+        np.maximum.at(service, (forest.trace_index[rows], codes[rows]), probabilities["node"])
+        return anomaly, node, service
+
+    def _svm_scores(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray, codes: np.ndarray, present: np.ndarray,
+                    traces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        anomaly = np.full(forest.num_traces, np.nan)
+        service = np.full(present.shape, np.nan)
+        if len(traces) == 0:
+            return anomaly, service
+        vectors = self.trace_vectors(forest, x, keys)[traces]
+        anomaly[traces] = self.svm.predict_proba(vectors)[:, 1]
+        service[traces] = self._own_time_scores(forest, x, codes, present.shape)[traces]
+        return anomaly, service
+
+    def _own_time_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray,
+                         shape: tuple[int, int]) -> np.ndarray:
+        """[T, S] for SVM-routed traces: how far each service's own time sits above its normal
+        baseline (its nodes' largest self-time z-score, through a logistic centred at
+        `SVM_SERVICE_Z`). A slow service lengthens every caller above it, its own time only."""
+        if "z_log_self_time_us" not in self.encoder.names:  # thesis features: no baselines to compare with
+            return np.full(shape, 0.5)
+        z = x[:, self.encoder.names.index("z_log_self_time_us")].astype(np.float64)
+        largest = np.full(shape, -np.inf)
+        np.maximum.at(largest, (forest.trace_index, codes), z)
+        return np.where(np.isfinite(largest), 1.0 / (1.0 + np.exp(-(largest - SVM_SERVICE_Z))), 0.0)
+
+    def trace_vectors(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """The trace SVM's input: [T, vectorizer columns] from the GNN's node features `x`."""
+        deviations = [self.encoder.names.index(name) for name in self.vectorizer.deviations]
+        return self.vectorizer.transform(forest.trace_index, forest.num_traces, keys, self_time_ns(forest) / 1e3,
+                                         x[:, deviations] if deviations else None)
+
+    def firm_scores(self, window: SpanForest, paths: CriticalPaths | None = None) -> tuple[list[str], np.ndarray]:
+        """FIRM's question over a window of traces: for each trace and service on its critical
+        path, the SVM's culprit probability from (RI, CI) over the trailing `firm_window` traces
+        of the window (0 off the path). Returns the services (columns) and [T, S]."""
+        paths = paths or critical_paths(window)
+        services = node_services(window, storage_nodes=True).to_numpy(zero_copy_only=False)
+        frame = critical_path_frame(window, services, paths)
+        names = [name for name in frame.columns if not name.startswith("__")]
+        features = firm_features(frame, self.firm_window)
         on_path = frame[names].notna().to_numpy()
         scores = np.zeros(on_path.shape)
         if on_path.any():
-            scores[on_path] = self.svm.score_samples(features[on_path])
-        return scores
-
-    def _remember(self, frame: pd.DataFrame) -> None:
-        """Keep the latest traces that fill the SVM's window (whole batches, oldest dropped)."""
-        self.recent.append(frame)
-        while sum(len(part) for part in self.recent) - len(self.recent[0]) >= self.svm_window:
-            self.recent.popleft()
+            scores[on_path] = self.firm.predict_proba(features[on_path])[:, 1]
+        return names, scores
 
     # -- diagnosis ---------------------------------------------------------------------------
-    def diagnose(self, spans: pa.Table | SpanForest, window: bool = False) -> Diagnosis:
-        """Diagnose every trace of a span table (or an assembled forest)."""
+    def diagnose(self, spans: pa.Table | SpanForest, window: bool = False,
+                 history: StreamHistory | None = None) -> Diagnosis:
+        """Diagnose every trace of a span table (or an assembled forest). Each trace reads
+        `history` as it was before this call; the traces are then recorded into it."""
         # Plain values for every trace, validated in one pydantic call: building ~30 small
         # models per trace one by one cost as much as running the models.
-        return Diagnosis.model_validate(self.diagnosis_document(spans, window))
+        return Diagnosis.model_validate(self.diagnosis_document(spans, window, history))
 
-    def diagnosis_document(self, spans: pa.Table | SpanForest, window: bool = False) -> dict:
+    def diagnosis_document(self, spans: pa.Table | SpanForest, window: bool = False,
+                           history: StreamHistory | None = None) -> dict:
         """The `Diagnosis` as plain values, laid out as `Diagnosis.model_dump()` lays it out.
         `diagnose` validates it; an output that only serialises it (the Kafka consumer, with
         `bmeg.diagnosis.single_trace_json`) skips building the typed objects."""
         forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="raise")
         paths = critical_paths(forest)
-        scores = self.score(forest, paths, remember=True)
+        scores = self.score(forest, paths, history)
+        if history is not None and scores.observation is not None:
+            # only the model's own services: invented names in spans must not grow the history
+            history.record(scores.observation.of(self.services))
         return {
             "model_version": self.version, "application": self.application,
             "traces": self._trace_diagnoses(forest, scores, paths),
@@ -160,7 +242,7 @@ class Detector:
         """Each trace's `TraceDiagnosis` as a dict, every field in order; the per-service work is
         done for all traces at once."""
         names = scores.services
-        node_threshold = np.where(scores.to_svm, self.thresholds["svm"], self.thresholds["node"])
+        node_threshold = np.where(scores.to_svm, self.thresholds["svm_node"], self.thresholds["node"])
         ranked = _ranked_columns(scores.service, scores.present, TOP_SERVICES)
         ranked_score = np.take_along_axis(scores.service, ranked, axis=1)
         ranked_bottleneck = scores.anomalous[:, None] & (ranked_score >= node_threshold[:, None])
@@ -176,13 +258,14 @@ class Detector:
             np.minimum(present_count, TOP_SERVICES).tolist(), ranked.tolist(), ranked_score.tolist(),
             ranked_bottleneck.tolist(), present_count.tolist(), by_latency.tolist(),
             np.take_along_axis(latency, by_latency, axis=1).tolist(), np.take_along_axis(ratio, by_latency, axis=1).tolist(),
-            _path_steps(forest, scores, paths), self._warnings(forest, scores),
+            _path_steps(forest, scores, paths), self._warnings(forest, scores), scores.route,
+            forest.start_ns[forest.root].tolist(),
         )
         return [
             {
                 "trace_id": trace_id, "spans": spans, "total_us": total_us, "anomalous": anomalous,
                 "anomaly_score": anomaly, "threshold": self.thresholds["svm" if to_svm else "graph"],
-                "model": "svm" if to_svm else "gnn",
+                "model": "svm" if to_svm else "gnn", "route": route,
                 "bottlenecks": [{"service": names[i], "score": score, "bottleneck": bottleneck}
                                 for i, score, bottleneck in zip(ranked_t[:top], score_t, bottleneck_t)],
                 "critical_path": path,
@@ -191,9 +274,11 @@ class Detector:
                               for i, value, ratio_i in zip(by_latency_t[:present_t], latency_t, ratio_t)],
                 "mitigations": [],
                 "warnings": warnings,
+                "start_time": datetime.fromtimestamp(start_ns / 1e9, tz=UTC),
+                "partial": False,
             }
             for (trace_id, spans, total_us, anomalous, anomaly, to_svm, top, ranked_t, score_t, bottleneck_t,
-                 present_t, by_latency_t, latency_t, ratio_t, path, warnings) in rows
+                 present_t, by_latency_t, latency_t, ratio_t, path, warnings, route, start_ns) in rows
         ]
 
     def _warnings(self, forest: SpanForest, scores: Scores) -> list[list[str]]:
@@ -222,20 +307,22 @@ class Detector:
                 for i in order if scores.present[:, i].any()]
 
     # -- persistence -------------------------------------------------------------------------
-    def save(self, run_dir: Path) -> None:
+    def save(self, run_dir: Path) -> Detector:
+        """Write the run directory; returns the detector with its `run_dir` set."""
         state = {
             "application": self.application, "encoder": self.encoder.to_state(),
             "dgcnn": self.dgcnn.state_dict(), "gcn": self.gcn.state_dict(), "thresholds": self.thresholds,
-            "svm_max_services": self.svm_max_services, "svm_window": self.svm_window,
+            "vectorizer": self.vectorizer.to_state(), "svm": self.svm.to_state(), "firm": self.firm.to_state(),
+            "router": self.router.to_state(), "firm_window": self.firm_window,
             "services": self.services, "service_baseline_us": self.service_baseline_us,
             "hparams": self.hparams, "metrics": self.metrics,
         }
-        save_checkpoint(Path(run_dir), state, self.svm)
-        self.run_dir = Path(run_dir)
+        save_checkpoint(Path(run_dir), state)
+        return replace(self, run_dir=Path(run_dir))
 
     @classmethod
     def load(cls, run_dir: str | Path, device: str = "auto", application: str | None = None) -> Detector:
-        state, svm = load_checkpoint(Path(run_dir), application=application)
+        state = load_checkpoint(Path(run_dir), application=application)
         try:
             encoder = FeatureEncoder.from_state(state["encoder"])
             hparams = state["hparams"]
@@ -243,6 +330,9 @@ class Detector:
             gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
             dgcnn.load_state_dict(state["dgcnn"])
             gcn.load_state_dict(state["gcn"])
+            vectorizer = TraceVectorizer.from_state(state["vectorizer"])
+            svm, firm = TraceSVM.from_state(state["svm"]), FirmSVM.from_state(state["firm"])
+            router = Router.from_state(state["router"])
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"{run_dir} does not fit this bmeg ({error}): retrain with `bmeg train`") from error
         target = resolve_device(device)
@@ -250,11 +340,17 @@ class Detector:
             limit_cpu_threads()
         return cls(
             application=state["application"], encoder=encoder, dgcnn=dgcnn.to(target).eval(),
-            gcn=gcn.to(target).eval(), svm=svm, thresholds=state["thresholds"],
-            svm_max_services=state["svm_max_services"], svm_window=state["svm_window"],
-            services=state["services"], service_baseline_us=state["service_baseline_us"],
-            hparams=hparams, metrics=state["metrics"], device=target, run_dir=Path(run_dir),
+            gcn=gcn.to(target).eval(), vectorizer=vectorizer, svm=svm, firm=firm, thresholds=state["thresholds"],
+            router=router, firm_window=state["firm_window"], services=state["services"],
+            service_baseline_us=state["service_baseline_us"], hparams=hparams, metrics=state["metrics"],
+            device=target, run_dir=Path(run_dir),
         )
+
+
+def node_keys(services: np.ndarray, forest: SpanForest) -> np.ndarray:
+    """`service\x1foperation` of each node, with the node's service (a store's client span is the store's)."""
+    return pc.binary_join_element_wise(pa.array(services, pa.string()), forest.spans["operation"], "\x1f").to_numpy(
+        zero_copy_only=False)
 
 
 def _ranked_columns(values: np.ndarray, present: np.ndarray, limit: int | None = None) -> np.ndarray:

@@ -6,6 +6,23 @@
   (service, operation), in robust z-scores, including the wait between the parent's start and
   the node's: a callee's queue shows there, before its server span starts) and temporal context (the same z-score of the
   node's service, averaged over its recent visits in earlier traces).
+- `relative` (what `bmeg bootstrap` trains with): only columns that mean the same in every application, so that a model
+  trained on one (a twin, a simulated family) reads another: no absolute time, no service
+  identity, no position that depends on the application's shape. Per node, against its own
+  (service, operation)'s normal baseline: the robust z-scores of its self time, its duration
+  and its wait after the parent's start; the same z-scores of its parent (a call seen from
+  the other end: a client span's self time is the call's gap, so a server span sees its
+  caller's gap and a client span its caller's work); the share of its time its children
+  explain, and that share's z-score; its call pattern against the operation's normal one
+  (children missing, extra, repeated: the log ratio of the child count to its normal median,
+  and the share of children calling an operation another sibling also calls, above normal);
+  its error status; its share of the trace's end-to-end time on the critical path; plus the
+  unknown-operation flag and the temporal context of `full`.
+
+Where the earlier traces come from: over a recorded stream (training, evaluation: `past=None`)
+they are the forest's own earlier traces; a served trace (`past` given: each service's latest
+self-time z-scores, oldest first, from a `bmeg.models.history.StreamHistory`) reads only `past`
+and its own trace, never the other traces of its batch, so its verdict does not depend on them.
 
 `FeatureEncoder` is fitted on normal training traces, like a scikit-learn transformer, and is
 saved in the checkpoint as plain lists.
@@ -13,6 +30,7 @@ saved in the checkpoint as plain lists.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,8 +40,17 @@ import pyarrow.compute as pc
 from bmeg.graphs import DEFAULT_FEATURES, SERVICE_TIME_ONLY, SpanForest, base_columns, node_services
 from bmeg.graphs.critical_path import CriticalPaths
 
-VARIANTS = ("thesis", "full")
+VARIANTS = ("thesis", "full", "relative")
 BASELINE_COLUMNS = ("log_self_time_us", "log_duration_us", "log_wait_us")
+#: Baselines the `relative` variant adds: z-scored like the first three, except the child
+#: counts, whose difference from the median is used as it is (a count has no useful spread).
+STRUCTURE_COLUMNS = ("explained_share", "log_children", "repeated_share")
+RELATIVE_COLUMNS = (
+    "z_log_self_time_us", "z_log_duration_us", "z_log_wait_us",
+    "parent_z_log_self_time_us", "parent_z_log_duration_us",
+    "explained_share", "z_explained_share", "children_delta", "repeated_delta",
+    "error", "cp_share",
+)
 #: Where a z-score is capped: a node 50 robust deviations off is as off as it matters.
 Z_LIMIT = 50.0
 #: The smallest spread of a baseline, in log units (~5%), so constant operations don't explode.
@@ -53,8 +80,14 @@ class FeatureEncoder:
     def names(self) -> list[str]:
         if self.variant == "thesis":
             return list(SERVICE_TIME_ONLY.columns)
+        if self.variant == "relative":
+            return [*RELATIVE_COLUMNS, "unknown_operation", "recent_z_self_time"]
         z_names = [f"z_{name}" for name in BASELINE_COLUMNS]
         return [*DEFAULT_FEATURES.columns, "log_wait_us", *z_names, "unknown_operation", "recent_z_self_time"]
+
+    @property
+    def baseline_columns(self) -> tuple[str, ...]:
+        return BASELINE_COLUMNS + STRUCTURE_COLUMNS if self.variant == "relative" else BASELINE_COLUMNS
 
     @property
     def num_features(self) -> int:
@@ -63,30 +96,50 @@ class FeatureEncoder:
     def fit(self, forest: SpanForest, paths: CriticalPaths | None = None) -> FeatureEncoder:
         """Per-operation baselines from (normal) traces: median and p90 - median of log times."""
         columns = _columns(forest, paths)
-        frame = pd.DataFrame({name: columns[name] for name in BASELINE_COLUMNS})
+        names = list(self.baseline_columns)
+        frame = pd.DataFrame({name: columns[name] for name in names})
         frame["key"] = _operation_keys(forest)
         grouped = frame.groupby("key", sort=True)
         median = grouped.median()
         spread = (grouped.quantile(0.9) - median).clip(lower=MIN_SPREAD)
         self.keys = median.index.tolist()
-        self.medians = median[list(BASELINE_COLUMNS)].to_numpy().tolist()
-        self.spreads = spread[list(BASELINE_COLUMNS)].to_numpy().tolist()
+        self.medians = median[names].to_numpy().tolist()
+        self.spreads = spread[names].to_numpy().tolist()
         self._index_baselines()
         return self
 
     def transform(self, forest: SpanForest, paths: CriticalPaths | None = None,
-                  services: np.ndarray | None = None) -> np.ndarray:
-        """float32 [num_spans, num_features], in `names` order (`services`: node services, if known)."""
+                  services: np.ndarray | None = None, past: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        """float32 [num_spans, num_features], in `names` order (`services`: node services, if known;
+        `past`: the stream's earlier visits per service, see the module's docstring)."""
         columns = _columns(forest, paths)
         if self.variant == "thesis":
             return _stack(columns, SERVICE_TIME_ONLY.columns)
         if not self.keys:
             raise ValueError("FeatureEncoder is not fitted: call fit() on normal traces first")
         z, known = self._z_scores(forest, columns)
-        columns.update({f"z_{name}": z[:, i] for i, name in enumerate(BASELINE_COLUMNS)})
+        columns.update({f"z_{name}": z[:, i] for i, name in enumerate(self.baseline_columns)})
         columns["unknown_operation"] = (~known).astype(np.float64)
-        columns["recent_z_self_time"] = self._recent(forest, z[:, 0], services)
+        if services is None:
+            services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+        columns["recent_z_self_time"] = (self._recent(forest, z[:, 0], services) if past is None
+                                         else self._recent_after(forest, z[:, 0], services, past))
+        if self.variant == "relative":
+            columns.update(_relative_columns(forest, columns, z, self._raw_deltas(forest, columns)))
         return _stack(columns, self.names)
+
+    def _raw_deltas(self, forest: SpanForest, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Child count and repeated share minus the operation's normal median (0 where unknown)."""
+        keys, medians, _ = self._baselines
+        position = keys.get_indexer(_operation_keys(forest))
+        known = position >= 0
+        deltas = {}
+        for name, target in (("log_children", "children_delta"), ("repeated_share", "repeated_delta")):
+            i = self.baseline_columns.index(name)
+            delta = np.zeros(forest.num_spans)
+            delta[known] = columns[name][known] - medians[position[known], i]
+            deltas[target] = delta
+        return deltas
 
     def to_state(self) -> dict:
         return {"variant": self.variant, "history": self.history, "keys": self.keys,
@@ -106,17 +159,15 @@ class FeatureEncoder:
         keys, medians, spreads = self._baselines
         position = keys.get_indexer(_operation_keys(forest))
         known = position >= 0
-        values = np.stack([columns[name] for name in BASELINE_COLUMNS], axis=1)
+        values = np.stack([columns[name] for name in self.baseline_columns], axis=1)
         median = medians[position[known]]
         spread = spreads[position[known]]
         z = np.zeros_like(values)
         z[known] = np.clip((values[known] - median) / spread, -Z_LIMIT, Z_LIMIT)
         return z, known
 
-    def _recent(self, forest: SpanForest, z_self: np.ndarray, services: np.ndarray | None) -> np.ndarray:
+    def _recent(self, forest: SpanForest, z_self: np.ndarray, services: np.ndarray) -> np.ndarray:
         """Mean z-score of the node's service over its last `history` visits, in time order."""
-        if services is None:
-            services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         codes, _ = pd.factorize(services)
         trace_start = forest.start_ns[forest.root][forest.trace_index]
         order = np.lexsort((trace_start, codes))  # by service, then time
@@ -130,15 +181,71 @@ class FeatureEncoder:
         recent[order] = (running[position + 1] - running[window_start]) / (position + 1 - window_start)
         return recent
 
+    def _recent_after(self, forest: SpanForest, z_self: np.ndarray, services: np.ndarray,
+                      past: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Like `_recent`, each trace alone after `past`: the mean over the service's visits in
+        the trace up to the node, preceded by its latest visits in `past`, `history` in all."""
+        codes, names = pd.factorize(services)
+        order = np.lexsort((np.arange(len(codes)), codes, forest.trace_index))  # by trace, service, node
+        group = forest.trace_index[order] * len(names) + codes[order]
+        first = np.r_[0, np.flatnonzero(group[1:] != group[:-1]) + 1]
+        group_start = np.repeat(first, np.diff(np.r_[first, len(order)]))
+        position = np.arange(len(order))
+        own = np.minimum(position - group_start + 1, self.history)  # this trace's visits in the window
+        running = np.r_[0.0, np.cumsum(z_self[order])]
+        own_sum = running[position + 1] - running[position + 1 - own]
+        # each service's latest past visits, newest first, as cumulative sums: tail[k] = sum of the last k
+        latest = [np.asarray(past.get(name, ()), dtype=np.float64)[-self.history:][::-1] for name in names]
+        tails = np.concatenate([np.r_[0.0, np.cumsum(values)] for values in latest]) if latest else np.zeros(1)
+        tail_start = np.r_[0, np.cumsum([len(values) + 1 for values in latest])][:-1].astype(np.int64)
+        available = np.array([len(values) for values in latest], dtype=np.int64)
+        code = codes[order]
+        taken = np.minimum(available[code], self.history - own)
+        recent = np.empty(len(order))
+        recent[order] = (own_sum + tails[tail_start[code] + taken]) / (own + taken)
+        return recent
+
 
 def _columns(forest: SpanForest, paths: CriticalPaths | None) -> dict[str, np.ndarray]:
-    """The graph stage's columns plus `log_wait_us`: start minus the parent's start (0 at roots)."""
+    """The graph stage's columns plus `log_wait_us` (start minus the parent's start, 0 at roots)
+    and the structure columns: `explained_share` (1 - self time / duration), `log_children`
+    (log1p of the child count), `repeated_share` (share of children whose (service, operation)
+    a sibling also has)."""
     columns = base_columns(forest, paths)
-    has_parent = forest.parent >= 0
+    parent = forest.parent
+    has_parent = parent >= 0
     wait_us = np.zeros(forest.num_spans)
-    wait_us[has_parent] = (forest.start_ns[has_parent] - forest.start_ns[forest.parent[has_parent]]) / 1e3
+    wait_us[has_parent] = (forest.start_ns[has_parent] - forest.start_ns[parent[has_parent]]) / 1e3
     columns["log_wait_us"] = np.log1p(np.maximum(wait_us, 0.0))
+    duration = np.maximum(columns["duration_us"], 1e-3)
+    columns["explained_share"] = np.clip(1.0 - columns["self_time_us"] / duration, 0.0, 1.0)
+    children = np.bincount(parent[has_parent], minlength=forest.num_spans).astype(np.float64)
+    columns["log_children"] = np.log1p(children)
+    child = np.flatnonzero(has_parent)
+    _, key_code = np.unique(_operation_keys(forest)[child], return_inverse=True)
+    pair = pd.DataFrame({"parent": parent[child], "key": key_code})
+    counts = pair.groupby(["parent", "key"]).size()
+    repeated = (counts - 1).groupby(level="parent").sum()
+    repeated_count = np.zeros(forest.num_spans)
+    repeated_count[repeated.index.to_numpy()] = repeated.to_numpy()
+    columns["repeated_share"] = repeated_count / np.maximum(children, 1.0)
     return columns
+
+
+def _relative_columns(forest: SpanForest, columns: dict[str, np.ndarray], z: np.ndarray,
+                      deltas: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The `relative` variant's columns that are not plain z-scores (see the module docstring)."""
+    parent = forest.parent
+    has_parent = parent >= 0
+    out = dict(deltas)
+    for i, name in enumerate(("log_self_time_us", "log_duration_us")):
+        values = np.zeros(forest.num_spans)
+        values[has_parent] = z[parent[has_parent], i]
+        out[f"parent_z_{name}"] = values
+    out["error"] = pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False).astype(np.float64)
+    root_us = np.maximum(columns["duration_us"][forest.root][forest.trace_index], 1e-3)
+    out["cp_share"] = np.clip(columns["cp_exclusive_us"] / root_us, 0.0, 1.0)
+    return out
 
 
 def _operation_keys(forest: SpanForest) -> np.ndarray:

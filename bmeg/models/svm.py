@@ -1,27 +1,208 @@
-"""The FIRM baseline and small-graph fallback: an SVM on (relative importance, congestion intensity).
+"""The SVMs: the thesis's per-trace SVM (the router's fallback) and FIRM's critical-path SVM.
 
-For each trace and each service on its critical path, over a trailing window of traces:
+**TraceSVM** (the fallback for small, simple call graphs, as the B-MEG thesis trained it): one
+row per trace, a fixed vector over the application's (service, operation) keys learnt at
+training time (`TraceVectorizer`): each key's self time in the trace, log-scaled
+(`log1p(µs)`, 0 where the trace does not visit it), and the largest robust z-scores of the
+key's nodes against their normal baseline (self time, duration, wait: the deviations the GNN
+gets, `bmeg.models.features`). A class-weighted linear SVM separates bottlenecked from normal
+traces (linear: trained in seconds, applied as one dot product per trace). It says whether a
+trace is bottlenecked, not where: the detector ranks an SVM-routed trace's services by their own
+time against its baseline. (Its per-key weights were tried as that ranking and missed faults on
+keys rarely faulted in training: AC@1 0.66 against 0.90 for the GNN on socialnet.)
+
+**FirmSVM** (Qiu et al., FIRM, OSDI'20), kept for what FIRM used it for: which service on the
+critical path of a slow window is the culprit. For each trace and each service on its critical
+path, over a window of traces:
 - relative importance RI: Pearson correlation between the service's critical-path latency and
   the critical path's total latency;
 - congestion intensity CI: p99 / p50 of the service's latency.
-An SVM classifies (RI, CI) as bottleneck or not (Qiu et al., FIRM, OSDI'20).
+An RBF SVM classifies (RI, CI) as culprit or not. These features are the window's, shared by
+every trace in it, so FirmSVM ranks services over a window; it does not judge single traces.
+
+Both follow scikit-learn's estimator contract (`random_state`, `decision_function`,
+`predict_proba`, learned state ending in `_`, `check_is_fitted`) and keep their learned state
+as plain arrays (`to_state` / `from_state`): a model file holds no pickle.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 from sklearn.base import BaseEstimator, ClassifierMixin
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
-from sklearn.svm import SVC
+from sklearn.svm import SVC, LinearSVC
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import check_is_fitted, validate_data
 
 from bmeg.graphs import SpanForest
 from bmeg.graphs.critical_path import CriticalPaths
 
 PATH, START = "__path__", "__start__"
+#: The GNN features the trace vector takes per key, at their largest over the key's nodes.
+DEVIATIONS = ("z_log_self_time_us", "z_log_duration_us", "z_log_wait_us")
 
 
+# -- the per-trace SVM ----------------------------------------------------------------------
+class TraceVectorizer:
+    """Traces to fixed vectors over the (service, operation) keys seen in training.
+
+    Columns: for each key, `log1p` of its self time in µs (summed over its nodes), then for each
+    name of `DEVIATIONS` the largest value over its nodes. Keys the vectorizer never saw are
+    left out (a trace of only unknown keys is a zero vector).
+    """
+
+    def __init__(self, keys: list[str] | None = None, deviations: tuple[str, ...] = DEVIATIONS):
+        self.keys = sorted(keys or [])
+        self.deviations = tuple(deviations)
+        self._index = pd.Index(self.keys)
+
+    def fit(self, keys: np.ndarray) -> TraceVectorizer:
+        """Learn the vocabulary from the node keys (`service\\x1foperation`) of training traces."""
+        self.keys = sorted(set(np.asarray(keys, dtype=object).tolist()))
+        self._index = pd.Index(self.keys)
+        return self
+
+    @property
+    def num_columns(self) -> int:
+        return len(self.keys) * (1 + len(self.deviations))
+
+    def transform(self, trace_index: np.ndarray, num_traces: int, keys: np.ndarray, self_time_us: np.ndarray,
+                  deviations: np.ndarray | None) -> np.ndarray:
+        """[num_traces, num_columns]. Per node: its trace, key, self time and `deviations` values
+        ([N, len(self.deviations)], None for none: those columns stay 0)."""
+        column = self._index.get_indexer(np.asarray(keys, dtype=object))
+        known = column >= 0
+        rows, column = trace_index[known], column[known]
+        width = len(self.keys)
+        time = np.zeros((num_traces, width))
+        np.add.at(time, (rows, column), np.maximum(self_time_us[known], 0.0))
+        blocks = [np.log1p(time)]
+        for j in range(len(self.deviations)):
+            block = np.zeros((num_traces, width))
+            if deviations is not None:
+                # the largest deviation per key; 0 (the baseline) where the key is absent
+                largest = np.full((num_traces, width), -np.inf)
+                np.maximum.at(largest, (rows, column), deviations[known, j])
+                block = np.where(np.isfinite(largest), largest, 0.0)
+            blocks.append(block)
+        return np.concatenate(blocks, axis=1)
+
+    def to_state(self) -> dict[str, Any]:
+        return {"keys": list(self.keys), "deviations": list(self.deviations)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> TraceVectorizer:
+        return cls(list(state["keys"]), tuple(state["deviations"]))
+
+
+class _MarginClassifier(ClassifierMixin, BaseEstimator):
+    """A binary classifier whose learned state is a standardisation and a margin function.
+
+    Subclasses set `mean_`, `scale_` and whatever `_margin` reads in `_fit`, and list it in
+    `_state_arrays`. `predict_proba` is the logistic of the margin: a monotone score in (0, 1),
+    not a calibrated probability (thresholds are chosen on validation data).
+    """
+
+    _state_arrays: tuple[str, ...] = ()
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.classifier_tags.multi_class = False
+        return tags
+
+    def fit(self, X, y) -> _MarginClassifier:
+        X, y = validate_data(self, X, y, dtype=np.float64)
+        check_classification_targets(y)
+        classes, encoded = np.unique(y, return_inverse=True)
+        if len(classes) < 2:
+            raise ValueError(f"{type(self).__name__} needs examples of both classes; y has one class: {classes.tolist()}")
+        if len(classes) > 2:
+            raise ValueError(f"Only binary classification is supported. {type(self).__name__} needs examples of "
+                             f"exactly two classes; y has {len(classes)}: {classes.tolist()[:5]}")
+        self.classes_ = classes
+        self.mean_ = X.mean(axis=0)
+        scale = X.std(axis=0)
+        self.scale_ = np.where(scale > 0, scale, 1.0)
+        self._fit((X - self.mean_) / self.scale_, encoded)
+        return self
+
+    def _fit(self, X: np.ndarray, y: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _margin(self, X: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def decision_function(self, X) -> np.ndarray:
+        """The signed margin: positive for `classes_[1]` (the bottleneck class)."""
+        check_is_fitted(self)
+        X = validate_data(self, X, reset=False, dtype=np.float64)
+        return self._margin((X - self.mean_) / self.scale_)
+
+    def predict_proba(self, X) -> np.ndarray:
+        """[n, 2]: the logistic of the margin for `classes_[1]`, its complement for `classes_[0]`."""
+        positive = _logistic(self.decision_function(X))
+        return np.stack([1.0 - positive, positive], axis=1)
+
+    def predict(self, X) -> np.ndarray:
+        positive = self.decision_function(X) > 0
+        return self.classes_[positive.astype(np.int64)]
+
+    def to_state(self) -> dict[str, Any]:
+        """Hyperparameters and learned arrays as plain values (lists and numbers)."""
+        check_is_fitted(self)
+        learned = {name: np.asarray(getattr(self, name)).tolist()
+                   for name in ("classes_", "mean_", "scale_", "n_features_in_", *self._state_arrays)}
+        return {"params": self.get_params(), "learned": learned}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _MarginClassifier:
+        model = cls(**state["params"])
+        for name, value in state["learned"].items():
+            setattr(model, name, int(value) if name == "n_features_in_" else np.asarray(value))
+        return model
+
+
+class TraceSVM(_MarginClassifier):
+    """Class-weighted linear SVM over `TraceVectorizer` rows: is the trace bottlenecked?
+
+    Parameters
+    ----------
+    C : float
+        Inverse regularisation strength.
+    random_state : int
+        Seed of liblinear's coordinate descent.
+
+    Attributes
+    ----------
+    coef_ : ndarray [n_features], weights of the standardised features; intercept_ : float.
+    mean_, scale_ : the standardisation learnt in `fit`.
+
+    Examples
+    --------
+    >>> X = np.array([[0.0, 1.0], [0.2, 0.9], [3.0, 0.1], [2.8, 0.0]])
+    >>> TraceSVM(random_state=0).fit(X, [0, 0, 1, 1]).predict([[2.9, 0.2]]).tolist()
+    [1]
+    """
+
+    _state_arrays = ("coef_", "intercept_")
+
+    def __init__(self, C: float = 0.1, random_state: int | None = 0):
+        self.C = C
+        self.random_state = random_state
+
+    def _fit(self, X: np.ndarray, y: np.ndarray) -> None:
+        svm = LinearSVC(C=self.C, class_weight="balanced", random_state=self.random_state, max_iter=5_000)
+        svm.fit(X, y)
+        self.coef_ = svm.coef_[0].copy()
+        self.intercept_ = float(svm.intercept_[0])
+
+    def _margin(self, X: np.ndarray) -> np.ndarray:
+        return X @ self.coef_ + self.intercept_
+
+
+# -- FIRM's window SVM -----------------------------------------------------------------------
 def critical_path_frame(forest: SpanForest, services: np.ndarray, paths: CriticalPaths) -> pd.DataFrame:
     """Per trace (rows, forest order) and service (columns): critical-path time in µs, NaN off the path.
 
@@ -39,22 +220,18 @@ def critical_path_frame(forest: SpanForest, services: np.ndarray, paths: Critica
     return frame
 
 
-def firm_features(frame: pd.DataFrame, window: int = 100, history: pd.DataFrame | None = None) -> np.ndarray:
+def firm_features(frame: pd.DataFrame, window: int = 100) -> np.ndarray:
     """(RI, CI) per trace and service of `frame`, over the trailing `window` traces in time order.
 
-    `history` (earlier traces, same layout) fills the window for the first traces of `frame`.
     Returns [num_traces, num_services, 2], services in the column order of `frame`.
     """
     services = [name for name in frame.columns if name not in (PATH, START)]
-    earlier = history.reindex(columns=frame.columns) if history is not None else frame.iloc[:0]
-    timeline = pd.concat([earlier, frame], ignore_index=True)
-    order = np.argsort(timeline[START].to_numpy(), kind="stable")
-    latency = timeline[services].to_numpy(dtype=np.float64)[order]
-    path = timeline[PATH].to_numpy(dtype=np.float64)[order]
+    order = np.argsort(frame[START].to_numpy(), kind="stable")
+    latency = frame[services].to_numpy(dtype=np.float64)[order]
+    path = frame[PATH].to_numpy(dtype=np.float64)[order]
     # Row r of `frame` sits at position where[r] of the time-ordered timeline.
     where = np.empty(len(order), dtype=np.int64)
     where[order] = np.arange(len(order))
-    where = where[len(earlier):]
     features = np.empty((len(frame), len(services), 2))
     for chunk in np.array_split(np.arange(len(frame)), max(1, len(frame) // 512)):
         features[chunk] = _window_features(latency, path, where[chunk], window)
@@ -94,45 +271,61 @@ def _quantile(values: np.ndarray, count: np.ndarray, q: float) -> np.ndarray:
     position = (np.maximum(count, 1) - 1) * q
     low = np.floor(position).astype(np.int64)
     high = np.minimum(low + 1, np.maximum(count - 1, 0))
-    take = lambda index: np.take_along_axis(ordered, index[:, None, :], axis=1)[:, 0, :]  # noqa: E731
+
+    def take(index: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(ordered, index[:, None, :], axis=1)[:, 0, :]
+
     return take(low) + (take(high) - take(low)) * (position - low)
 
 
-class FirmSVM(ClassifierMixin, BaseEstimator):
-    """SVM over FIRM features of (trace, service) pairs on the critical path.
+class FirmSVM(_MarginClassifier):
+    """RBF SVM over FIRM's (RI, CI) of (trace, service) pairs on the critical path: the culprit?
 
-    `fit(X, y)` takes X [num_pairs, 2] from `firm_features` and y [num_pairs] in {0, 1}.
+    Parameters
+    ----------
+    C : float
+    gamma : "scale" or float
+        The RBF kernel's width, as in `sklearn.svm.SVC`.
+    max_samples : int
+        An RBF SVM is quadratic in samples to fit and linear in support vectors to apply: it is
+        fitted on a stratified subsample of at most this many pairs.
+    random_state : int
+        Seed of the subsample.
+
+    Attributes
+    ----------
+    support_vectors_, dual_coef_ [n_SV], intercept_, gamma_ : the kernel expansion of the margin,
+    applied with numpy (no libsvm object is kept, so the state is plain arrays).
     """
 
-    def __init__(self, C: float = 1.0, gamma: str | float = "scale", max_samples: int = 4_000, seed: int = 0):
+    _state_arrays = ("support_vectors_", "dual_coef_", "intercept_", "gamma_")
+
+    def __init__(self, C: float = 1.0, gamma: str | float = "scale", max_samples: int = 4_000,
+                 random_state: int | None = 0):
         self.C = C
         self.gamma = gamma
         self.max_samples = max_samples
-        self.seed = seed
+        self.random_state = random_state
 
-    def fit(self, X: np.ndarray, y: np.ndarray) -> FirmSVM:
-        X, y = np.asarray(X, dtype=np.float64), np.asarray(y, dtype=np.int64)
-        if X.ndim != 2 or X.shape[1] != 2 or len(X) != len(y):
-            raise ValueError(f"expected X [n, 2] and y [n]; got {X.shape} and {y.shape}")
-        if len(np.unique(y)) < 2:
-            raise ValueError("FirmSVM needs both bottleneck and non-bottleneck examples")
-        # An RBF SVM is quadratic in samples to fit and linear in support vectors to apply:
-        # fit on a stratified subsample.
-        index = _stratified_subsample(y, self.max_samples, np.random.default_rng(self.seed))
-        self.pipeline_ = make_pipeline(
-            StandardScaler(), SVC(C=self.C, gamma=self.gamma, class_weight="balanced")
-        )
-        self.pipeline_.fit(X[index], y[index])
-        self.classes_ = np.array([0, 1])
-        return self
+    def _fit(self, X: np.ndarray, y: np.ndarray) -> None:
+        index = _stratified_subsample(y, self.max_samples, np.random.default_rng(self.random_state))
+        svm = SVC(C=self.C, gamma=self.gamma, class_weight="balanced").fit(X[index], y[index])
+        self.support_vectors_ = svm.support_vectors_.copy()
+        self.dual_coef_ = svm.dual_coef_[0].copy()
+        self.intercept_ = float(svm.intercept_[0])
+        self.gamma_ = float(svm._gamma)
 
-    def score_samples(self, X: np.ndarray) -> np.ndarray:
-        """A bottleneck score in (0, 1): the logistic of the SVM margin."""
-        margin = self.pipeline_.decision_function(np.asarray(X, dtype=np.float64))
-        return 1.0 / (1.0 + np.exp(-margin))
+    def _margin(self, X: np.ndarray) -> np.ndarray:
+        margins = np.empty(len(X))
+        for start in range(0, len(X), 2_048):  # bounded memory: [chunk, n_SV] kernel rows
+            part = X[start:start + 2_048]
+            distance = ((part[:, None, :] - self.support_vectors_[None, :, :]) ** 2).sum(axis=-1)
+            margins[start:start + 2_048] = np.exp(-self.gamma_ * distance) @ self.dual_coef_ + self.intercept_
+        return margins
 
-    def predict(self, X: np.ndarray) -> np.ndarray:
-        return (self.score_samples(X) >= 0.5).astype(np.int64)
+
+def _logistic(margin: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(margin, -500, 500)))
 
 
 def _stratified_subsample(y: np.ndarray, limit: int, rng: np.random.Generator) -> np.ndarray:

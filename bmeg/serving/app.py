@@ -40,6 +40,7 @@ from bmeg.diagnosis import Diagnosis
 from bmeg.serving.batcher import MicroBatcher
 from bmeg.serving.metrics import ServerMetrics
 from bmeg.serving.model import DiagnosisModel, Loader, ModelSlot, ModelState
+from bmeg.serving.otlp_http import router as otlp_router
 from bmeg.serving.payloads import Answer, Limits, Parts, Payload, RequestRefused, merge
 from bmeg.serving.recent import RecentDiagnoses, RecentDiagnosis, RecentSummary
 from bmeg.serving.settings import ServingSettings
@@ -92,6 +93,7 @@ def create_app(detector_or_loader: DiagnosisModel | Loader, settings: ServingSet
     app.add_middleware(_Measure, metrics=metrics)
     app.add_middleware(_SecurityHeaders)
     app.mount("/static", StaticFiles(directory=str(_STATIC)), name="static")
+    app.include_router(otlp_router)  # POST /v1/traces
     require_key = _api_key_dependency(settings)
 
     @app.post("/diagnose", response_model=Diagnosis, openapi_extra=_DIAGNOSE_BODY,

@@ -1,17 +1,36 @@
-"""Assembling traces from spans that arrive in pieces (many messages, many partitions).
+"""Assembling traces from spans that arrive in pieces (many messages, many partitions, many exporters).
 
-Spans are grouped by trace id. A trace is finished when no span of it has arrived for
-`idle_timeout_s`, or when it reaches `max_spans` (a runaway trace must not hold memory and
-offsets forever). Spans of a finished trace that arrive later start a new fragment with the
-same trace id, diagnosed on its own: the idle timeout should exceed the tracing pipeline's
-batching delay. Each trace remembers the messages (`sources`) that carried its spans, so
-their offsets can be released once its diagnosis is published.
+Real senders do not send a trace together: each service's SDK exports the spans it ended on
+its own schedule (the OpenTelemetry SDKs' `BatchSpanProcessor`: every 5 s, or at 512 spans),
+and the Collector's `batch` processor holds them up to 200 ms more. Within one process spans
+are exported in the order they end, so a span's children (which end first) never arrive after
+it; across processes they may arrive in any order, seconds apart.
+
+So spans are grouped by trace id and a trace is **complete** as soon as
+- its root (the span with no parent) has arrived,
+- every span's parent has arrived, and
+- every call into another instrumented service has its callee's span: a `client` span with no
+  child yet is still expecting one, unless it calls a database (`db.system` set) or its
+  (service, operation) has been learned to be a leaf (it ended childless in
+  `LEAF_AFTER` traces finished by the idle timeout; seeing it with a child forgets that).
+
+Otherwise a trace finishes when no span of it has arrived for `idle_timeout_s`, which must
+exceed the senders' export interval: the default (`DEFAULT_IDLE_TIMEOUT_S`, 7 s) is the SDKs'
+5 s schedule plus the Collector's batching and Kafka's linger, with a second to spare. A trace
+finished while its root or a parent is still missing is **partial**: diagnosed and published
+so, never handed to mitigation. A trace also finishes at `max_spans` (a runaway trace must not
+hold memory and offsets forever).
+
+Spans of a trace already finished (a late fragment) are never diagnosed as a new trace: the
+ids of finished traces are remembered for `late_window_s` and their late spans are counted
+and dropped (`late_spans`). Each trace remembers the messages (`sources`) that carried its
+spans, so their offsets can be released once its diagnosis is published.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
@@ -20,6 +39,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 Source = Hashable  # a message: `bmeg.serving.offsets.Source` in the consumer
+CallKey = tuple[str, str]  # (service, operation) of a client span
+
+#: The SDKs' 5 s export schedule, the Collector's 200 ms batch timeout, Kafka's linger, 1 s spare.
+DEFAULT_IDLE_TIMEOUT_S = 7.0
+#: How long the ids of finished traces are remembered, to recognise their late spans.
+DEFAULT_LATE_WINDOW_S = 300.0
+#: Childless endings (in traces finished by the idle timeout) after which a call is a leaf.
+LEAF_AFTER = 3
+_MAX_REMEMBERED = 1_000_000  # finished trace ids kept at most (~100 MB), whatever the window
+_MAX_CALL_KEYS = 100_000
 
 
 @dataclass
@@ -29,77 +58,177 @@ class PendingTrace:
     parts: list[pa.Table] = field(default_factory=list)
     spans: int = 0
     sources: set[Source] = field(default_factory=set)
+    partial: bool = False  # finished without its root or with a parent missing (set when finished)
+    span_ids: set[str] = field(default_factory=set, repr=False)
+    parents: set[str] = field(default_factory=set, repr=False)  # parent ids referenced
+    has_root: bool = False
+    awaiting: dict[str, CallKey] = field(default_factory=dict, repr=False)  # client span id -> its call, no child yet
+    guessed_leaves: dict[str, CallKey] = field(default_factory=dict, repr=False)  # learned-leaf client spans
 
     def table(self) -> pa.Table:
         return pa.concat_tables(self.parts)
 
+    @property
+    def complete(self) -> bool:
+        return self.has_root and not self.awaiting and self.parents <= self.span_ids
+
+    @property
+    def missing_parents(self) -> bool:
+        return not self.has_root or not self.parents <= self.span_ids
+
+
+@dataclass(frozen=True)
+class Added:
+    traces: int  # traces the message's spans went to, still being assembled (its open count)
+    late_spans: int  # spans of traces already finished, dropped
+
 
 class TraceAssembler:
-    def __init__(self, idle_timeout_s: float, max_spans: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, max_spans: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic, late_window_s: float = DEFAULT_LATE_WINDOW_S):
         self.idle_timeout_s = idle_timeout_s
         self.max_spans = max_spans
         self.clock = clock
+        self.late_window_s = late_window_s
         self._pending: OrderedDict[str, PendingTrace] = OrderedDict()  # least recently touched first
-        self._full: list[PendingTrace] = []
+        self._ready: dict[str, PendingTrace] = {}  # complete or at the span cap, not yet handed out
+        self._finished: OrderedDict[str, float] = OrderedDict()  # trace id -> when finished, oldest first
+        self._childless: Counter[CallKey] = Counter()  # call -> childless endings seen
+        self.leaf_calls: set[CallKey] = set()
 
     def __len__(self) -> int:
-        return len(self._pending) + len(self._full)
+        return len(self._pending) + len(self._ready)
 
     def __iter__(self) -> Iterator[PendingTrace]:
-        """The traces held, not yet finished."""
-        return iter([*self._full, *self._pending.values()])
+        """The traces held, not yet handed out."""
+        return iter([*self._ready.values(), *self._pending.values()])
 
-    def add(self, spans: pa.Table, source: Source) -> int:
-        """Add one message's spans; returns how many traces they belong to."""
+    def add(self, spans: pa.Table, source: Source) -> Added:
+        """Add one message's spans."""
         now = self.clock()
-        pieces = split_by_trace(spans)
-        for trace_id, piece in pieces:
-            trace = self._pending.get(trace_id)
+        traces = late = 0
+        for trace_id, piece, columns in _pieces(spans):
+            trace = self._pending.get(trace_id) or self._ready.get(trace_id)
             if trace is None:
+                if trace_id in self._finished:
+                    late += piece.num_rows
+                    continue
                 trace = self._pending[trace_id] = PendingTrace(trace_id, now)
-            else:
+            elif trace_id in self._pending:
                 self._pending.move_to_end(trace_id)
                 trace.last_seen = now
             trace.parts.append(piece)
             trace.spans += piece.num_rows
             trace.sources.add(source)
-            if trace.spans >= self.max_spans:
-                self._full.append(self._pending.pop(trace_id))
-        return len(pieces)
+            self._note_spans(trace, *columns)
+            traces += 1
+            if trace_id in self._pending and (trace.spans >= self.max_spans or trace.complete):
+                self._ready[trace_id] = self._pending.pop(trace_id)
+        return Added(traces, late)
 
     def finished(self) -> list[PendingTrace]:
-        """Traces at the span cap, and those idle for the timeout; they leave the assembler."""
-        done, self._full = self._full, []
-        deadline = self.clock() - self.idle_timeout_s
+        """Traces complete or at the span cap, and those idle for the timeout; they leave the assembler."""
+        now = self.clock()
+        done, self._ready = list(self._ready.values()), {}
+        deadline = now - self.idle_timeout_s
         while self._pending:
             oldest = next(iter(self._pending.values()))
             if oldest.last_seen > deadline:
                 break
-            done.append(self._pending.popitem(last=False)[1])
+            self._pending.popitem(last=False)
+            self._learn_leaves(oldest)
+            done.append(oldest)
+        for trace in done:
+            trace.partial = trace.missing_parents
+            self._remember(trace.trace_id, now)
+        self._forget_old(now)
         return done
 
     def discard(self, unwanted: Callable[[PendingTrace], bool]) -> int:
-        """Drop the traces held that are `unwanted`; returns how many."""
-        kept_full = [trace for trace in self._full if not unwanted(trace)]
-        dropped = [trace_id for trace_id, trace in self._pending.items() if unwanted(trace)]
-        for trace_id in dropped:
-            del self._pending[trace_id]
-        count = len(self._full) - len(kept_full) + len(dropped)
-        self._full = kept_full
-        return count
+        """Drop the traces held that are `unwanted` (not remembered as finished); returns how many."""
+        dropped = 0
+        for held in (self._ready, self._pending):
+            for trace_id in [trace_id for trace_id, trace in held.items() if unwanted(trace)]:
+                del held[trace_id]
+                dropped += 1
+        return dropped
 
     def drain(self) -> list[PendingTrace]:
-        """Every trace, finished or not (shutdown, rebalance)."""
-        done = self._full + list(self._pending.values())
-        self._full, self._pending = [], OrderedDict()
-        return done
+        """Every trace, finished or not (shutdown)."""
+        self._ready.update(self._pending)
+        self._pending = OrderedDict()
+        return self.finished()
+
+    # -- completeness --------------------------------------------------------------------------
+    def _note_spans(self, trace: PendingTrace, span_ids: list[str], parent_ids: list[str | None],
+                    kinds: list[str], db_systems: list[str | None], services: list[str], operations: list[str]) -> None:
+        trace.span_ids.update(span_ids)
+        for parent in parent_ids:
+            if parent is None:
+                trace.has_root = True
+            else:
+                trace.parents.add(parent)
+                if trace.awaiting:
+                    trace.awaiting.pop(parent, None)
+                if trace.guessed_leaves and parent in trace.guessed_leaves:  # a learned leaf has a callee after all
+                    self.leaf_calls.discard(trace.guessed_leaves.pop(parent))
+        for i, kind in enumerate(kinds):
+            if kind != "client" or db_systems[i] is not None:
+                continue
+            span_id, call = span_ids[i], (services[i], operations[i])
+            if call in self.leaf_calls:
+                if span_id in trace.parents:
+                    self.leaf_calls.discard(call)
+                else:
+                    trace.guessed_leaves[span_id] = call
+            elif span_id not in trace.parents:
+                trace.awaiting[span_id] = call
+
+    def _learn_leaves(self, trace: PendingTrace) -> None:
+        """Calls still childless when their trace went idle: after `LEAF_AFTER` of them, leaves."""
+        for call in trace.awaiting.values():
+            self._childless[call] += 1
+            if self._childless[call] >= LEAF_AFTER and len(self.leaf_calls) < _MAX_CALL_KEYS:
+                self.leaf_calls.add(call)
+        if len(self._childless) > _MAX_CALL_KEYS:
+            self._childless.clear()
+
+    # -- late spans ----------------------------------------------------------------------------
+    def _remember(self, trace_id: str, now: float) -> None:
+        self._finished[trace_id] = now
+        self._finished.move_to_end(trace_id)
+
+    def _forget_old(self, now: float) -> None:
+        horizon = now - self.late_window_s
+        while self._finished and (len(self._finished) > _MAX_REMEMBERED or next(iter(self._finished.values())) < horizon):
+            self._finished.popitem(last=False)
+
+
+_COMPLETENESS_COLUMNS = ("span_id", "parent_id", "kind", "db_system", "service", "operation")
+
+
+def _pieces(spans: pa.Table) -> Iterator[tuple[str, pa.Table, tuple[list, ...]]]:
+    """Each trace's spans and, as Python lists, the columns completeness reads: one sort and one
+    conversion per message, not per trace."""
+    if spans.num_rows == 0:
+        return
+    ordered, starts = _sorted_by_trace(spans)
+    ids = ordered["trace_id"].to_numpy(zero_copy_only=False)
+    columns = [ordered[name].to_pylist() for name in _COMPLETENESS_COLUMNS]
+    for start, end in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        yield ids[start], ordered.slice(start, end - start), tuple(column[start:end] for column in columns)
+
+
+def _sorted_by_trace(spans: pa.Table) -> tuple[pa.Table, np.ndarray]:
+    ordered = spans.take(pc.sort_indices(spans["trace_id"]))
+    ids = ordered["trace_id"].to_numpy(zero_copy_only=False)
+    return ordered, np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1, [len(ids)]])
 
 
 def split_by_trace(spans: pa.Table) -> list[tuple[str, pa.Table]]:
     """A table's spans grouped by trace id, in one sort."""
     if spans.num_rows == 0:
         return []
-    ordered = spans.take(pc.sort_indices(spans["trace_id"]))
+    ordered, starts = _sorted_by_trace(spans)
     ids = ordered["trace_id"].to_numpy(zero_copy_only=False)
-    starts = np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1, [len(ids)]])
     return [(ids[start], ordered.slice(start, end - start)) for start, end in zip(starts[:-1], starts[1:])]

@@ -1,32 +1,34 @@
 """The streaming consumer: spans from Kafka in, one diagnosis per trace out (`bmeg consume`).
 
-Reads the topic the OpenTelemetry Collector's Kafka exporter writes (`otlp_spans`, OTLP
-protobuf by default), assembles spans into traces (`TraceAssembler`), diagnoses finished
-traces in batches, publishes each trace's `Diagnosis` as JSON (key: trace id) and forwards
-anomalous traces with bottlenecks to the mitigation controller's topic.
+Reads the topic the OpenTelemetry Collector's Kafka exporter writes (`otlp_spans`), in any of
+its encodings: by the message's content-type header when it has one, else detected from the
+bytes (the Collector sets none: `bmeg.traces.io.detect_encoding`). Values compressed with gzip
+are inflated up to `max_message_bytes`; the Kafka codecs (gzip, snappy, lz4, zstd) are
+kafka-python's, with their libraries installed. Spans are assembled into traces
+(`TraceAssembler`: complete at once when the root and every expected span are in, else after
+the idle timeout), finished traces are diagnosed in batches on a thread of their own (the
+model's tensor work releases the GIL, so the next messages are read meanwhile; at most
+`MAX_BATCHES_IN_FLIGHT` batches handed to it) and published by `Publisher`.
 
-Diagnosing runs on a thread of its own, beside the loop that reads and decodes messages: the
-model's tensor work releases the GIL, so the next messages are read meanwhile. One worker,
-at most `MAX_BATCHES_IN_FLIGHT` batches handed to it (the loop waits beyond that).
+At least once, and never wedged: a message's offset is released (`OffsetTracker`) only when
+every record its traces owe (diagnosis, forward to mitigation, dead letter) has been
+acknowledged by the broker; a message that cannot be read, a trace the detector rejects and a
+diagnosis too large to publish go to the dead-letter topic (truncated, the reason in the
+`bmeg-error` header) and the partition moves on. Every call into Kafka has a timeout, so a
+broker outage of any length is waited out by a loop that keeps running, and resumes by itself;
+`heartbeat` is the time the loop last went round (`/healthz` on the metrics port fails when it
+is older than `liveness_timeout_s`). A stop (SIGTERM) publishes every pending trace, waits for
+the broker, commits what is acknowledged and closes, all within `shutdown_timeout_s`.
 
-No loss: offsets are committed only up to the lowest message with a trace still unpublished
-(`OffsetTracker`; the loop releases a batch's messages once the worker has sent its
-diagnoses), and only after the producer has flushed. A message that cannot be read,
-or a trace the detector rejects, goes to the dead-letter topic with the reason in the
-`bmeg-error` header. A graceful stop (SIGTERM) publishes every pending trace and commits.
-
-Consumers in one group share the partitions; a trace is assembled whole only by the consumer
-that gets all its spans, so producers should key by trace id (the collector's
-`partition_traces_by_id: true`). When a rebalance takes partitions away, their uncommitted
-messages are read again by the new owner: delivery is at least once, so a trace in flight
-at that moment may be diagnosed twice (consumers of `bmeg.diagnoses` key by trace id).
-kafka-python runs rebalance listeners on its network thread (while the loop waits in `poll`),
-where no blocking work (diagnosing, committing) may run, so the listener only forgets the
-partitions that went to another consumer; those it keeps keep their offsets and their traces.
-Each message is tracked under its partition's assignment (`OffsetTracker`), so a trace still in
-flight from a partition taken away never releases a message read again after it comes back;
-after the poll, the loop drops the traces being assembled from partitions taken away alone
-(their messages are uncommitted: their new owner reads them again).
+Consumers in one group share the partitions with the cooperative-sticky assignor (KIP-429):
+a rebalance moves only the partitions that change owner, and the others keep their traces and
+offsets. A trace is assembled whole only by the consumer that gets all its spans, so producers
+should key by trace id (the Collector's `partition_traces_by_id: true`). kafka-python runs
+rebalance listeners on its network thread, where no blocking work may run: the listener only
+forgets the partitions taken away (their messages, never committed past an unpublished trace,
+are read again by their new owner); after the poll, the loop drops the traces being assembled
+from those partitions alone. Each message is tracked under its partition's assignment, so a
+trace still in flight from a partition taken away never releases a message read again.
 """
 
 from __future__ import annotations
@@ -34,31 +36,43 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
+from functools import partial
+from typing import Any
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow as pa
-from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import CommitFailedError
+from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
+from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
+from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from bmeg.diagnosis import single_trace_json
-from bmeg.serving.assembler import PendingTrace, TraceAssembler
 from bmeg.models.detector import Detector
+from bmeg.models.history import StreamHistory
+from bmeg.serving.assembler import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, PendingTrace, TraceAssembler
 from bmeg.serving.model import freeze_heap
-from bmeg.serving.offsets import OffsetTracker
-from bmeg.traces import TraceInputError, read_spans_bytes, to_otlp_proto_bytes
+from bmeg.serving.offsets import OffsetTracker, Source
+from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, Topics, diagnose_batch,
+                                     make_producer)
+from bmeg.traces import TraceInputError
+from bmeg.traces.io import detect_encoding, read_spans_bytes
+
+__all__ = ["ERROR_HEADER", "ConsumerConfig", "ConsumerMetrics", "StreamConsumer", "serve_probes"]
 
 log = logging.getLogger(__name__)
 
+#: The encodings the Collector's Kafka exporter writes, and the content type each reads as.
 ENCODINGS = {"otlp_proto": "application/x-protobuf", "otlp_json": "application/json"}
-ERROR_HEADER = "bmeg-error"
 #: Batches handed to the diagnosing thread and not yet published: one diagnosed, one waiting.
 MAX_BATCHES_IN_FLIGHT = 2
+#: OTLP protobuf messages of one partition read as one (bounds the work redone when one is bad).
+MAX_RUN_MESSAGES = 500
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass(frozen=True)
@@ -69,19 +83,20 @@ class ConsumerConfig:
     diagnoses_topic: str = "bmeg.diagnoses"
     mitigations_topic: str = "bmeg.mitigations"
     dead_letter_topic: str = "otlp_spans.dlq"
-    encoding: str = "otlp_proto"  # when a message has no content-type header
-    idle_timeout_s: float = 2.0
+    encoding: str | None = None  # of messages without a content-type header; None: detected from the bytes
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    late_window_s: float = DEFAULT_LATE_WINDOW_S
     max_trace_spans: int = 10_000
     batch_traces: int = 512
     commit_interval_s: float = 1.0
     poll_timeout_ms: int = 200
     max_poll_records: int = 2_000
-
-
-class DiagnosedTrace(NamedTuple):
-    json: bytes  # a one-trace `Diagnosis`
-    anomalous: bool
-    has_bottleneck: bool  # anomalous, with a service at or above the bottleneck threshold: for mitigation
+    max_message_bytes: int = 64 << 20  # a message's spans, inflated
+    dead_letter_max_bytes: int = 256 << 10
+    max_unsent_traces: int = 50_000  # fetching pauses beyond this many traces awaiting the broker
+    kafka_timeout_s: float = 10.0  # each commit, flush and close
+    shutdown_timeout_s: float = 20.0
+    liveness_timeout_s: float = 60.0
 
 
 class ConsumerMetrics:
@@ -90,38 +105,51 @@ class ConsumerMetrics:
         r = self.registry
         self.messages = Counter("bmeg_consumer_messages", "Kafka messages consumed.", registry=r)
         self.spans = Counter("bmeg_consumer_spans", "Spans consumed.", registry=r)
+        self.late_spans = Counter("bmeg_consumer_late_spans", "Spans of traces already diagnosed, dropped.", registry=r)
         self.traces = Counter("bmeg_consumer_traces_diagnosed", "Traces diagnosed and published.", registry=r)
+        self.partial = Counter("bmeg_consumer_partial_traces", "Traces finished without their root or a parent.",
+                               registry=r)
         self.anomalies = Counter("bmeg_consumer_anomalous_traces", "Anomalous traces.", registry=r)
         self.mitigations = Counter("bmeg_consumer_mitigations", "Traces forwarded to the mitigation topic.", registry=r)
         self.dead_letters = Counter("bmeg_consumer_dead_letters", "Messages and traces sent to the dead-letter topic.",
                                     ["reason"], registry=r)
+        self.retries = Counter("bmeg_consumer_send_retries", "Records sent again after a failed send.", registry=r)
+        self.unsent = Gauge("bmeg_consumer_unsent_traces", "Traces diagnosed, awaiting the broker's acknowledgement.",
+                            registry=r)
         self.pending = Gauge("bmeg_consumer_pending_traces", "Traces being assembled.", registry=r)
         self.lag = Gauge("bmeg_consumer_lag", "Messages behind the partition's end.", ["partition"], registry=r)
+        self.heartbeat = Gauge("bmeg_consumer_heartbeat_seconds", "Unix time the poll loop last went round.",
+                               registry=r)
         self.batch_seconds = Histogram("bmeg_consumer_batch_seconds", "Time to diagnose one batch of traces.",
                                        registry=r)
 
 
 class StreamConsumer:
     def __init__(self, detector: Detector, config: ConsumerConfig, metrics: ConsumerMetrics | None = None):
-        if config.encoding not in ENCODINGS:
+        if config.encoding is not None and config.encoding not in ENCODINGS:
             raise ValueError(f"encoding {config.encoding!r}: expected one of {sorted(ENCODINGS)}")
         self.detector = detector
+        self.history = StreamHistory(visits=detector.encoder.history)  # the stream's past, for history features
         self.config = config
         self.metrics = metrics or ConsumerMetrics()
-        self.assembler = TraceAssembler(config.idle_timeout_s, config.max_trace_spans)
+        self.assembler = TraceAssembler(config.idle_timeout_s, config.max_trace_spans,
+                                        late_window_s=config.late_window_s)
         self.offsets = OffsetTracker()
+        self.heartbeat = time.monotonic()
         self._committed: dict[TopicPartition, int] = {}
         self._last_commit = time.monotonic()
-        # One message per diagnosis: big batches spare kafka-python a network-thread wake-up per send.
-        self.producer = KafkaProducer(bootstrap_servers=config.bootstrap, acks="all", linger_ms=50,
-                                      batch_size=512 * 1024)
+        self.publisher = Publisher(partial(make_producer, config.bootstrap), Topics(config.diagnoses_topic, config.mitigations_topic,
+                                                         config.dead_letter_topic), config.dead_letter_max_bytes)
         self.consumer = KafkaConsumer(
             bootstrap_servers=config.bootstrap, group_id=config.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", max_poll_records=config.max_poll_records,
+            partition_assignment_strategy=[CooperativeStickyAssignor],
         )
         self.consumer.subscribe([config.topic], listener=_Rebalance(self))
         self._diagnoser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bmeg-diagnoser")
-        self._in_flight: deque[Future[list[PendingTrace]]] = deque()  # oldest first
+        self._in_flight: deque[Future[list[Delivery]]] = deque()  # oldest first
+        self._unsent: list[Delivery] = []  # published, not yet all acknowledged
+        self._paused = False
         self._revoked = threading.Event()  # set by the rebalance listener, handled by the loop
 
     # -- the loop ----------------------------------------------------------------------------
@@ -139,48 +167,112 @@ class StreamConsumer:
 
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
-        batches = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        self._beat()
+        self._throttle()
+        try:
+            batches = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        except KafkaError as error:  # the broker is away: kafka-python reconnects by itself
+            log.warning("poll failed (retrying): %s", error)
+            batches = {}
         if self._revoked.is_set():  # a rebalance ran inside that poll: before its messages are added
             self._revoked.clear()
             self._drop_revoked()
         for partition, messages in batches.items():
-            for message in messages:
-                self._take(partition, message)
+            self._take_partition(partition, messages)
         self._submit(self.assembler.finished())
         if time.monotonic() - self._last_commit >= self.config.commit_interval_s:
             self.commit()
 
+    def healthy(self) -> bool:
+        """Liveness: the loop went round within `liveness_timeout_s`."""
+        return time.monotonic() - self.heartbeat < self.config.liveness_timeout_s
+
     def close(self) -> None:
+        """Publish what is pending, commit what is acknowledged and close, all within
+        `shutdown_timeout_s` (a broker that is away must not hold a SIGTERM past the pod's grace
+        period): half of it waiting for acknowledgements, a quarter for the commit, the rest to
+        close. Whatever is unacknowledged then stays uncommitted and is read again."""
+        budget = self.config.shutdown_timeout_s
         try:
-            self.flush_all()
+            self.flush_all(acks_timeout_s=budget / 2, commit_timeout_s=min(budget / 4, self.config.kafka_timeout_s))
         finally:
-            self._diagnoser.shutdown()
-            self.consumer.close(autocommit=False)
-            self.producer.close()
+            self._diagnoser.shutdown(wait=False, cancel_futures=True)
+            closing_s = min(budget / 8, self.config.kafka_timeout_s)
+            for name, close in (("consumer", lambda: self.consumer.close(autocommit=False, timeout_ms=int(closing_s * 1e3))),
+                                ("producer", lambda: self.publisher.producer.close(timeout=closing_s))):
+                try:
+                    close()
+                except KafkaError as error:  # the broker is away: nothing more to save
+                    log.warning("closing the Kafka %s: %s", name, error)
 
-    def flush_all(self) -> None:
-        """Diagnose and publish every trace still being assembled, then commit (graceful shutdown)."""
+    def flush_all(self, acks_timeout_s: float | None = None, commit_timeout_s: float | None = None) -> None:
+        """Diagnose and publish every trace still being assembled, wait for the broker's
+        acknowledgements at most `acks_timeout_s` (default `shutdown_timeout_s`), then commit."""
+        deadline = time.monotonic() + (self.config.shutdown_timeout_s if acks_timeout_s is None else acks_timeout_s)
         self._submit(self.assembler.drain())
-        self._release_published(wait=True)
-        self.commit()
+        while (self._in_flight or self._unsent) and time.monotonic() < deadline:
+            self._beat()
+            if self._in_flight:
+                _wait(self._in_flight[0], timeout_s=0.2)
+            else:
+                time.sleep(0.05)  # the producer's own thread sends; acknowledgements come meanwhile
+            self._settle()
+        if self._in_flight or self._unsent:
+            log.error("stopping with %d traces unacknowledged by the broker: their messages stay uncommitted "
+                      "and are read again", len(self._unsent) + len(self._in_flight) * self.config.batch_traces)
+        self.commit(commit_timeout_s)
 
-    def commit(self) -> None:
-        self._release_published()
-        self.producer.flush()  # a released offset means "sent"; it must also mean "delivered"
+    def commit(self, timeout_s: float | None = None) -> None:
+        self._settle()
         points = {tp: offset for tp, offset in self.offsets.commit_points().items() if self._committed.get(tp) != offset}
+        self._last_commit = time.monotonic()
         if points:
             try:
-                self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in points.items()})
+                self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in points.items()},
+                                     timeout_ms=int((timeout_s or self.config.kafka_timeout_s) * 1e3))
             except CommitFailedError as error:  # a rebalance won the race: the new owners re-read
                 log.warning("commit refused during a rebalance (messages will be read again): %s", error)
+            except KafkaError as error:  # the broker is away: the next commit carries these offsets too
+                log.warning("commit failed (retrying at the next): %s", error)
             else:
                 self._committed.update(points)
-        self._last_commit = time.monotonic()
         self._update_lag()
 
     # -- messages in -------------------------------------------------------------------------
+    def _take_partition(self, partition: TopicPartition, messages: list) -> None:
+        """A partition's messages of one poll, in offset order. Consecutive OTLP protobuf
+        messages are read as one: their bytes concatenated are one `ExportTraceServiceRequest`
+        (protobuf appends repeated fields), so the reader's fixed cost is paid once per run, not
+        once per message (with `partition_traces_by_id` the Collector writes a message per
+        trace). A run the reader refuses is taken message by message, so only the bad one is
+        dead-lettered."""
+        run: list[tuple[Any, bytes]] = []
+        for message in messages:
+            data = self._protobuf(message)
+            if data is None or len(run) >= MAX_RUN_MESSAGES:
+                self._take_run(partition, run)
+                run = []
+            if data is None:
+                self._take(partition, message)
+            else:
+                run.append((message, data))
+        self._take_run(partition, run)
+
+    def _take_run(self, partition: TopicPartition, run: list[tuple[Any, bytes]]) -> None:
+        if len(run) <= 1:
+            for message, _ in run:
+                self._take(partition, message)
+            return
+        try:
+            spans = read_spans_bytes(b"".join(data for _, data in run), encoding="otlp_proto")
+        except Exception:  # noqa: BLE001 - one of them is bad: find it
+            for message, _ in run:
+                self._take(partition, message)
+            return
+        first, last = run[0][0], run[-1][0]
+        self._add(self.offsets.source(partition, first.offset), spans, len(run), last.offset)
+
     def _take(self, partition: TopicPartition, message) -> None:
-        self.metrics.messages.inc()
         source = self.offsets.source(partition, message.offset)
         origin = f"{partition.topic}/{partition.partition}@{message.offset}"
         try:
@@ -191,88 +283,103 @@ class StreamConsumer:
             else:  # a reader bug: keep the message and the traceback for whoever fixes it
                 log.error("reading %s failed", origin, exc_info=error)
                 reason = f"reader failed: {type(error).__name__}: {error}"
-            self._dead_letter(message.key, message.value or b"", reason, origin)
-            self.offsets.received(source, 0)
+            self.metrics.messages.inc()
+            self.offsets.received(source, 1)  # open until its dead letter is acknowledged
+            self._unsent.append(self.publisher.dead_letter([source], message.key, message.value or b"", reason, origin))
             return
+        self._add(source, spans, 1)
+
+    def _add(self, source: Source, spans: pa.Table, messages: int, last_offset: int | None = None) -> None:
+        self.metrics.messages.inc(messages)
         self.metrics.spans.inc(spans.num_rows)
-        self.offsets.received(source, self.assembler.add(spans, source))
+        added = self.assembler.add(spans, source)
+        self.offsets.received(source, added.traces, last_offset)
+        if added.late_spans:
+            self.metrics.late_spans.inc(added.late_spans)
         self.metrics.pending.set(len(self.assembler))
 
-    def _decode(self, message) -> pa.Table:
-        if not message.value:
-            raise TraceInputError("empty message (no spans)")
+    def _protobuf(self, message) -> bytes | None:
+        """The message's bytes (inflated) when it holds OTLP protobuf, else None (as when it
+        cannot be told: `_take` then reads it alone and says why)."""
+        data: bytes = message.value or b""
         headers = {key.lower(): value for key, value in (message.headers or [])}
-        content_type = headers.get("content-type", b"").decode("latin-1") or ENCODINGS[self.config.encoding]
-        return read_spans_bytes(message.value, content_type)
+        content_type = headers.get("content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        try:
+            if data[:2] == _GZIP_MAGIC:
+                data = inflate(data, self.config.max_message_bytes)
+            if not data or (content_type and content_type != ENCODINGS["otlp_proto"]):
+                return None
+            if not content_type and (self.config.encoding or detect_encoding(data, "otlp_proto")) != "otlp_proto":
+                return None
+        except TraceInputError:
+            return None
+        return data
+
+    def _decode(self, message) -> pa.Table:
+        data: bytes = message.value or b""
+        if not data:
+            raise TraceInputError("empty message (no spans)")
+        if data[:2] == _GZIP_MAGIC:
+            data = inflate(data, self.config.max_message_bytes)
+        headers = {key.lower(): value for key, value in (message.headers or [])}
+        content_type = headers.get("content-type", b"").decode("latin-1")
+        if content_type:
+            return read_spans_bytes(data, content_type)
+        encoding = self.config.encoding or detect_encoding(data)
+        if encoding not in ENCODINGS:
+            return read_spans_bytes(data, encoding=encoding)  # Jaeger and Zipkin
+        return read_spans_bytes(data, ENCODINGS[encoding])
 
     # -- diagnoses out -----------------------------------------------------------------------
     def _submit(self, traces: list[PendingTrace]) -> None:
         """Hand finished traces to the diagnosing thread in batches, waiting while it is behind."""
         for start in range(0, len(traces), self.config.batch_traces):
             while len(self._in_flight) >= MAX_BATCHES_IN_FLIGHT:
-                self._release(self._in_flight.popleft().result())
+                self._unsent += self._in_flight.popleft().result()
             self._in_flight.append(self._diagnoser.submit(self._publish, traces[start:start + self.config.batch_traces]))
-        self._release_published()
+        self._settle()
         self.metrics.pending.set(len(self.assembler))
 
-    def _release_published(self, wait: bool = False) -> None:
-        """Release the messages of the batches published so far (of all of them with `wait`).
-        A batch that failed raises its error here, in the loop."""
-        while self._in_flight and (wait or self._in_flight[0].done()):
-            self._release(self._in_flight.popleft().result())
-
-    def _release(self, published: list[PendingTrace]) -> None:
-        for trace in published:
-            for source in trace.sources:
+    def _settle(self) -> None:
+        """Collect the batches published so far and release the messages of every trace whose
+        records are all acknowledged. A batch that failed raises its error here, in the loop."""
+        while self._in_flight and self._in_flight[0].done():
+            self._unsent += self._in_flight.popleft().result()
+        done, self._unsent = self.publisher.settle(self._unsent)
+        for delivery in done:
+            for source in delivery.sources:
                 self.offsets.release(source)
+        self._count()
 
-    def _publish(self, batch: list[PendingTrace]) -> list[PendingTrace]:
+    def _publish(self, batch: list[PendingTrace]) -> list[Delivery]:
         """On the diagnosing thread: diagnose a batch and send each result (or its dead letter)."""
         with self.metrics.batch_seconds.time():
-            results = self._diagnose(batch)
-        for trace in batch:
-            outcome = results.get(trace.trace_id)
-            if isinstance(outcome, DiagnosedTrace):
-                self._send_diagnosis(trace.trace_id, outcome)
-            else:
-                self._dead_letter(trace.trace_id.encode(), to_otlp_proto_bytes(trace.table()),
-                                  outcome or "the detector returned no diagnosis for this trace",
-                                  origin=f"trace {trace.trace_id}")
-        return batch
+            results = diagnose_batch(self.detector, batch, history=self.history)
+        self.metrics.partial.inc(sum(trace.partial for trace in batch))
+        return [self.publisher.publish(trace, results.get(trace.trace_id)) for trace in batch]
 
-    def _diagnose(self, batch: list[PendingTrace]) -> dict[str, DiagnosedTrace | str]:
-        """Each trace's diagnosis, or the reason it could not be diagnosed."""
-        try:
-            document = self.detector.diagnosis_document(pa.concat_tables([part for t in batch for part in t.parts]))
-        except Exception as error:  # noqa: BLE001 - a bad trace must not stop the stream: find it
-            if len(batch) == 1:
-                return {batch[0].trace_id: _reason(error, batch[0].trace_id)}
-            results: dict[str, DiagnosedTrace | str] = {}
-            for trace in batch:
-                results.update(self._diagnose([trace]))
-            return results
-        return {
-            trace["trace_id"]: DiagnosedTrace(
-                single_trace_json(document, trace), trace["anomalous"],
-                trace["anomalous"] and any(score["bottleneck"] for score in trace["bottlenecks"]))
-            for trace in document["traces"]
-        }
+    def _count(self) -> None:
+        counts = self.publisher.counts.take()
+        self.metrics.traces.inc(counts.diagnoses)
+        self.metrics.anomalies.inc(counts.anomalies)
+        self.metrics.mitigations.inc(counts.mitigations)
+        self.metrics.retries.inc(counts.retries)
+        for reason, count in counts.dead_letters.items():
+            self.metrics.dead_letters.labels(reason).inc(count)
+        self.metrics.unsent.set(len(self._unsent))
 
-    def _send_diagnosis(self, trace_id: str, diagnosed: DiagnosedTrace) -> None:
-        key = trace_id.encode()
-        self.producer.send(self.config.diagnoses_topic, key=key, value=diagnosed.json)
-        self.metrics.traces.inc()
-        if diagnosed.anomalous:
-            self.metrics.anomalies.inc()
-        if diagnosed.has_bottleneck:
-            self.producer.send(self.config.mitigations_topic, key=key, value=diagnosed.json)
-            self.metrics.mitigations.inc()
+    def _throttle(self) -> None:
+        """Pause fetching while too many traces await the broker (it is away): memory stays bounded."""
+        over = len(self._unsent) > self.config.max_unsent_traces
+        if over != self._paused:
+            partitions = list(self.consumer.assignment())
+            (self.consumer.pause if over else self.consumer.resume)(*partitions)
+            self._paused = over
+            log.warning("%s fetching: %d traces await the broker", "pausing" if over else "resuming", len(self._unsent))
 
-    def _dead_letter(self, key: bytes | None, value: bytes, reason: str, origin: str) -> None:
-        log.warning("dead-lettered %s: %s", origin, reason)
-        headers = [(ERROR_HEADER, reason.encode()), ("bmeg-origin", origin.encode())]
-        self.producer.send(self.config.dead_letter_topic, key=key, value=value, headers=headers)
-        self.metrics.dead_letters.labels(reason.split(":")[0]).inc()
+    def _beat(self) -> None:
+        self.heartbeat = time.monotonic()
+        self.metrics.heartbeat.set(time.time())
 
     def _update_lag(self) -> None:
         for tp in self.consumer.assignment():
@@ -299,36 +406,72 @@ class StreamConsumer:
         self.metrics.pending.set(len(self.assembler))
 
 
-def _reason(error: Exception, trace_id: str) -> str:
-    if isinstance(error, TraceInputError):
-        return f"invalid trace: {error}"
-    log.error("diagnosing trace %s failed", trace_id, exc_info=error)
-    return f"diagnosis failed: {type(error).__name__}: {error}"
+def _wait(future: Future, timeout_s: float) -> None:
+    try:
+        future.exception(timeout=timeout_s)
+    except TimeoutError:
+        pass
+
+
+def inflate(data: bytes, limit: int) -> bytes:
+    """Gunzip at most `limit` bytes (a small message may inflate to gigabytes)."""
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as error:
+        raise TraceInputError(f"corrupt gzip data: {error}") from None
+    if len(out) > limit:
+        raise TraceInputError(f"gzip data inflates past the limit of {limit} bytes")
+    if not inflater.eof:
+        raise TraceInputError("truncated gzip data")
+    return out
 
 
 class _Rebalance(ConsumerRebalanceListener):
     """Runs on kafka-python's network thread: cheap bookkeeping only (see the module docstring).
-
-    Under the eager protocol every partition is "revoked" before each rebalance, and those
-    assigned again keep their read positions: only the partitions revoked and not assigned
-    again (or lost outright) are forgotten. Their messages are read again by their next owner,
-    from the last commit."""
+    Under the cooperative protocol only the partitions that change owner are revoked."""
 
     def __init__(self, owner: StreamConsumer):
         self.owner = owner
-        self.revoking: set[TopicPartition] = set()
 
     def on_partitions_revoked(self, revoked) -> None:
         log.info("revoked partitions %s", sorted(tp.partition for tp in revoked))
-        self.revoking |= set(revoked)
+        if revoked:
+            self.owner.forget(revoked)
 
     def on_partitions_assigned(self, assigned) -> None:
         log.info("assigned partitions %s", sorted(tp.partition for tp in assigned))
-        gone, self.revoking = self.revoking - set(assigned), set()
-        if gone:
-            self.owner.forget(gone)
 
     def on_partitions_lost(self, lost) -> None:
         log.info("lost partitions %s", sorted(tp.partition for tp in lost))
-        self.revoking -= set(lost)
         self.owner.forget(lost)
+
+
+def serve_probes(consumer: StreamConsumer, host: str, port: int) -> ThreadingHTTPServer:
+    """`/metrics` (Prometheus) and `/healthz` (200 while the loop goes round, else 503) on a
+    daemon thread; returns the server (`shutdown()` stops it)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path.startswith("/healthz"):
+                age = time.monotonic() - consumer.heartbeat
+                ok = consumer.healthy()
+                status, body, kind = (200 if ok else 503), f'{{"status": "{"ok" if ok else "stuck"}", ' \
+                    f'"loop_seconds_ago": {age:.1f}}}'.encode(), "application/json"
+            elif self.path.startswith("/metrics"):
+                status, body, kind = 200, generate_latest(consumer.metrics.registry), CONTENT_TYPE_LATEST
+            else:
+                status, body, kind = 404, b"not found: /metrics or /healthz\n", "text/plain"
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # probes every few seconds: not worth a log line
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="bmeg-probes", daemon=True).start()
+    return server

@@ -13,12 +13,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import pyarrow as pa
 from pydantic import BaseModel
 
 from bmeg.diagnosis import Diagnosis
+from bmeg.models.detector import Detector
+from bmeg.models.history import StreamedDetector
 from bmeg.serving.payloads import Answer, Limits, Parts, Payload, diagnose_payloads
 
 
@@ -36,6 +38,7 @@ class DiagnosisModel(Protocol):
 
 
 Loader = Callable[[], DiagnosisModel]
+T = TypeVar("T")
 
 
 class ModelInfo(BaseModel):
@@ -58,7 +61,8 @@ class _Loaded:
 
 
 class ModelSlot:
-    """Holds the detector. The detector keeps the SVM's window of recent traces, so calls are serialised."""
+    """Holds the model and the history of the traces it has served (`StreamedDetector`, the
+    server's stream state: the detector itself holds none), so calls are serialised."""
 
     def __init__(self, model_or_loader: DiagnosisModel | Loader):
         self._loaded: _Loaded | None = None
@@ -110,12 +114,22 @@ class ModelSlot:
                 return model.diagnose_payloads(payloads, window, limits)
             return diagnose_payloads(model, payloads, window, limits)
 
+    def call(self, work: Callable[[DiagnosisModel], T]) -> T:
+        """`work` with the model in use, one call at a time (`POST /v1/traces` diagnoses this way)."""
+        with self._lock:
+            model = self.model
+            if model is None:
+                raise RuntimeError("no model loaded")
+            return work(model)
+
     def close(self) -> None:
         """Stop the model's process, if it has one (see `bmeg.serving.model_process`)."""
         with self._lock:
             _close(self.model)
 
     def _set(self, model: DiagnosisModel) -> None:
+        if isinstance(model, Detector):  # in process: the server owns the stream's history
+            model = StreamedDetector(model)
         run_dir = getattr(model, "run_dir", None)
         info = ModelInfo(application=model.application, version=model.version,
                          run_dir=None if run_dir is None else str(run_dir), loaded_at=time.time())

@@ -4,8 +4,8 @@ The model side (`bmeg.serving.payloads`: parsing, the model, the planner) then h
 GIL on its own core, and a crash or a runaway allocation there does not take the server down.
 On 2 cores the hop costs more than it saves (pickling answers back, the pool's management
 thread): the default keeps the model on a thread of the server. The child is started with
-`spawn` (forking a threaded server that has loaded torch is unsafe) and keeps the detector's
-state, such as the SVM's window of recent traces, between calls. If the child dies (killed,
+`spawn` (forking a threaded server that has loaded torch is unsafe) and keeps the stream's
+state, the history of the traces it has served (`StreamedDetector`), between calls. If the child dies (killed,
 out of memory), it is started again and the requests of that moment are answered 503, to be
 sent again.
 """
@@ -82,9 +82,10 @@ def _load(run_dir: Path, device: str, torch_threads: int, parent_pid: int) -> tu
     import torch
 
     from bmeg.models.detector import Detector
+    from bmeg.models.history import StreamedDetector
 
     torch.set_num_threads(torch_threads)
-    _detector = Detector.load(run_dir, device=device)
+    _detector = StreamedDetector(Detector.load(run_dir, device=device))  # the child owns the stream's history
     freeze_heap()
     return _detector.application, _detector.version, str(_detector.run_dir), list(_detector.services)
 

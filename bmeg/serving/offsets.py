@@ -12,6 +12,10 @@ A message is named by a `Source`: its partition, its offset and the partition's 
 bookkeeping is forgotten and its assignment moves on, so the releases of traces still in
 flight from the old assignment cannot release a message read again under a new one, and
 messages polled before the rebalance are not tracked for a partition no longer owned.
+A run of consecutive messages read as one (the consumer decodes a poll's OTLP protobuf messages
+of a partition together) is tracked as one message at its first offset: the commit point stays
+at or before its start until every trace it carried is published.
+
 Rebalances are reported on kafka-python's network thread, so every method takes a lock.
 """
 
@@ -42,15 +46,17 @@ class OffsetTracker:
         with self._lock:
             return Source(partition, offset, self._assignment.get(partition, 0))
 
-    def received(self, source: Source, open_traces: int) -> None:
-        """A message arrived carrying spans of `open_traces` traces not yet published (0: done now)."""
+    def received(self, source: Source, open_traces: int, last_offset: int | None = None) -> None:
+        """A message arrived carrying spans of `open_traces` traces not yet published (0: done now).
+        With `last_offset`, `source` names the run of messages from its offset to that one, read
+        as one (they are open, and released, together)."""
         with self._lock:
             if self._is_stale(source):
                 return
             partition, offset = source.partition, source.offset
-            if offset < self._next.get(partition, 0):
+            if offset < self._next.get(partition, 0) or (last_offset is not None and last_offset < offset):
                 raise ValueError(f"offset {offset} of {partition} received again or out of order")
-            self._next[partition] = offset + 1
+            self._next[partition] = (offset if last_offset is None else last_offset) + 1
             if open_traces > 0:
                 self._open.setdefault(partition, {})[offset] = open_traces
 

@@ -1,8 +1,9 @@
 """From a reader's raw columns to a checked span table.
 
 Every reader ends here, so every format gets the same checks and the same error messages:
-ids present and hex, a start time, an end not before the start, times that fit int64
-nanoseconds. Readers hand over start and *end* times; the duration is computed here.
+ids present and hex, a start time (0, the epoch, is a valid one: Jaeger data starts there;
+the OTLP reader rejects 0 as an unset field itself), an end not before the start, times that
+fit int64 nanoseconds. Readers hand over start and *end* times; the duration is computed here.
 Structural problems of a trace (missing parents, cycles, duplicate ids, clock skew) are not
 checked: the graph builder repairs or reports them, so readers keep such spans as they are.
 """
@@ -45,7 +46,7 @@ def table_from_arrays(arrays: dict[str, pa.Array | pa.ChunkedArray], source: str
     _check_ids(raw, source)
     _check_times(raw, start, end, source)
     columns = {name: arrays[name] for name in SPAN_SCHEMA.names if name != "duration_ns"}
-    columns["duration_ns"] = pc.subtract(end, start)  # no overflow: 0 < start <= end
+    columns["duration_ns"] = pc.subtract(end, start)  # no overflow: 0 <= start <= end
     return pa.table({name: columns[name] for name in SPAN_SCHEMA.names}).cast(SPAN_SCHEMA)
 
 
@@ -96,7 +97,6 @@ def _check_times(raw: pa.Table, start, end, source: str) -> None:
     checks = (
         (pc.is_null(start), "span has no start time"),
         (pc.is_null(end), "span has no end time or duration"),
-        (pc.equal(start, 0), "span has no start time (0)"),
         (pc.less(start, 0), "span has a negative start time"),
         (pc.less(end, start), "span ends before it starts (negative duration)"),
     )

@@ -4,19 +4,25 @@ A Jaeger trace is `{"traceID", "spans", "processes"}`; a span names its process 
 `processID` (or embeds it as `process`). Times are microseconds (converted exactly to
 nanoseconds; writing back rounds nanoseconds down to microseconds). The parent is the span's
 CHILD_OF reference within the same trace, else its FOLLOWS_FROM one; a reference to another
-trace is not a parent, so a span with only such references stays a root (logged).
+trace is not a parent, so a span with only such references stays a root (logged). A start
+time of 0 is valid (the epoch). Peer and database tags are read as in `semconv`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 
 import pyarrow as pa
+from google.protobuf import duration_pb2, json_format, timestamp_pb2
+from google.protobuf.message import DecodeError
 
 from bmeg.traces.build import RAW_COLUMNS, table_from_columns
+from bmeg.traces.descriptors import F, message_classes
 from bmeg.traces.errors import TraceInputError
-from bmeg.traces.otlp import DB_SYSTEM, INSTANCE_KEYS, PEER_SERVICE
 from bmeg.traces.schema import SPAN_KINDS
+from bmeg.traces.semconv import DB_SYSTEM, INSTANCE_KEYS, PEER_SERVICE, peer_and_db_system, status_of_code
 
 log = logging.getLogger(__name__)
 
@@ -95,21 +101,46 @@ def _span_row(span: dict, trace_trace_id: object, processes: dict, where: str) -
         raise error(f"span has no integer startTime (got {start_us!r})")
     if not _is_int(duration_us):
         raise error(f"span has no integer duration (got {duration_us!r})")
-    tags = _tag_values(span.get("tags") or [])
     start_ns = start_us * _NS_PER_US
+    return _row(
+        trace_id,
+        span_id,
+        _parent_id(span.get("references") or [], trace_id, span_id),
+        process["serviceName"],
+        str(span.get("operationName", "")),
+        (start_ns, start_ns + duration_us * _NS_PER_US),
+        _tag_values(span.get("tags") or []),
+        _tag_values(process.get("tags") or []),
+        error,
+    )
+
+
+def _row(
+    trace_id: str,
+    span_id: str,
+    parent_id: str | None,
+    service: str,
+    operation: str,
+    times_ns: tuple[int, int],
+    tags: dict,
+    process_tags: dict,
+    error: Callable[[str], TraceInputError],
+) -> dict:
+    """One span's raw columns from Jaeger's parts (JSON or model.proto)."""
+    peer, db_system = peer_and_db_system(lambda key: _text(tags.get(key)))
     return {
         "trace_id": trace_id,
         "span_id": span_id,
-        "parent_id": _parent_id(span.get("references") or [], trace_id, span_id),
-        "service": process["serviceName"],
-        "operation": str(span.get("operationName", "")),
-        "start_ns": start_ns,
-        "end_ns": start_ns + duration_us * _NS_PER_US,
+        "parent_id": parent_id,
+        "service": service,
+        "operation": operation,
+        "start_ns": times_ns[0],
+        "end_ns": times_ns[1],
         "kind": _kind(tags.get("span.kind"), error),
         "status": _status(tags),
-        "peer_service": _text(tags.get(PEER_SERVICE)),
-        "db_system": _text(tags.get(DB_SYSTEM)),
-        "instance": _instance(process.get("tags") or []),
+        "peer_service": peer,
+        "db_system": db_system,
+        "instance": next((_text(process_tags[key]) for key in JAEGER_INSTANCE_KEYS if key in process_tags), None),
     }
 
 
@@ -156,13 +187,7 @@ def _kind(value: object, error) -> str:
 def _status(tags: dict) -> str:
     if tags.get("error") in (True, "true"):
         return "error"
-    code = str(tags.get("otel.status_code", "")).upper()
-    return {"ERROR": "error", "OK": "ok"}.get(code, "unset")
-
-
-def _instance(process_tags: list) -> str | None:
-    values = _tag_values(process_tags)
-    return next((_text(values[key]) for key in JAEGER_INSTANCE_KEYS if key in values), None)
+    return status_of_code(tags.get("otel.status_code")) or "unset"
 
 
 def _text(value: object) -> str | None:
@@ -173,6 +198,145 @@ def _text(value: object) -> str | None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- Jaeger model.proto: the Collector's Kafka encodings `jaeger_proto` and `jaeger_json` ----
+
+# jaeger-idl `model.proto` (package jaeger.api_v2), the messages a span needs.
+_MODEL = message_classes(
+    "bmeg/traces/jaeger_model.proto",
+    "bmeg.jaeger.api_v2",
+    {
+        "KeyValue": [
+            ("key", 1, F.TYPE_STRING, "", "optional"),
+            ("v_type", 2, F.TYPE_ENUM, "ValueType", "optional"),
+            ("v_str", 3, F.TYPE_STRING, "", "optional"),
+            ("v_bool", 4, F.TYPE_BOOL, "", "optional"),
+            ("v_int64", 5, F.TYPE_INT64, "", "optional"),
+            ("v_float64", 6, F.TYPE_DOUBLE, "", "optional"),
+            ("v_binary", 7, F.TYPE_BYTES, "", "optional"),
+        ],
+        "Log": [
+            ("timestamp", 1, F.TYPE_MESSAGE, ".google.protobuf.Timestamp", "optional"),
+            ("fields", 2, F.TYPE_MESSAGE, "KeyValue", "repeated"),
+        ],
+        "SpanRef": [
+            ("trace_id", 1, F.TYPE_BYTES, "", "optional"),
+            ("span_id", 2, F.TYPE_BYTES, "", "optional"),
+            ("ref_type", 3, F.TYPE_ENUM, "SpanRefType", "optional"),
+        ],
+        "Process": [
+            ("service_name", 1, F.TYPE_STRING, "", "optional"),
+            ("tags", 2, F.TYPE_MESSAGE, "KeyValue", "repeated"),
+        ],
+        "Span": [
+            ("trace_id", 1, F.TYPE_BYTES, "", "optional"),
+            ("span_id", 2, F.TYPE_BYTES, "", "optional"),
+            ("operation_name", 3, F.TYPE_STRING, "", "optional"),
+            ("references", 4, F.TYPE_MESSAGE, "SpanRef", "repeated"),
+            ("flags", 5, F.TYPE_UINT32, "", "optional"),
+            ("start_time", 6, F.TYPE_MESSAGE, ".google.protobuf.Timestamp", "optional"),
+            ("duration", 7, F.TYPE_MESSAGE, ".google.protobuf.Duration", "optional"),
+            ("tags", 8, F.TYPE_MESSAGE, "KeyValue", "repeated"),
+            ("logs", 9, F.TYPE_MESSAGE, "Log", "repeated"),
+            ("process", 10, F.TYPE_MESSAGE, "Process", "optional"),
+            ("process_id", 11, F.TYPE_STRING, "", "optional"),
+            ("warnings", 12, F.TYPE_STRING, "", "repeated"),
+        ],
+    },
+    enums={
+        "ValueType": [("STRING", 0), ("BOOL", 1), ("INT64", 2), ("FLOAT64", 3), ("BINARY", 4)],
+        "SpanRefType": [("CHILD_OF", 0), ("FOLLOWS_FROM", 1)],
+    },
+    dependencies=(timestamp_pb2.DESCRIPTOR.name, duration_pb2.DESCRIPTOR.name),
+)
+#: One Jaeger `model.Span`, its process embedded: what each Kafka message holds.
+JaegerSpan = _MODEL["Span"]
+_REF_TYPES = ("CHILD_OF", "FOLLOWS_FROM")
+_NS_PER_S = 1_000_000_000
+
+
+def read_jaeger_proto(data: bytes, source: str = "<bytes>") -> pa.Table:
+    """Read one serialized Jaeger `model.Span` (the Kafka exporter's `jaeger_proto`)."""
+    try:
+        span = JaegerSpan.FromString(data)
+    except DecodeError as error:
+        raise TraceInputError(f"not a Jaeger protobuf span: {error} (in {source})") from None
+    return jaeger_model_to_table([span], source)
+
+
+def read_jaeger_model_json(documents: list, source: str = "<json>") -> pa.Table:
+    """Read Jaeger `model.Span`s in the protobuf JSON mapping (the Kafka exporter's
+    `jaeger_json`, written by gogo's jsonpb: base64 ids, RFC 3339 times, enum names)."""
+    spans = []
+    for number, document in enumerate(documents):
+        where = source if len(documents) == 1 else f"{source}, document {number + 1}"
+        if not isinstance(document, dict):
+            raise TraceInputError(f"a Jaeger JSON span must be an object (in {where})")
+        try:
+            spans.append(json_format.ParseDict(document, JaegerSpan(), ignore_unknown_fields=True))
+        except (json_format.ParseError, TypeError, ValueError, AttributeError, RecursionError) as error:
+            raise TraceInputError(f"malformed Jaeger JSON span: {error} (in {where})") from None
+    return jaeger_model_to_table(spans, source)
+
+
+def is_jaeger_model_document(document: object) -> bool:
+    """A jsonpb `model.Span` (camelCase ids; the query API's JSON says `traceID`, `spanID`)."""
+    return isinstance(document, dict) and "spanId" in document and "traceId" in document
+
+
+def jaeger_model_to_table(spans: list, source: str) -> pa.Table:
+    columns: dict[str, list] = {name: [] for name in RAW_COLUMNS}
+    for span in spans:
+        trace_id, span_id = _trace_id(span.trace_id.hex()), _span_id(span.span_id.hex())
+
+        def error(message: str, trace_id=trace_id, span_id=span_id) -> TraceInputError:
+            return TraceInputError(f"{message} (in {source})", trace_id=trace_id or None, span_id=span_id or None)
+
+        if not span.process.service_name:
+            raise error("span's process has no service_name")
+        references = [
+            {
+                "traceID": ref.trace_id.hex(),
+                "spanID": ref.span_id.hex(),
+                "refType": _REF_TYPES[ref.ref_type] if 0 <= ref.ref_type < len(_REF_TYPES) else f"type {ref.ref_type}",
+            }
+            for ref in span.references
+        ]
+        start_ns = span.start_time.seconds * _NS_PER_S + span.start_time.nanos
+        row = _row(
+            trace_id,
+            span_id,
+            _parent_id(references, trace_id, span_id),
+            span.process.service_name,
+            span.operation_name,
+            (start_ns, start_ns + span.duration.seconds * _NS_PER_S + span.duration.nanos),
+            {tag.key: _model_value(tag) for tag in span.tags},
+            {tag.key: _model_value(tag) for tag in span.process.tags},
+            error,
+        )
+        for name in RAW_COLUMNS:
+            columns[name].append(row[name])
+    return table_from_columns(columns, source)
+
+
+def _model_value(tag) -> object:
+    """A model.KeyValue's value as the JSON reader sees tag values (then `_text`)."""
+    which = tag.v_type
+    if which == 1:
+        return tag.v_bool
+    if which == 2:
+        return tag.v_int64
+    if which == 3:
+        return tag.v_float64
+    if which == 4:
+        return tag.v_binary.hex()
+    return tag.v_str
+
+
+def jaeger_model_json_bytes(span) -> bytes:
+    """A `model.Span` as the Kafka exporter's `jaeger_json` writes it (for tests and tools)."""
+    return json.dumps(json_format.MessageToDict(span)).encode()
 
 
 # --- span table -> Jaeger JSON ---------------------------------------------------------------

@@ -9,8 +9,14 @@ share one decoder and one set of field rules.
 The protobuf path is the hot one (HTTP server, Kafka consumer): it decodes through the lean
 views of `otlp_view` (no Python objects for the fields a span table does not use), builds
 column lists in one pass over the spans with no per-span dicts, turns ids into hex in one
-vectorised step, and decodes attributes only for the spans that may hold `peer.service` or
-`db.system`.
+vectorised step, and decodes attributes only for the spans that may hold a peer or database key (`semconv`).
+A start time of 0 is an error here: proto3 cannot tell it from an unset field, and no SDK
+sends it (Jaeger and CSV input may start at 0).
+
+OTLP/JSON is read as the specification asks of receivers: unknown fields are ignored, ids may
+be hex (OTLP/JSON) or base64 (the protobuf JSON mapping, which Tempo's API writes), enums
+integers or names. Tempo's `{"batches": [...]}` and Jaeger api_v3's `{"result": {...}}`
+wrap the same resource spans.
 """
 
 from __future__ import annotations
@@ -30,16 +36,15 @@ from bmeg.traces.build import table_from_arrays
 from bmeg.traces.errors import TraceInputError
 from bmeg.traces.otlp_view import RawSpansView, SpanAttributesView, SpansView
 from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
-
-SERVICE_NAME = "service.name"
-#: Resource attributes naming the replica that ran a span, most specific first.
-INSTANCE_KEYS = ("service.instance.id", "k8s.pod.name", "host.name")
-#: What OpenTelemetry SDKs report when no service name is configured.
-UNKNOWN_SERVICE = "unknown_service"
-PEER_SERVICE = "peer.service"
-DB_SYSTEM = "db.system"
-_PEER_SERVICE_BYTES = PEER_SERVICE.encode()
-_DB_SYSTEM_BYTES = DB_SYSTEM.encode()
+from bmeg.traces.semconv import (
+    DB_SYSTEM,
+    INSTANCE_KEYS,
+    KEY_NEEDLES,
+    PEER_SERVICE,
+    SERVICE_NAME,
+    UNKNOWN_SERVICE,
+    peer_and_db_system,
+)
 
 _MAX_STRING_DATA = 2**31 - 1  # bytes of text in one Arrow string array (int32 offsets)
 _KIND_NAMES = pa.array(SPAN_KINDS)  # OTLP's SpanKind numbers index SPAN_KINDS
@@ -86,7 +91,7 @@ def read_otlp_proto(data: bytes, source: str = "<bytes>") -> pa.Table:
             "parent_id": hex_strings(parent_ids, empty_is_null=True),
             "service": pa.array(services, pa.string()),
             "operation": pa.array(operations, pa.string()),
-            "start_ns": _nanoseconds(starts, "start time", ids, source),
+            "start_ns": _nanoseconds(starts, "start time", ids, source, zero_is_missing=True),
             "end_ns": _nanoseconds(ends, "end time", ids, source),
             "kind": _enum_names(kinds, _KIND_NAMES, "span kind", ids, source),
             "status": _enum_names(_status_codes(statuses, ids, source), _STATUS_NAMES, "status code", ids, source),
@@ -120,11 +125,11 @@ def _decode(view, data: bytes, source: str):
 def _peer_and_db_system(
     data: bytes, ids: dict[str, list], source: str
 ) -> tuple[list[str | None], list[str | None]]:
-    """`peer.service` and `db.system` per span. Byte searches find the spans that may hold
-    either key; only those spans' attributes are decoded, as a map."""
+    """Peer service and database system per span (`semconv`). Byte searches find the spans
+    that may hold one of the keys; only those spans' attributes are decoded, as a map."""
     peers: list[str | None] = [None] * len(ids["span_id"])
     db_systems: list[str | None] = [None] * len(ids["span_id"])
-    if _PEER_SERVICE_BYTES not in data and _DB_SYSTEM_BYTES not in data:
+    if not any(needle in data for needle in KEY_NEEDLES):
         return peers, db_systems
     raw_spans = [
         raw
@@ -132,15 +137,14 @@ def _peer_and_db_system(
         for scope_spans in resource_spans.scope_spans
         for raw in scope_spans.spans
     ]
-    for row in _rows_mentioning(raw_spans, (_PEER_SERVICE_BYTES, _DB_SYSTEM_BYTES)):
+    for row in _rows_mentioning(raw_spans, KEY_NEEDLES):
         try:
             attributes = SpanAttributesView.FromString(raw_spans[row]).attributes
         except DecodeError as error:
             _fail_at(row, f"malformed span attributes: {error}", ids, source)
-        if PEER_SERVICE in attributes:
-            peers[row] = any_value_text(attributes[PEER_SERVICE])
-        if DB_SYSTEM in attributes:
-            db_systems[row] = any_value_text(attributes[DB_SYSTEM])
+        peers[row], db_systems[row] = peer_and_db_system(
+            lambda key, attributes=attributes: any_value_text(attributes[key]) if key in attributes else None
+        )
     return peers, db_systems
 
 
@@ -192,12 +196,19 @@ def _resource_identity(attributes) -> tuple[str, str | None]:
     return service, instance
 
 
-def _nanoseconds(values: list[int], what: str, ids: dict[str, list], source: str) -> pa.Array:
-    """uint64 protobuf times as int64; a time past int64 (year 2262) is an error."""
+def _nanoseconds(
+    values: list[int], what: str, ids: dict[str, list], source: str, zero_is_missing: bool = False
+) -> pa.Array:
+    """uint64 protobuf times as int64; a time past int64 (year 2262) is an error, and so is
+    0 with `zero_is_missing` (an unset field)."""
     times = np.asarray(values, dtype=np.uint64)
     too_large = np.flatnonzero(times > np.uint64(2**63 - 1))
     if too_large.size:
         _fail_at(int(too_large[0]), f"{what} {values[too_large[0]]} overflows int64 ns", ids, source)
+    if zero_is_missing:
+        zero = np.flatnonzero(times == 0)
+        if zero.size:
+            _fail_at(int(zero[0]), f"span has no {what} (0)", ids, source)
     return pa.array(times.astype(np.int64))
 
 
@@ -276,19 +287,38 @@ def _id_bytes(hex_id: str) -> bytes:
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 
+#: Top-level keys holding the resource spans: OTLP's own, Tempo's `/api/traces/{id}`.
+RESOURCE_SPANS_KEYS = ("resourceSpans", "batches")
+#: Jaeger api_v3 wraps each OTLP document in `{"result": ...}`.
+RESULT_KEY = "result"
+
+
+def is_otlp_json_document(document: object) -> bool:
+    if isinstance(document, dict) and isinstance(document.get(RESULT_KEY), dict):
+        document = document[RESULT_KEY]
+    return isinstance(document, dict) and any(key in document for key in RESOURCE_SPANS_KEYS)
+
+
 def otlp_json_to_table(documents: list, source: str = "<json>") -> pa.Table:
     """Read decoded OTLP/JSON documents (one per file, or one per line of JSON lines)."""
     request = ExportTraceServiceRequest()
     for number, document in enumerate(documents):
         where = source if len(documents) == 1 else f"{source}, document {number + 1}"
-        if not isinstance(document, dict) or "resourceSpans" not in document:
-            raise TraceInputError(f"OTLP/JSON needs an object with 'resourceSpans' (in {where})")
-        document = copy.deepcopy(document)  # the rewrites must not change the caller's data
+        if not is_otlp_json_document(document):
+            raise TraceInputError(
+                f"OTLP/JSON needs an object with 'resourceSpans' (or Tempo's 'batches', or Jaeger's "
+                f"'result' around them) (in {where})"
+            )
+        if RESULT_KEY in document:
+            document = document[RESULT_KEY]
+        resource_spans = next(document[key] for key in RESOURCE_SPANS_KEYS if key in document)
+        document = {"resourceSpans": copy.deepcopy(resource_spans)}  # the rewrites must not change the caller's data
         _rename_pre_1_0_fields(document)
-        _hex_ids_to_base64(document, where)
+        _ids_to_base64(document, where)
         try:
-            part = json_format.ParseDict(document, ExportTraceServiceRequest())
-        except (json_format.ParseError, TypeError, ValueError, AttributeError) as error:
+            # Receivers must ignore unknown fields (OTLP specification, "JSON Protobuf Encoding").
+            part = json_format.ParseDict(document, ExportTraceServiceRequest(), ignore_unknown_fields=True)
+        except (json_format.ParseError, TypeError, ValueError, AttributeError, RecursionError) as error:
             raise TraceInputError(f"malformed OTLP/JSON: {error} (in {where})") from None
         request.MergeFrom(part)
     return read_otlp_proto(request.SerializeToString(), source)
@@ -305,20 +335,31 @@ def table_to_otlp_json(table: pa.Table) -> dict:
     return document
 
 
-def _hex_ids_to_base64(document: dict, where: str) -> None:
-    """Rewrite the hex ids of an OTLP/JSON document as the base64 `json_format` expects."""
+def _ids_to_base64(document: dict, where: str) -> None:
+    """Rewrite the ids of an OTLP/JSON document as the base64 `json_format` expects: hex ids
+    (OTLP/JSON) are converted, base64 ones (the protobuf JSON mapping) checked and kept. Padded
+    base64 of an 8- or 16-byte id ends with `=`, so no id reads as both."""
     for span in _json_spans(document):
         for field in _ID_FIELDS:
             value = span.get(field)
             if isinstance(value, str):
                 try:
-                    span[field] = base64.b64encode(bytes.fromhex(value)).decode()
+                    span[field] = base64.b64encode(_id_from_text(value)).decode()
                 except ValueError:
                     raise TraceInputError(
-                        f"{field} {value!r} is not a hex id (in {where})",
+                        f"{field} {value!r} is neither a hex nor a base64 id (in {where})",
                         trace_id=_text_or_none(span.get("traceId")),
                         span_id=_text_or_none(span.get("spanId")),
                     ) from None
+
+
+def _id_from_text(value: str) -> bytes:
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        if not value.endswith("="):
+            raise
+        return base64.b64decode(value, validate=True)
 
 
 def _rename_pre_1_0_fields(document: dict) -> None:

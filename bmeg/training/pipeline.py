@@ -1,8 +1,9 @@
-"""`bmeg train`: fit both GNN stages and the SVM, choose thresholds and the router, evaluate.
+"""`bmeg train`: fit both GNN stages and both SVMs, choose thresholds and the router, evaluate.
 
 The dataset is split 80/20 per class (the thesis's protocol); a fifth of the training part,
-again per class, is held out for validation: best epochs, thresholds and the router's cut are
-chosen there, never on the test part.
+again per class, is held out for validation: best epochs, thresholds and the router's cuts are
+chosen there, never on the test part. The router's cuts weigh each model's validation quality
+and its cost per trace, measured here on the validation traces (`bmeg.models.router.choose`).
 
 Started by torchrun, every process runs this whole pipeline in torchrun's process group (the
 two GNN stages train under DDP across the processes, `bmeg.training.trainer`); only rank 0
@@ -12,7 +13,7 @@ writes the run directory. Each machine's local rank 0 loads (or generates) the d
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,18 +22,33 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from bmeg.datasets.loader import DEFAULT_IMBALANCE, DEFAULT_TRACES, Dataset, load_dataset
+from bmeg.datasets.loader import (
+    DEFAULT_IMBALANCE,
+    DEFAULT_TRACES,
+    Dataset,
+    load_dataset,
+)
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
 from bmeg.graphs.features import self_time_ns
-from bmeg.models.detector import Detector, Scores
+from bmeg.models.detector import Detector, Scores, node_keys
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
-from bmeg.models.svm import FirmSVM, critical_path_frame, firm_features
-from bmeg.training.evaluate import evaluate, true_services
-from bmeg.training.graphset import GraphSet
+from bmeg.models.graphset import GraphSet
+from bmeg.models.inference import resolve_device
+from bmeg.models.router import Router, choose
+from bmeg.models.svm import (
+    DEVIATIONS,
+    FirmSVM,
+    TraceSVM,
+    TraceVectorizer,
+    critical_path_frame,
+    firm_features,
+)
+from bmeg.training.evaluate import evaluate, measure_cost, true_services
+from bmeg.training.metrics import threshold_for_precision
 from bmeg.training.plots import plot_run
-from bmeg.training.trainer import FitConfig, fit, process_group, resolve_device
+from bmeg.training.trainer import FitConfig, fit, process_group
 
 
 @dataclass(frozen=True)
@@ -44,8 +60,11 @@ class TrainConfig:
     seed: int = 0
     features: str = "full"  # or "thesis": service time only
     min_precision: float = 0.8  # stage-1 threshold: best recall at this precision
-    svm_window: int = 100
-    svm_max_services: int | None = None  # None: chosen on validation
+    firm_window: int = 100  # traces over which FIRM's RI and CI are computed
+    svm_C: float = 0.1  # the trace SVM's regularisation
+    svm_max_services: int | None = None  # the router's cuts; None: chosen on validation
+    svm_max_paths: int | None = None
+    router_tolerance: float = 0.01  # validation quality (F1 x AC@1) the router may give up for a cheaper model
     fit: FitConfig = field(default_factory=FitConfig)
 
 
@@ -94,13 +113,13 @@ def run(config: TrainConfig, out: Path | None = None) -> tuple[Detector, dict]:
         detector, histories, raw = fit_detector(data, config, application=dataset.card["topology"]["name"])
     if group.rank != 0:
         out = None
-    metrics = evaluate(detector, data, raw)
+    metrics = evaluate(detector, data, raw, cost=True)
     metrics["config"] = {**asdict(config), "dataset_path": str(dataset.path)}
     metrics["history"] = {name: asdict(history) for name, history in histories.items()}
-    detector.metrics = metrics
+    detector = replace(detector, metrics=metrics)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        detector.save(out)
+        detector = detector.save(out)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         _plot(out, detector, raw, data, histories)
     return detector, metrics
@@ -151,51 +170,67 @@ def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple
     histories["gcn"] = fit(gcn, graphs, anomalous(data.train), anomalous(data.val), "node", fit_config, "stage 2 (GCN)")
 
     services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
-    svm = _fit_svm(forest, paths, services, data, config)
+    keys = node_keys(services, forest)
+    on_train = np.isin(forest.trace_index, data.train)
+    vectorizer = TraceVectorizer(deviations=tuple(name for name in DEVIATIONS if name in encoder.names))
+    vectorizer.fit(keys[on_train])
     detector = Detector(
-        application=application, encoder=encoder, dgcnn=dgcnn.eval(), gcn=gcn.eval(), svm=svm,
-        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5}, svm_max_services=-1,
-        svm_window=config.svm_window, services=sorted(set(services)),
-        service_baseline_us=_service_baselines(forest, services, normal_train), hparams=hparams, metrics={},
-        device=resolve_device(fit_config.device),
+        application=application, encoder=encoder, dgcnn=dgcnn.eval(), gcn=gcn.eval(), vectorizer=vectorizer,
+        svm=TraceSVM(C=config.svm_C, random_state=config.seed), firm=_fit_firm(forest, paths, services, data, config),
+        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5, "svm_node": 0.5}, router=Router(), firm_window=config.firm_window,
+        services=sorted(set(services)), service_baseline_us=_service_baselines(forest, services, normal_train),
+        hparams=hparams, metrics={}, device=resolve_device(fit_config.device),
     )
+    detector.svm.fit(detector.trace_vectors(forest, graphs.x, keys)[data.train], data.y[data.train])
     detector.dgcnn.to(detector.device)
     detector.gcn.to(detector.device)
-    raw = detector.score(forest, paths, all_models=True)
-    choose_operating_point(detector, raw, data, config)
+    raw = detector.score(forest, paths, all_models=True, replay=True)
+    detector = choose_operating_point(detector, raw, data, config)
     return detector, histories, raw
 
 
-def choose_operating_point(detector: Detector, raw: Scores, data: Labelled, config: TrainConfig) -> None:
-    """Thresholds and the router's cut, on validation traces only."""
-    from bmeg.training.metrics import threshold_for_precision
-
+def choose_operating_point(detector: Detector, raw: Scores, data: Labelled, config: TrainConfig) -> Detector:
+    """Thresholds and the router's cuts, on validation traces only."""
     val, y = data.val, data.y[data.val]
     truth = true_services(data, raw)
     anomalous_val = val[y == 1]
     node_truth = truth[anomalous_val][raw.present[anomalous_val]]
-    detector.thresholds = {
+    thresholds = {
         "graph": threshold_for_precision(y, raw.gnn_anomaly[val], config.min_precision),
         "node": threshold_for_precision(node_truth, raw.gnn_service[anomalous_val][raw.present[anomalous_val]], 0.5),
         "svm": threshold_for_precision(y, raw.svm_anomaly[val], config.min_precision),
+        "svm_node": threshold_for_precision(node_truth, raw.svm_service[anomalous_val][raw.present[anomalous_val]], 0.5),
     }
     if config.svm_max_services is not None:
-        detector.svm_max_services = config.svm_max_services
-        return
-    complexity = raw.present[val].sum(axis=1)
-    best = (-1.0, -1)
-    for cut in [-1, *np.unique(complexity).tolist()]:
-        detector.svm_max_services = cut
-        predicted = detector.route(raw).anomalous[val]
-        f1 = _f1(y, predicted)
-        if f1 > best[0] + 1e-9:  # ties keep the smaller cut: the GNN unless the SVM is better
-            best = (f1, cut)
-    detector.svm_max_services = best[1]
+        router = Router(config.svm_max_services, config.svm_max_paths if config.svm_max_paths is not None else 1 << 30)
+        return replace(detector, thresholds=thresholds, router=router)
+    cost = measure_cost(detector, data.forest, val, {"gnn": Router(), "svm": Router.everything()})
+    verdicts = {"gnn": raw.gnn_anomaly[val] >= thresholds["graph"], "svm": raw.svm_anomaly[val] >= thresholds["svm"]}
+    hits = {"gnn": _top1_hits(raw.gnn_service[val], raw.present[val], truth[val]),
+            "svm": _top1_hits(raw.svm_service[val], raw.present[val], truth[val])}
+    router, candidates = choose(y, verdicts, hits, raw.num_services[val], raw.num_paths[val], cost,
+                                config.router_tolerance)
+    chosen = next(row for row in candidates if row["max_services"] == router.max_services
+                  and row["max_paths"] == router.max_paths)
+    never = candidates[0]  # Router(): every trace to the GNN
+    detector = replace(detector, thresholds=thresholds, router=router)
+    detector.hparams["router_choice"] = {
+        "cost_s_per_trace": cost, "tolerance": config.router_tolerance, "chosen": chosen, "gnn_only": never,
+        "best_f1": max(row["f1"] for row in candidates),
+    }
+    return detector
 
 
-def _fit_svm(forest: SpanForest, paths, services: np.ndarray, data: Labelled, config: TrainConfig) -> FirmSVM:
+def _top1_hits(service: np.ndarray, present: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """bool [T]: the trace's top-scored present service is a true bottleneck."""
+    top = np.argmax(np.where(present, service, -np.inf), axis=1)
+    return truth[np.arange(len(top)), top]
+
+
+def _fit_firm(forest: SpanForest, paths, services: np.ndarray, data: Labelled, config: TrainConfig) -> FirmSVM:
+    """FIRM's SVM on (RI, CI) of each (training trace, service on its critical path): culprit or not."""
     frame = critical_path_frame(forest, services, paths)
-    features = firm_features(frame, config.svm_window)
+    features = firm_features(frame, config.firm_window)
     names = [name for name in frame.columns if not name.startswith("__")]
     on_path = frame[names].notna().to_numpy()
     truth = np.zeros(on_path.shape, dtype=bool)
@@ -205,7 +240,7 @@ def _fit_svm(forest: SpanForest, paths, services: np.ndarray, data: Labelled, co
     mask = np.zeros(forest.num_traces, dtype=bool)
     mask[data.train] = True
     pairs = on_path & mask[:, None]
-    return FirmSVM(seed=config.seed).fit(features[pairs], truth[pairs].astype(np.int64))
+    return FirmSVM(random_state=config.seed).fit(features[pairs], truth[pairs].astype(np.int64))
 
 
 def _service_baselines(forest: SpanForest, services: np.ndarray, normal: np.ndarray) -> dict[str, float]:
@@ -219,8 +254,3 @@ def _service_baselines(forest: SpanForest, services: np.ndarray, normal: np.ndar
 def _subforest(forest: SpanForest, traces: np.ndarray) -> SpanForest:
     rows = np.flatnonzero(np.isin(forest.trace_index, traces))
     return assemble(forest.spans.take(pa.array(rows)))
-
-
-def _f1(y: np.ndarray, predicted: np.ndarray) -> float:
-    tp = float(np.sum(predicted & (y == 1)))
-    return 2 * tp / max(float(np.sum(predicted) + np.sum(y == 1)), 1.0)

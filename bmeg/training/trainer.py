@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -33,9 +33,15 @@ from sklearn.metrics import average_precision_score
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from bmeg.training.graphset import GraphSet, MiniBatch
+from bmeg.models.graphset import GraphSet
+from bmeg.models.inference import (
+    Target,
+    limit_cpu_threads,
+    logits_and_labels,
+    predict_proba,
+    resolve_device,
+)
 
-Target = Literal["graph", "node"]
 LOSSES = ("weighted", "focal", "sampling", "plain")
 T = TypeVar("T")
 #: What torchrun (or any launcher of the env:// rendezvous) sets in each process it starts.
@@ -67,21 +73,6 @@ class History:
     val_ap: list[float] = field(default_factory=list)
     best_epoch: int = 0
     processes: int = 1  # that trained together (DDP when more than 1)
-
-
-def limit_cpu_threads() -> None:
-    """One intra-op thread per process on CPU, unless BMEG_TORCH_THREADS says otherwise.
-
-    Call graphs are small: with two OpenMP threads on a busy 2-core machine each tiny scatter
-    waits on the other thread (12 ms instead of 0.01 ms a call); processes (`nproc`) scale better.
-    """
-    torch.set_num_threads(int(os.environ.get("BMEG_TORCH_THREADS", "1")))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _rank_device(name: str, local_rank: int) -> torch.device:
@@ -141,29 +132,6 @@ def process_group(device: str = "auto") -> Iterator[Group]:
         yield group
     finally:
         dist.destroy_process_group()
-
-
-def logits_and_labels(model: nn.Module, batch: MiniBatch, target: Target) -> tuple[Tensor, Tensor]:
-    if target == "graph":
-        return model(batch.x, batch.adj_t, batch.batch), batch.y
-    return model(batch.x, batch.adj_t), batch.node_y
-
-
-@torch.inference_mode()
-def predict_proba(models: dict[Target, nn.Module], graphs: GraphSet, traces: np.ndarray,
-                  device: torch.device, batch_size: int = 512) -> dict[Target, np.ndarray]:
-    """Each model's P(positive) on the given traces: per graph (target "graph") or per node
-    (target "node"). The models share every mini-batch, and so its adjacency."""
-    for model in models.values():
-        if model.training:  # eval() walks every submodule: too dear for a served request
-            model.eval()
-    parts: dict[Target, list[np.ndarray]] = {target: [np.zeros(0)] for target in models}
-    for batch in graphs.minibatches(traces, batch_size):
-        batch = batch.to(device)
-        for target, model in models.items():
-            logits, _ = logits_and_labels(model, batch, target)
-            parts[target].append(torch.softmax(logits, dim=-1)[:, 1].cpu().numpy())
-    return {target: np.concatenate(arrays) for target, arrays in parts.items()}
 
 
 def fit(model: nn.Module, graphs: GraphSet, train: np.ndarray, val: np.ndarray, target: Target,

@@ -29,8 +29,11 @@ class MiniBatch:
     node_y: Tensor | None  # [num_nodes]
 
     def to(self, device: torch.device) -> MiniBatch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return MiniBatch(move(self.x), move(self.adj_t), move(self.batch), move(self.y), move(self.node_y))
+        def move(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=True)
+
+        return MiniBatch(move(self.x), move(self.adj_t), move(self.batch), None if self.y is None else move(self.y),
+                         None if self.node_y is None else move(self.node_y))
 
 
 @dataclass(frozen=True)

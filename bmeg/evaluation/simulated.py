@@ -1,0 +1,132 @@
+"""Synthetic validation for the root-cause harness: labelled fault windows simulated from a twin.
+
+Methods and thresholds are chosen here, never on real labelled faults. `simulated_faults`
+takes a topology (a twin fitted by `bmeg twin fit`, or any spec), simulates a normal period,
+then one episode per (service, fault source) with that fault active for the whole episode,
+and writes each episode to its own trace file with a fault list in Nezha's layout, so that
+`run_rca` sees simulated faults exactly as it sees real ones.
+
+Fault types are named as the real fault lists name them where the mechanics match:
+`interference` (a noisy neighbour slowing the replica's CPU work) is `cpu_contention`,
+`saturation` (a CPU limit too small) is `cpu_consumed`, `network` (netem delay on every
+message the service sends) is `network_delay`.
+
+Code faults change what a service does, not how fast: the simulator has no such source, so
+they are applied to a fault-free episode's spans (`code_fault`). In a `return` fault the
+service returns early from a share of its requests: those server spans make none of their
+calls (the calls' spans and everything under them vanish) and end after their own work; the
+time saved comes off every span above them, and what started after them starts that much
+earlier, as if the request had run that way. An
+`exception` fault does the same and sets the error status on the service's span and, as
+instrumented callers record a failed call, on every span above it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from bmeg.faultinject import Fault, TopologySpec, simulate, spans_of
+from bmeg.faultinject.scenario import SOURCE_PARAMETERS
+from bmeg.faultinject.twin import span_roles
+from bmeg.graphs import assemble
+from bmeg.graphs.features import self_time_ns
+from bmeg.traces.io import write_spans
+
+#: Simulated fault sources and the real fault types they stand for.
+SOURCES = {"interference": "cpu_contention", "saturation": "cpu_consumed", "network": "network_delay"}
+CODE_FAULTS = ("return", "exception")
+#: Share of the faulty service's requests a code fault hits.
+CODE_FAULT_SHARE = 0.5
+#: Simulated time between episodes, so that windows never overlap.
+EPISODE_GAP_S = 600
+EPOCH_NS = 1_700_000_000 * 10**9
+
+
+@dataclass(frozen=True)
+class SimulatedFaults:
+    normal: pa.Table  # spans of the normal period
+    traces: Path  # folder of episode files
+    fault_list: Path  # fault list in Nezha's layout (pod = service: use pod_suffix_parts=0)
+    window_minutes: float
+
+
+def simulated_faults(spec: TopologySpec, out: Path, normal_s: float = 60.0, window_s: float = 60.0,
+                     seed: int = 0, services: list[str] | None = None) -> SimulatedFaults:
+    """Simulate a normal period and one faulty episode per service and source under `out`."""
+    rng = np.random.default_rng(seed)
+    out = Path(out)
+    (out / "traces").mkdir(parents=True, exist_ok=True)
+    normal = spans_of(simulate(spec, [], normal_s, seed), EPOCH_NS, seed)
+    targets = services or sorted(name for name, service in spec.services.items() if service.storage is None)
+    entries = []
+    kinds = [*SOURCES, *CODE_FAULTS]
+    for index, (service, kind) in enumerate((s, k) for s in targets for k in kinds):
+        start_ns = EPOCH_NS + (index + 1) * EPISODE_GAP_S * 10**9
+        episode_seed = seed * 10_000 + index + 1
+        if kind in CODE_FAULTS:
+            parameters = {"share": CODE_FAULT_SHARE}
+            spans = code_fault(spans_of(simulate(spec, [], window_s, episode_seed), start_ns, episode_seed),
+                               service, kind, CODE_FAULT_SHARE, rng)
+        else:
+            parameters = {name: float(rng.uniform(lo, hi)) for name, (lo, hi) in SOURCE_PARAMETERS[kind].items()}
+            if kind == "network":
+                parameters.pop("bandwidth_kbit")  # a delay fault, as the real lists' network_delay
+            fault = Fault(service, kind, "single", 0.0, window_s, parameters)
+            spans = spans_of(simulate(spec, [fault], window_s, episode_seed), start_ns, episode_seed)
+        if spans.num_rows == 0:
+            continue  # the service is never visited: nothing to find
+        write_spans(spans, out / "traces" / f"episode_{index:04d}.parquet", "parquet")
+        entries.append({"inject_timestamp": str(start_ns / 1e9), "inject_pod": service,
+                        "inject_type": SOURCES.get(kind, kind), "parameters": parameters})
+    fault_list = out / "fault_list.json"
+    fault_list.write_text(json.dumps({"simulated": entries}, indent=1))
+    return SimulatedFaults(normal, out / "traces", fault_list, window_s / 60)
+
+
+def code_fault(spans: pa.Table, service: str, kind: str, share: float, rng: np.random.Generator) -> pa.Table:
+    """`spans` with a `return` or `exception` fault in `service` (see the module docstring).
+    Only traces that visit the service are kept: the others cannot show the fault."""
+    if kind not in CODE_FAULTS:
+        raise ValueError(f"unknown code fault {kind!r}; choose from {CODE_FAULTS}")
+    forest = assemble(spans, on_bad_trace="drop")
+    is_server, _ = span_roles(forest)
+    names = forest.spans["service"].to_numpy(zero_copy_only=False)
+    hit = is_server & (names == service) & (rng.random(forest.num_spans) < share)
+    visited = np.zeros(forest.num_traces, dtype=bool)
+    visited[forest.trace_index[names == service]] = True
+    gone = np.zeros(forest.num_spans, dtype=bool)  # below a hit span
+    for row in np.argsort(forest.depth, kind="stable"):  # parents before children
+        parent = forest.parent[row]
+        gone[row] = parent >= 0 and (gone[parent] or hit[parent])
+    duration = forest.duration_ns.copy()
+    start = forest.start_ns.copy()
+    short = np.maximum(self_time_ns(forest), 1000)
+    for row in np.flatnonzero(hit & ~gone)[::-1]:  # latest first in each trace: earlier ends stay valid
+        saved = duration[row] - short[row]
+        end = start[row] + duration[row]
+        rows = np.arange(forest.trace_offsets[forest.trace_index[row]], forest.trace_offsets[forest.trace_index[row] + 1])
+        start[rows[start[rows] >= end]] -= saved
+        ancestor = forest.parent[row]
+        while ancestor >= 0:
+            duration[ancestor] -= saved
+            ancestor = forest.parent[ancestor]
+        duration[row] = short[row]
+    status = forest.spans["status"].to_numpy(zero_copy_only=False).copy()
+    if kind == "exception":
+        failed = hit.copy()
+        for row in np.argsort(-forest.depth, kind="stable"):  # children before parents
+            if failed[row] and forest.parent[row] >= 0:
+                failed[forest.parent[row]] = True
+        status[failed] = "error"
+    keep = ~gone & visited[forest.trace_index]
+    table = forest.spans
+    for name, values in (("start_ns", start), ("duration_ns", duration)):
+        table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), pa.array(values))
+    table = table.set_column(table.schema.get_field_index("status"), table.schema.field("status"),
+                             pa.array(status, pa.string()))
+    return table.filter(pa.array(keep))

@@ -1,0 +1,80 @@
+"""What a stream of traces has shown so far: the state that history features read.
+
+The detector holds no state between calls. A streaming caller (the server, the Kafka consumer,
+a replay of a window) owns a `StreamHistory`, passes it to `Detector.diagnose`, and the
+detector reads it and then records the batch into it. Every trace of a batch reads the
+history as it was before the batch (never the batch's other traces), so a trace diagnosed in
+a batch gets the verdict it gets alone with the same history.
+
+Today the history holds each service's latest self-time z-scores (the temporal-context
+feature, `bmeg.models.features`), at most `visits` per service.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one batch adds to a history: per node, its service, its trace's start and its
+    self-time z-score (nodes of every trace, in any order)."""
+
+    services: np.ndarray
+    trace_start_ns: np.ndarray
+    z_self: np.ndarray
+
+    def of(self, services: list[str]) -> Observation:
+        """The visits of the given services only."""
+        keep = np.isin(self.services, services)
+        return Observation(self.services[keep], self.trace_start_ns[keep], self.z_self[keep])
+
+
+@dataclass
+class StreamHistory:
+    """Each service's latest `visits` self-time z-scores, oldest first."""
+
+    visits: int = 50
+    z_self: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def record(self, observation: Observation) -> None:
+        """Append a batch's visits in time order (trace start, then node order), keeping the latest."""
+        if len(observation.services) == 0:
+            return
+        codes, names = pd.factorize(observation.services)
+        order = np.lexsort((np.arange(len(codes)), observation.trace_start_ns, codes))
+        bounds = np.r_[0, np.cumsum(np.bincount(codes, minlength=len(names)))]
+        ordered = observation.z_self[order].astype(np.float64)
+        for i, name in enumerate(names):
+            new = ordered[bounds[i]:bounds[i + 1]]
+            old = self.z_self.get(name)
+            self.z_self[name] = (new if old is None else np.concatenate([old, new]))[-self.visits:]
+
+    def copy(self) -> StreamHistory:
+        return copy.deepcopy(self)
+
+
+class StreamedDetector:
+    """A detector with the history of the stream it serves: a streaming caller's one object.
+
+    `diagnose` passes the history to `Detector.diagnose`, which reads it and records the batch
+    into it. Calls must be serialised (they change the history); the detector itself is shared.
+    """
+
+    def __init__(self, detector: Any):
+        self.detector = detector
+        self.history = StreamHistory(visits=detector.encoder.history)
+        self.application: str = detector.application
+        self.run_dir = detector.run_dir
+
+    @property
+    def version(self) -> str:
+        return self.detector.version
+
+    def diagnose(self, spans: Any, window: bool = False) -> Any:
+        return self.detector.diagnose(spans, window=window, history=self.history)

@@ -1,0 +1,129 @@
+"""The `relative` node features (the same meaning in every application) and the window scores
+of the rca rankers (visit- and baseline-normalised, combined by rank)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bmeg.evaluation.rankers import node_score_shift, rank_fusion
+from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
+from bmeg.faultinject.twin import rpc_view
+from bmeg.graphs import assemble
+from bmeg.models.features import FeatureEncoder
+
+SPEC = {
+    "name": "shop",
+    "workload": {"rate": 100},
+    "requests": {"buy": {"entry": "web:buy", "weight": 1}},
+    "services": {
+        "web": {"cores": 4, "workers": 64, "operations": {"buy": {
+            "self_time": {"median_us": 300, "sigma": 0.3},
+            "calls": [{"call": "cart:get"}, {"call": "pay:charge"}]}}},
+        "cart": {"cores": 2, "operations": {"get": {"self_time": {"median_us": 800, "sigma": 0.3}}}},
+        "pay": {"cores": 2, "operations": {"charge": {"self_time": {"median_us": 1500, "sigma": 0.3}}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def shop():
+    topology = parse_topology(SPEC)
+    normal = rpc_view(spans_of(simulate(topology, [], 5, 1)))
+    slow = rpc_view(spans_of(simulate(topology, [Fault("pay", "interference", "single", 0.0, 5.0, {"factor": 5.0})], 5, 2)))
+    return normal, slow
+
+
+def frame(forest, encoder) -> pd.DataFrame:
+    table = pd.DataFrame(encoder.transform(forest), columns=encoder.names)
+    table["service"] = forest.spans["service"].to_numpy(zero_copy_only=False)
+    return table
+
+
+def test_relative_features_sit_at_zero_on_normal_traffic_and_move_at_the_slow_service(shop):
+    normal, slow = shop
+    encoder = FeatureEncoder("relative").fit(normal)
+    assert encoder.num_features == len(encoder.names) == 13
+    assert not any("log_duration_us" == name or name.startswith("log_") for name in encoder.names)  # no absolute time
+    healthy = frame(normal, encoder)
+    assert np.isfinite(healthy[encoder.names].to_numpy()).all()
+    assert abs(healthy["z_log_self_time_us"].median()) < 0.1 and healthy["z_log_self_time_us"].abs().median() < 1
+    assert (healthy[["children_delta", "repeated_delta", "error"]] == 0).all().all()
+    faulty = frame(slow, encoder).groupby("service")["z_log_self_time_us"].median()
+    assert faulty.idxmax() == "pay" and faulty["pay"] > 3
+
+
+def test_missing_repeated_children_and_errors_show_against_the_operations_pattern(shop):
+    normal, _ = shop
+    encoder = FeatureEncoder("relative").fit(normal)
+    spans = normal.spans
+    trace = spans["trace_id"][0].as_py()
+    in_trace = pc.equal(spans["trace_id"], trace)
+    one = spans.filter(in_trace)
+    services = one["service"].to_pylist()
+    # drop pay's spans (a missing call), repeat cart's (a retry), and mark the root an error
+    kept = one.filter(pc.invert(pc.equal(one["service"], "pay")))
+    cart = one.filter(pc.equal(one["service"], "cart"))
+    retry = cart.set_column(cart.schema.get_field_index("span_id"), cart.schema.field("span_id"),
+                            pa.array([f"{s}-retry" for s in cart["span_id"].to_pylist()]))
+    changed = pa.concat_tables([kept, retry])
+    is_root = pc.is_null(changed["parent_id"])
+    changed = changed.set_column(changed.schema.get_field_index("status"), changed.schema.field("status"),
+                                 pc.if_else(is_root, "error", changed["status"]))
+    assert "pay" in services
+    features = frame(assemble(changed), encoder)
+    web = features[features["service"] == "web"]
+    assert web["error"].iloc[0] == 1.0 and (features["error"] == 0).sum() == len(features) - 1
+    # web's client span to cart now has two cart children where it always had one...
+    assert (web["repeated_delta"] > 0).sum() == 1 and (web["children_delta"] > 0).sum() == 1
+    # ...and its client span to pay none: a missing call
+    assert (web["children_delta"] < 0).sum() == 1
+
+
+@settings(max_examples=10, deadline=None)
+@given(scale=st.sampled_from([0.1, 3.0, 20.0]))
+def test_relative_features_do_not_depend_on_the_applications_time_scale(shop, scale):
+    """Every time of an application multiplied by `scale` (a slower machine, another
+    application): fitted on its own normal traces, the features read the same."""
+    normal, slow = shop
+
+    def scaled(forest):
+        table = forest.spans
+        for name in ("start_ns", "duration_ns"):
+            values = pc.multiply(pc.cast(table[name], pa.float64()), scale)
+            table = table.set_column(table.schema.get_field_index(name), table.schema.field(name),
+                                     pc.cast(pc.round(values), pa.int64()))
+        return assemble(table)
+
+    original = FeatureEncoder("relative").fit(normal).transform(slow)
+    rescaled = FeatureEncoder("relative").fit(scaled(normal)).transform(scaled(slow))
+    # log1p(µs) is log(µs) within 1/µs: times of a few µs after scaling 0.1 differ a little
+    assert np.median(np.abs(rescaled - original)) < 0.02
+    assert np.quantile(np.abs(rescaled - original), 0.95) < 0.3
+
+
+def test_window_score_does_not_reward_visits_or_a_high_normal_level():
+    # "big" is visited 10 times a trace and always scores high; "db" once and jumps in the window
+    normal = SimpleNamespace(gnn_node=np.r_[np.full(10, 0.8), 0.1], node_services=np.array(["big"] * 10 + ["db"]))
+    window = SimpleNamespace(gnn_node=np.r_[np.full(10, 0.85), 0.6], node_services=np.array(["big"] * 10 + ["db"]))
+    shift = node_score_shift(window, normal)
+    assert shift.idxmax() == "db"
+    assert shift["big"] == pytest.approx(0.05) and shift["db"] == pytest.approx(0.5)
+
+
+def test_rank_fusion_lets_no_scale_bury_a_first_place():
+    rule = pd.Series({"pay": 9.0, "web": 1.0, "cart": 0.5})
+    gnn = pd.Series({"web": 0.9, "cart": 0.2, "pay": 0.001})  # a low GNN score for pay
+    fused = rank_fusion(rule, gnn)
+    assert list(fused.index[:2]) == ["web", "pay"] or list(fused.index[:2]) == ["pay", "web"]
+    assert fused.index[-1] == "cart"
+    # an exact tie keeps the first ranking's order; a service one ranking lacks comes after its services
+    assert list(rank_fusion(pd.Series({"a": 2.0, "b": 1.0}), pd.Series({"b": 2.0, "a": 1.0})).index) == ["a", "b"]
+    assert rank_fusion(pd.Series({"a": 1.0}), pd.Series({"a": 1.0, "b": 2.0})).index.tolist() == ["a", "b"]
