@@ -13,11 +13,12 @@ def diagnose(spans, model=None, window: bool = False):
     """Diagnose a span table (see `bmeg.traces.read_spans`) with a trained model.
 
     `model` is a `bmeg.models.detector.Detector` or a run directory (default: the run that
-    `bmeg train` writes by default). Returns a `bmeg.diagnosis.Diagnosis` whose anomalous
-    traces carry mitigation hints.
+    `bmeg train` writes by default). The spans are a recorded stream: each trace reads the
+    earlier traces among them for its history features. Returns a `bmeg.diagnosis.Diagnosis`
+    whose anomalous traces carry mitigation hints.
     """
     from bmeg.mitigation.planner import suggest
     from bmeg.models.detector import Detector, default_run_dir
 
     detector = model if isinstance(model, Detector) else Detector.load(model or default_run_dir())
-    return suggest(detector.diagnose(spans, window=window))
+    return suggest(detector.diagnose(spans, window=window, replay=True))

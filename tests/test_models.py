@@ -312,24 +312,28 @@ def test_distinct_paths_and_router_reasons():
         "svm: 3 services <= 3 and 2 distinct paths <= 2", "gnn: 3 distinct paths > 2", "gnn: 4 services > 3"]
 
 
-def test_router_takes_the_cheaper_model_only_within_the_tolerance():
+def test_router_takes_the_svm_only_where_it_is_measurably_better_then_the_cheapest():
     y = np.array([1, 0, 1, 0, 1, 0, 1, 0])
     services = np.array([2, 2, 2, 2, 9, 9, 9, 9])
     paths = np.array([1, 1, 1, 1, 5, 5, 5, 5])
     gnn = y.astype(bool)
+    gnn_wrong_on_small = np.where(services <= 2, 1 - y, y).astype(bool)
     svm_good_on_small = np.where(services <= 2, y, 1 - y).astype(bool)
     all_hit = {"gnn": np.ones(8, bool), "svm": np.ones(8, bool)}
     cheap_svm = {"gnn": 1e-3, "svm": 1e-4}
 
-    def chosen(svm_verdict, hits=all_hit, cost=cheap_svm):
-        return choose(y, {"gnn": gnn, "svm": svm_verdict}, hits, services, paths, cost)
+    def chosen(svm_verdict, hits=all_hit, cost=cheap_svm, gnn_verdict=gnn):
+        return choose(y, {"gnn": gnn_verdict, "svm": svm_verdict}, hits, services, paths, cost)
 
-    router, rows = chosen(svm_good_on_small)
-    assert router == Router(2, 1)  # as good as the GNN where it goes, and cheaper
+    # as good as the GNN where it would go, and cheaper: a tie is no evidence, the GNN stays
+    assert chosen(svm_good_on_small)[0] == Router()
+    # better than the GNN on the small graphs: they go to the SVM
+    router, rows = chosen(svm_good_on_small, gnn_verdict=gnn_wrong_on_small)
+    assert router == Router(2, 1)
     assert min(row["cost_s_per_trace"] for row in rows if row["quality"] == 1.0) == pytest.approx(0.5 * 1e-4 + 0.5 * 1e-3)
     assert chosen(np.zeros(8, dtype=bool))[0] == Router()  # cheaper but worse verdicts: never
-    assert chosen(svm_good_on_small, {"gnn": np.ones(8, bool), "svm": np.zeros(8, bool)})[0] == Router()  # worse ranking
-    assert chosen(svm_good_on_small, cost={"gnn": 1e-4, "svm": 1e-3})[0] == Router()  # dearer
+    assert chosen(svm_good_on_small, {"gnn": np.ones(8, bool), "svm": np.zeros(8, bool)},
+                  gnn_verdict=gnn_wrong_on_small)[0] == Router()  # better verdicts, worse ranking
 
 
 def _history_of(detector, traces: int) -> StreamHistory:

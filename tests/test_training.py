@@ -38,7 +38,7 @@ def test_saved_run_diagnoses_fresh_faulty_traces(trained_run, tmp_path, monkeypa
     monkeypatch.setenv("BMEG_CACHE", str(tmp_path))
     fresh = load_dataset("socialnet", traces=300, imbalance=0.3, seed=99, progress=False)
     detector = Detector.load(trained_run)
-    diagnosis = detector.diagnose(fresh.spans, window=True)
+    diagnosis = detector.diagnose(fresh.spans, window=True, replay=True)  # a recorded stream
     truth = dict(zip(fresh.traces["trace_id"].to_pylist(), fresh.traces["anomalous"].to_pylist()))
     flagged = np.array([trace.anomalous for trace in diagnosis.traces])
     actual = np.array([truth[trace.trace_id] for trace in diagnosis.traces])

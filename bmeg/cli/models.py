@@ -80,11 +80,12 @@ def diagnose(source: Path, run_dir: Path | None, input_format: str | None, windo
 
     try:
         detector = Detector.load(run_dir or default_run_dir())
-        diagnosis = suggest(detector.diagnose(read_spans(source, format=input_format), window=window))
+        # a file is a recorded stream: each trace reads the file's earlier traces, as it would live
+        diagnosis = suggest(detector.diagnose(read_spans(source, format=input_format), window=window, replay=True))
     except (CheckpointError, TraceInputError) as error:
         raise click.ClickException(str(error)) from error
     if as_json:
-        print_json(diagnosis.model_dump())
+        print_json(diagnosis.model_dump(mode="json"))
         return
     print_diagnosis(diagnosis)
 
@@ -155,4 +156,4 @@ def demo(traces: int | None, epochs: int) -> None:
     sample_ids = pa.concat_arrays([anomalous.combine_chunks(), normal.combine_chunks()])
     sample = fresh.spans.filter(pc.is_in(fresh.spans["trace_id"], value_set=sample_ids))
     click.echo(f"diagnosing {len(anomalous)} freshly simulated faulty and {len(normal)} normal traces:")
-    print_diagnosis(suggest(detector.diagnose(sample, window=True)))
+    print_diagnosis(suggest(detector.diagnose(sample, window=True, replay=True)))

@@ -36,7 +36,9 @@ def _cell(value: Any) -> str:
 
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "model_dump"):
-        return value.model_dump()
+        return value.model_dump(mode="json")
+    if hasattr(value, "isoformat"):  # datetimes, as pydantic writes them
+        return value.isoformat()
     if hasattr(value, "tolist"):
         return value.tolist()
     raise TypeError(f"cannot encode {type(value).__name__} as JSON")

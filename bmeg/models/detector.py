@@ -214,21 +214,23 @@ class Detector:
 
     # -- diagnosis ---------------------------------------------------------------------------
     def diagnose(self, spans: pa.Table | SpanForest, window: bool = False,
-                 history: StreamHistory | None = None) -> Diagnosis:
+                 history: StreamHistory | None = None, replay: bool = False) -> Diagnosis:
         """Diagnose every trace of a span table (or an assembled forest). Each trace reads
-        `history` as it was before this call; the traces are then recorded into it."""
+        `history` as it was before this call; the traces are then recorded into it. With
+        `replay` the spans are a recorded stream (a file, a dataset): each trace also reads the
+        earlier traces among them, as it would have read them live, never the later ones."""
         # Plain values for every trace, validated in one pydantic call: building ~30 small
         # models per trace one by one cost as much as running the models.
-        return Diagnosis.model_validate(self.diagnosis_document(spans, window, history))
+        return Diagnosis.model_validate(self.diagnosis_document(spans, window, history, replay))
 
     def diagnosis_document(self, spans: pa.Table | SpanForest, window: bool = False,
-                           history: StreamHistory | None = None) -> dict:
+                           history: StreamHistory | None = None, replay: bool = False) -> dict:
         """The `Diagnosis` as plain values, laid out as `Diagnosis.model_dump()` lays it out.
         `diagnose` validates it; an output that only serialises it (the Kafka consumer, with
         `bmeg.diagnosis.single_trace_json`) skips building the typed objects."""
         forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="raise")
         paths = critical_paths(forest)
-        scores = self.score(forest, paths, history)
+        scores = self.score(forest, paths, history, replay=replay)
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
             history.record(scores.observation.of(self.services))
