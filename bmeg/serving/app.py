@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -29,7 +28,6 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Security
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from fastapi.security import APIKeyHeader
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
@@ -38,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from bmeg.version import __version__
 from bmeg.diagnosis import Diagnosis
 from bmeg.serving.batcher import MicroBatcher
+from bmeg.serving.dependencies import API_KEY_SCHEME, check_api_key, read_body
 from bmeg.serving.metrics import ServerMetrics
 from bmeg.serving.model import DiagnosisModel, Loader, ModelSlot, ModelState
 from bmeg.serving.otlp_http import router as otlp_router
@@ -49,7 +48,6 @@ from bmeg.traces.io import CONTENT_TYPES
 log = logging.getLogger(__name__)
 
 _STATIC = resources.files("bmeg.serving") / "static"
-API_KEY_HEADER = "X-API-Key"
 #: The page's policy: scripts, styles and fetches from this origin only, nothing inline, no framing.
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                            "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
@@ -105,7 +103,7 @@ def create_app(detector_or_loader: DiagnosisModel | Loader, settings: ServingSet
                        ) -> Response:
         """Diagnose the traces in the body: anomalous or not, bottleneck services, evidence."""
         media_type = _media_type(request)
-        body = await _read_body(request, settings.max_body_bytes)
+        body = await read_body(request, settings.max_body_bytes)
         if not slot.ready:
             raise HTTPException(503, "the model is not loaded yet")
         payload = Payload(body, media_type, request.headers.get("content-encoding"))
@@ -205,21 +203,6 @@ def _media_type(request: Request) -> str:
     return media_type
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it is known to pass `limit` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"body of {declared} bytes is over the limit of {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPException(413, f"body is over the limit of {limit} bytes")
-    if not body:
-        raise HTTPException(400, "empty body: send a trace")
-    return bytes(body)
-
-
 async def _diagnose(batcher: MicroBatcher, payload: Payload, window: bool, timeout_s: float) -> Answer:
     try:
         return await asyncio.wait_for(_diagnose_in_parts(batcher, payload, window), timeout_s)
@@ -291,18 +274,8 @@ class _Measure:
             self.metrics.requests.labels(route, scope["method"], str(status)).inc()
 
 
-_API_KEY_SCHEME = APIKeyHeader(name=API_KEY_HEADER, auto_error=False, scheme_name="APIKey",
-                               description="The server's key (BMEG_API_KEY).")
-
-
 def _api_key_dependency(settings: ServingSettings):
-    expected = None if settings.api_key is None else settings.api_key.get_secret_value().encode()
-
-    async def require_api_key(key: Annotated[str | None, Security(_API_KEY_SCHEME)]) -> None:
-        if expected is None:  # settings validation allows this only with no_auth
-            return
-        if key is None or not secrets.compare_digest(key.encode(), expected):
-            raise HTTPException(401, f"this needs the API key: send it in the {API_KEY_HEADER} header",
-                                headers={"WWW-Authenticate": API_KEY_HEADER})
+    async def require_api_key(key: Annotated[str | None, Security(API_KEY_SCHEME)]) -> None:
+        check_api_key(key, settings.api_key)
 
     return require_api_key

@@ -21,7 +21,6 @@ ingest worker with the server and, at shutdown, publishes what it holds.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -29,11 +28,11 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from starlette.concurrency import run_in_threadpool
 
+from bmeg.serving.dependencies import API_KEY_HEADER, check_api_key, read_body
 from bmeg.traces import TraceInputError
 from bmeg.traces.io import read_spans_bytes
 
 PROTOBUF, JSON = "application/x-protobuf", "application/json"
-API_KEY_HEADER = "X-API-Key"  # as bmeg.serving.app's
 
 
 @asynccontextmanager
@@ -70,7 +69,7 @@ async def export_traces(request: Request) -> Response:
     ingest = getattr(request.app.state, "otlp_ingest", None)
     if ingest is None:
         raise HTTPException(404, "POST /v1/traces is off: set BMEG_OTLP_BOOTSTRAP to the Kafka brokers to publish to")
-    _require_key(request)
+    check_api_key(request.headers.get(API_KEY_HEADER), request.app.state.settings.api_key)
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type not in (PROTOBUF, JSON):
         raise HTTPException(415, f"content type {media_type or '(none)'}: send {PROTOBUF} or {JSON}")
@@ -80,7 +79,7 @@ async def export_traces(request: Request) -> Response:
     if not request.app.state.slot.ready:
         raise HTTPException(503, "the model is not loaded yet", headers=retry_after)
     limit = request.app.state.settings.max_body_bytes
-    body = await _body(request, limit)
+    body = await read_body(request, limit, allow_empty=True)
     try:
         spans = await run_in_threadpool(read_spans_bytes, body, media_type, max_inflated_bytes=limit)
     except TraceInputError as error:
@@ -93,24 +92,3 @@ async def export_traces(request: Request) -> Response:
     return Response(ExportTraceServiceResponse().SerializeToString(), media_type=PROTOBUF)
 
 
-def _require_key(request: Request) -> None:
-    expected = request.app.state.settings.api_key
-    if expected is None:  # the settings allow this only with no_auth
-        return
-    key = request.headers.get(API_KEY_HEADER)
-    if key is None or not secrets.compare_digest(key.encode(), expected.get_secret_value().encode()):
-        raise HTTPException(401, f"this needs the API key: send it in the {API_KEY_HEADER} header",
-                            headers={"WWW-Authenticate": API_KEY_HEADER})
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    """The body as sent (gzip inflated later, bounded by the reader), refused once past `limit`."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"body of {declared} bytes is over the limit of {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPException(413, f"body is over the limit of {limit} bytes")
-    return bytes(body)
