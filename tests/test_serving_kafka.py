@@ -166,7 +166,10 @@ def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, traine
         produce(kafka_bootstrap, config.topic, [(None, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t])))
                                                 for t in trace_ids], keys=[t.encode() for t in trace_ids])
         diagnoses = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids), timeout_s=120)
-        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        # the lag gauge is set after the consumer's next commit, which may follow the last diagnosis
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        _wait_for(lambda: 'bmeg_consumer_lag{partition="' in httpx.get(metrics_url).text, 30)
+        metrics = httpx.get(metrics_url).text
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
