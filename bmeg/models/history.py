@@ -76,5 +76,10 @@ class StreamedDetector:
     def version(self) -> str:
         return self.detector.version
 
+    @property
+    def services(self) -> list[str]:
+        """The model's services (the server's metric labels, the model process's answer)."""
+        return list(self.detector.services)
+
     def diagnose(self, spans: Any, window: bool = False) -> Any:
         return self.detector.diagnose(spans, window=window, history=self.history)

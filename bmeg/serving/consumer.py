@@ -129,7 +129,8 @@ class StreamConsumer:
         if config.encoding is not None and config.encoding not in ENCODINGS:
             raise ValueError(f"encoding {config.encoding!r}: expected one of {sorted(ENCODINGS)}")
         self.detector = detector
-        self.history = StreamHistory(visits=detector.encoder.history)  # the stream's past, for history features
+        # the stream's past, for history features (a model that is not a Detector keeps none)
+        self.history = StreamHistory(visits=detector.encoder.history) if isinstance(detector, Detector) else None
         self.config = config
         self.metrics = metrics or ConsumerMetrics()
         self.assembler = TraceAssembler(config.idle_timeout_s, config.max_trace_spans,
