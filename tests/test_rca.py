@@ -13,7 +13,7 @@ from bmeg.evaluation.rankers import MicroRankRanker, NormalStats, SelfTimeRanker
 from bmeg.evaluation.rca import report, run_rca
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
-from bmeg.faultinject.twin import rpc_view
+from bmeg.graphs.rpc import rpc_view
 from bmeg.traces.io import write_spans
 
 SPEC = {

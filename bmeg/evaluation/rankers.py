@@ -1,7 +1,7 @@
 """Root-cause rankers over a window of traces, all behind one interface.
 
 `ranker.rank(window, normal)` takes the window's traces (an assembled forest in the RPC view,
-see `bmeg.faultinject.twin.rpc_view`) and statistics of a normal period, and returns
+see `bmeg.graphs.rpc.rpc_view`) and statistics of a normal period, and returns
 `[(service, score), ...]`, most suspicious first.
 
 - `bmeg`: the rank fusion of the GNN's window ranking and how far each service's own time
@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 
-from bmeg.faultinject.twin import span_roles
+from bmeg.graphs.rpc import span_roles
 from bmeg.graphs import SpanForest
 from bmeg.graphs.features import self_time_ns
 

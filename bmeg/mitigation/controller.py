@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from bmeg.diagnosis import Diagnosis
 from bmeg.mitigation.audit import AuditLog
-from bmeg.mitigation.catalogue import Catalogue
-from bmeg.mitigation.executor import ActionError, ActionForbidden, Applied, Executor, Prober
+from bmeg.cluster.catalogue import Catalogue
+from bmeg.cluster.executor import ActionError, ActionForbidden, Applied, Executor, Prober
 from bmeg.mitigation.planner import Decision, PlannerPolicy, ServiceTelemetry, plan
 from bmeg.mitigation.safety import Guard, Latencies, SafetyPolicy, improved
 from bmeg.mitigation.tuning import search_around
