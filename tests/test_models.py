@@ -88,6 +88,17 @@ def test_minibatch_matches_the_forest_graphs():
     assert not linked[:4, 4:].any() and not linked[4:, :4].any()
 
 
+def test_graph_sets_of_a_one_span_trace_and_of_no_trace():
+    forest = assemble(span_table(star_trace("solo", [])))
+    graphs = GraphSet.from_forest(forest, FeatureEncoder("thesis").transform(forest), y=[1], node_y=[1])
+    batch = graphs.minibatch(np.array([0]))
+    assert graphs.edges.shape == (2, 0) and batch.adj_t.to_dense().tolist() == [[1.0]]  # its self-loop only
+    assert batch.y.tolist() == [1] and batch.node_y.tolist() == [1]
+    empty = assemble(span_table({key: [] for key in star_trace("none", [])}))
+    nothing = GraphSet.from_forest(empty, FeatureEncoder("thesis").transform(empty))
+    assert nothing.num_graphs == 0 and nothing.minibatch(np.array([], dtype=np.int64)).x.shape == (0, 1)
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(1, 12).flatmap(lambda n: st.tuples(
     st.just(n), st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=30))))

@@ -21,10 +21,10 @@ from datetime import UTC, datetime
 from tqdm import tqdm
 
 from bmeg.evaluation.faults import InjectedFault
-from bmeg.evaluation.rankers import NormalStats, Ranker
+from bmeg.evaluation.normal import NormalStats, Ranker
 from bmeg.evaluation.windows import TraceFiles
-from bmeg.graphs.rpc import rpc_view
 from bmeg.graphs import SpanForest
+from bmeg.graphs.rpc import rpc_view
 from bmeg.training.metrics import accuracy_at_k, average_at_k
 
 DEFAULT_WINDOW_MINUTES = 2.0
