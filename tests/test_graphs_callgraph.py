@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_graphs_assemble import spans
+from builders import spans
 
 from bmeg.graphs import assemble, base_columns, call_graphs, node_services, storage_service
 from bmeg.graphs.features import self_time_ns

@@ -24,7 +24,9 @@ import pytest
 import yaml
 from kafka import KafkaConsumer
 
-from bmeg.traces import ENCODINGS, SPAN_SCHEMA, detect_encoding, read_spans_bytes, to_otlp_proto_bytes
+from builders import sent_spans
+
+from bmeg.traces import ENCODINGS, detect_encoding, read_spans_bytes, to_otlp_proto_bytes
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 pytestmark = pytest.mark.integration
@@ -46,29 +48,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def sent_spans(run: str) -> pa.Table:
-    """Three traces of frontend -> cart (-> its redis, named by server.address), microsecond times."""
-    rows = []
-    for number in range(3):
-        trace_id = f"{run}{number:04x}".ljust(32, "0")[:32]
-        start = 1_700_000_000_000_000_000 + number * 10_000_000
-        rows += [
-            dict(trace_id=trace_id, span_id=f"{number:02x}" + "01" * 7, parent_id=None, service="frontend",
-                 operation="GET /cart", start_ns=start, duration_ns=9_000_000, kind="server", status="ok",
-                 peer_service=None, db_system=None, instance="frontend-0"),
-            dict(trace_id=trace_id, span_id=f"{number:02x}" + "02" * 7, parent_id=f"{number:02x}" + "01" * 7,
-                 service="frontend", operation="cart.Get", start_ns=start + 1_000_000, duration_ns=6_000_000,
-                 kind="client", status="unset", peer_service="cart", db_system=None, instance="frontend-0"),
-            dict(trace_id=trace_id, span_id=f"{number:02x}" + "03" * 7, parent_id=f"{number:02x}" + "02" * 7,
-                 service="cart", operation="cart.Get", start_ns=start + 2_000_000, duration_ns=4_000_000,
-                 kind="server", status="error", peer_service=None, db_system=None, instance="cart-1"),
-            dict(trace_id=trace_id, span_id=f"{number:02x}" + "04" * 7, parent_id=f"{number:02x}" + "03" * 7,
-                 service="cart", operation="HGET", start_ns=start + 3_000_000, duration_ns=1_000,
-                 kind="client", status="unset", peer_service="cart-redis", db_system="redis", instance="cart-1"),
-        ]  # fmt: skip
-    return pa.Table.from_pylist(rows, schema=SPAN_SCHEMA)
 
 
 def otlp_request(table: pa.Table) -> bytes:
