@@ -13,11 +13,6 @@ from bmeg.cluster.executor import ServiceState
 from bmeg.diagnosis import Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
 from bmeg.faultinject import parse_topology
 from bmeg.graphs import assemble
-from bmeg.models.dgcnn import DGCNN
-from bmeg.models.features import FeatureEncoder
-from bmeg.models.gcn_node import GCNNodeClassifier
-from bmeg.models.router import Router
-from bmeg.models.svm import FirmSVM, TraceSVM, TraceVectorizer
 from bmeg.traces import SPAN_SCHEMA, span_table
 from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
 
@@ -116,7 +111,13 @@ def many_traces(n: int, slow: int | None = None) -> dict[str, list]:
 
 
 def tiny_detector():
+    """An untrained detector over `many_traces`' services (imported here: torch only for its users)."""
     from bmeg.models.detector import Detector
+    from bmeg.models.dgcnn import DGCNN
+    from bmeg.models.features import FeatureEncoder
+    from bmeg.models.gcn_node import GCNNodeClassifier
+    from bmeg.models.router import Router
+    from bmeg.models.svm import FirmSVM, TraceSVM, TraceVectorizer
 
     forest = assemble(span_table(many_traces(20)))
     encoder = FeatureEncoder().fit(forest)

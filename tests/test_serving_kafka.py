@@ -7,7 +7,6 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import httpx
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from conftest_infra import free_port
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
@@ -157,7 +157,7 @@ def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, traine
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     admin.create_topics([NewTopic(config.topic, PARTITIONS, 1)])
     admin.close()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     logs = [tmp_path / f"log{i}" for i in range(2)]
     processes = [_consume_process(kafka_bootstrap, config, trained_run_dir, logs[i],
                                   ["--metrics-port", str(metrics_port)] if i == 0 else []) for i in range(2)]
@@ -195,12 +195,6 @@ def _wait_for(condition, timeout_s: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.2)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _consume_process(bootstrap: str, config: ConsumerConfig, run_dir: Path, log: Path, extra: list[str]) -> subprocess.Popen:
@@ -362,7 +356,7 @@ def test_healthz_fails_while_the_poll_loop_is_stuck_and_recovers_after(kafka_boo
     trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[220:224]
     produce(kafka_bootstrap, config.topic, [(0, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t]))) for t in trace_ids])
     consumer = StreamConsumer(StandInDetector(delay_s=6.0), config)
-    port = _free_port()
+    port = free_port()
     probes = serve_probes(consumer, "127.0.0.1", port)
     seen: list[int] = []
     try:
