@@ -143,3 +143,19 @@ def test_no_import_circles() -> None:
         if node not in index:
             visit(node)
     assert not circles, f"import circles: {circles}"
+
+
+def test_no_test_module_imports_another() -> None:
+    """What several tests share lives in `builders.py` and the conftest plugins, never in a
+    `test_*` module (importing one runs its module-level set-up and ties the two together)."""
+    offenders = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            offenders += [f"{path.name}: {name}" for name in names if name.split(".")[-1].startswith("test_")]
+    assert not offenders, f"test modules importing test modules: {offenders}"
