@@ -54,7 +54,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from bmeg.models.detector import Detector
 from bmeg.models.history import StreamHistory
-from bmeg.serving.assembler import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, PendingTrace, TraceAssembler
+from bmeg.serving.assembler import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, DEFAULT_MAX_OPEN, PendingTrace,
+                                    TraceAssembler)
 from bmeg.serving.model import freeze_heap
 from bmeg.serving.offsets import OffsetTracker, Source
 from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, Topics, diagnose_batch,
@@ -87,10 +88,14 @@ class ConsumerConfig:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     late_window_s: float = DEFAULT_LATE_WINDOW_S
     max_trace_spans: int = 10_000
+    max_open_traces: int = DEFAULT_MAX_OPEN  # traces assembled at once; beyond, the oldest finishes early
     batch_traces: int = 512
     commit_interval_s: float = 1.0
     poll_timeout_ms: int = 200
     max_poll_records: int = 2_000
+    # Raw bytes one fetch brings (kafka-python's defaults, stated: the memory figures rest on them)
+    fetch_max_bytes: int = 50 << 20
+    max_partition_fetch_bytes: int = 1 << 20
     max_message_bytes: int = 64 << 20  # a message's spans, inflated
     dead_letter_max_bytes: int = 256 << 10
     max_unsent_traces: int = 50_000  # fetching pauses beyond this many traces awaiting the broker
@@ -134,7 +139,7 @@ class StreamConsumer:
         self.config = config
         self.metrics = metrics or ConsumerMetrics()
         self.assembler = TraceAssembler(config.idle_timeout_s, config.max_trace_spans,
-                                        late_window_s=config.late_window_s)
+                                        late_window_s=config.late_window_s, max_open=config.max_open_traces)
         self.offsets = OffsetTracker()
         self.heartbeat = time.monotonic()
         self._committed: dict[TopicPartition, int] = {}
@@ -144,6 +149,7 @@ class StreamConsumer:
         self.consumer = KafkaConsumer(
             bootstrap_servers=config.bootstrap, group_id=config.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", max_poll_records=config.max_poll_records,
+            fetch_max_bytes=config.fetch_max_bytes, max_partition_fetch_bytes=config.max_partition_fetch_bytes,
             partition_assignment_strategy=[CooperativeStickyAssignor],
         )
         self.consumer.subscribe([config.topic], listener=_Rebalance(self))
