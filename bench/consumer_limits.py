@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pyarrow as pa
 from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
@@ -51,6 +52,9 @@ from serve import free_port  # bench/serve.py
 from stream import SERVICES, instrumented_traces  # bench/stream.py
 
 MIB = 2**20
+#: The consumer's settings the figures hold for (recorded with them; the manifest test compares).
+MEASURED_LIMITS = ("max_poll_records", "fetch_max_bytes", "max_partition_fetch_bytes", "max_message_bytes",
+                   "max_open_traces", "max_trace_spans", "batch_traces", "max_unsent_traces")
 LARGEST_TOPIC_BYTES = 80 * MIB  # the topic's max.message.bytes, above any compressed largest message
 
 
@@ -115,7 +119,11 @@ class Consumer:
             time.sleep(0.5)
 
     def now_mib(self) -> float:
-        return self.rss.process.memory_info().rss / MIB
+        """The RSS now (0 once the process has exited)."""
+        try:
+            return self.rss.process.memory_info().rss / MIB
+        except psutil.NoSuchProcess:
+            return 0.0
 
     def stop(self) -> float:
         """SIGTERM, then wait for the exit; the seconds it took."""
@@ -163,11 +171,11 @@ def main() -> None:
     # Everything sent is made before the consumer starts: the bench's own work is not sampled.
     history = [(k.encode(), to_otlp_proto_bytes(t)) for k, t in
                split_by_trace(on_services(instrumented_traces(2 * visits * len(services), 20, seed=1), services))]
+    sample = len(to_otlp_proto_bytes(instrumented_traces(200, 30, seed=3))) / 200  # bytes of a 30-span trace
     per_message = limits.fetch_max_bytes // limits.max_poll_records  # bytes of one message of a full poll
-    spans_per_trace = max(2, per_message // 135)  # ~135 bytes of OTLP protobuf per span
+    spans_per_trace = max(2, int(per_message / (sample / 30)))
     full_poll = [(k.encode(), to_otlp_proto_bytes(t))
                  for k, t in split_by_trace(instrumented_traces(limits.max_poll_records, spans_per_trace, seed=2))]
-    sample = len(to_otlp_proto_bytes(instrumented_traces(200, 30, seed=3))) / 200
     big_traces = int(limits.max_message_bytes * 0.97 / sample)
     largest_raw = to_otlp_proto_bytes(instrumented_traces(big_traces, 30, seed=4))
     while len(largest_raw) >= limits.max_message_bytes:  # the estimate was high: trim to fit under the limit
@@ -211,15 +219,18 @@ def main() -> None:
         send(open_messages)
         sent_spans = len(history) * 20 + len(full_poll) * spans_per_trace + big_traces * 30 + open_traces.num_rows
         consumer.wait("bmeg_consumer_spans_total", sent_spans, timeout_s=600)
+        consumer.wait("bmeg_consumer_partial_traces_total", open_traces.num_rows - limits.max_open_traces)
         pending = consumer.metric("bmeg_consumer_pending_traces")
-        report(consumer, f"5. {open_traces.num_rows} rootless traces: {pending:.0f} open (cap {limits.max_open_traces})",
+        report(consumer, f"5. {open_traces.num_rows} rootless traces: {pending:.0f} open (cap {limits.max_open_traces}), the "
+               f"oldest {open_traces.num_rows - limits.max_open_traces} finished early",
                started)
         stop_s = consumer.stop()
         report(consumer, f"6. stopped at the cap: open traces diagnosed and published ({stop_s:.0f} s)", started)
     finally:
         consumer.stop()
         producer.close()
-        admin.delete_topics([topic, f"{topic}.diagnoses", f"{topic}.mitigations", f"{topic}.dlq"])
+        ours = [t for t in (topic, f"{topic}.diagnoses", f"{topic}.mitigations", f"{topic}.dlq") if t in admin.list_topics()]
+        admin.delete_topics(ours)
         admin.close()
     figures["peak_mib"] = consumer.rss.peak / MIB
     print(f"consumer RSS: idle {figures['idle_mib']:.0f} MiB, peak at its limits {figures['peak_mib']:.0f} MiB "
@@ -228,6 +239,7 @@ def main() -> None:
         args.record.write_text(json.dumps({
             "command": "python bench/consumer_limits.py --model RUN --record " + str(args.record),
             "model": f"{len(services)} services, history {visits}", **{k: round(v) for k, v in figures.items()},
+            "limits": {name: getattr(limits, name) for name in MEASURED_LIMITS},
         }, indent=2) + "\n")
 
 
