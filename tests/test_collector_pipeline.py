@@ -158,9 +158,6 @@ def topic_name(label: str) -> str:
 
 
 # -- spans in, diagnoses out ------------------------------------------------------------------
-@pytest.mark.xfail(strict=False, reason=(
-    "intermittent since the branches were merged (session 4): now and then one case loses all 250 "
-    "traces (no diagnosis at all on its topic), otherwise 0 lost, 0 split; open in issue 14"))
 @pytest.mark.parametrize("encoding", ["otlp_proto", "otlp_json"])
 @pytest.mark.parametrize("by_id", [False, True], ids=["batches", "partition_traces_by_id"])
 def test_sdk_services_through_the_collector_to_one_whole_diagnosis_per_trace(

@@ -120,6 +120,30 @@ def test_traces_in_pieces_are_diagnosed_whole_and_poison_goes_to_the_dead_letter
     assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
 
 
+def test_a_consumer_started_before_its_topic_exists_joins_once_it_does_and_reads_it_all(
+        kafka_bootstrap, detector, hotel_dataset):
+    """The Collector's first write creates the topic, usually after `bmeg consume` started. A
+    consumer that joined the group before that was once left unassigned for good (a
+    kafka-python 3.0.12 join race): it must not join until the topic exists, then read it all."""
+    config = config_for(kafka_bootstrap)
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[:20]
+    spans = traces_of(hotel_dataset.spans, trace_ids)
+    consumer = StreamConsumer(detector, config)
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(2.5)  # a few checks of the topic
+        assert not consumer.consumer.subscription()  # not in the group before the topic exists
+        produce(kafka_bootstrap, config.topic, split_messages(spans, trace_ids))
+        _wait_for(lambda: diagnosed(consumer) >= len(trace_ids), timeout_s=60)
+    finally:
+        stop.set()
+        thread.join(30)
+    diagnoses = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))
+    assert sorted(record.key.decode() for record in diagnoses) == sorted(trace_ids)
+
+
 def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_restart_resumes(
         kafka_bootstrap, detector, hotel_dataset):
     config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces never finish while it runs
