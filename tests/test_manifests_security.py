@@ -38,7 +38,11 @@ def test_the_manifests_hold_the_three_pods():
 
 @pytest.mark.parametrize("name", sorted(pod_templates()))
 def test_every_pod_meets_the_restricted_profile(name):
-    spec = pod_templates()[name]["spec"]
+    assert_restricted(pod_templates()[name]["spec"])
+
+
+def assert_restricted(spec: dict) -> None:
+    """The restricted Pod Security profile's rules, and resource limits, over a pod spec."""
     pod = spec.get("securityContext", {})
     assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) != 0
     assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}
