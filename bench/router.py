@@ -54,6 +54,7 @@ from bmeg.models.router import Router
 from bmeg.models.svm import TraceSVM
 from bmeg.training import pipeline
 from bmeg.training.evaluate import measure_cost, true_services
+from bmeg.training.labelled import Labelled
 from bmeg.training.metrics import accuracy_at_k, classification_table, threshold_for_precision
 
 #: The split of the testbed's campaign: this earlier share of its time to train on.
@@ -170,7 +171,7 @@ class _timed_gnn_fit:
         return self.seconds
 
 
-def _svm_fit_seconds(detector: Detector, data: pipeline.Labelled, config: pipeline.TrainConfig) -> float:
+def _svm_fit_seconds(detector: Detector, data: Labelled, config: pipeline.TrainConfig) -> float:
     """CPU seconds of the trace SVM's `fit` on the training traces (their vectors built beforehand,
     as the GNN's graphs are built before its `fit`)."""
     from bmeg.graphs import node_services
@@ -190,7 +191,7 @@ def _self_time_score(raw: Scores) -> np.ndarray:
     return np.where(raw.present, raw.svm_service, -np.inf).max(axis=1)
 
 
-def _cheapest_within_tolerance(detector: Detector, raw: Scores, data: pipeline.Labelled, tolerance: float) -> Router:
+def _cheapest_within_tolerance(detector: Detector, raw: Scores, data: Labelled, tolerance: float) -> Router:
     """The router the rule before `choose`'s GNN preference picked, from the same candidates."""
     rows = _validation_candidates(detector, raw, data)
     best = max(row["quality"] for row in rows)
@@ -199,7 +200,7 @@ def _cheapest_within_tolerance(detector: Detector, raw: Scores, data: pipeline.L
     return Router(int(chosen["max_services"]), int(chosen["max_paths"]))
 
 
-def _validation_candidates(detector: Detector, raw: Scores, data: pipeline.Labelled) -> list[dict]:
+def _validation_candidates(detector: Detector, raw: Scores, data: Labelled) -> list[dict]:
     from bmeg.models.router import choose
 
     val, y = data.val, data.y[data.val]
@@ -268,7 +269,7 @@ def window_check(name: str, traces: Path, fault_list: Path, normal_path: Path, b
     from bmeg.evaluation.rankers import SelfTimeRanker
     from bmeg.evaluation.rca import report, run_rca
     from bmeg.evaluation.windows import TraceFiles
-    from bmeg.faultinject.twin import rpc_view
+    from bmeg.graphs.rpc import rpc_view
     from bmeg.traces.io import read_spans
 
     with tempfile.TemporaryDirectory() as run_dir:
