@@ -7,13 +7,13 @@ server's) refuses it everywhere else."""
 from __future__ import annotations
 
 import pytest
+from builders import assert_restricted
 from conftest_infra import apply_objects
 from kubernetes import client
 
 from bmeg.faultinject import Fault, load_topology
 from bmeg.faultinject.kubernetes import KubernetesCampaign, app_deployments, interference_pod, netem_arguments
 from bmeg.mitigation import load_catalogue
-from test_manifests_security import assert_restricted
 
 CATALOGUE = load_catalogue()
 TARGET = "user-service"
