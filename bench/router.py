@@ -197,7 +197,7 @@ def _per_key_svm_figures(detector: Detector, data: Labelled, fresh: Labelled, fr
     """The trace SVM as it was before (each deviation's largest per key, not the trace's largest),
     trained, thresholded on validation and judged exactly as the `svm` row; same service ranking."""
     vectorizer = TraceVectorizer(deviations=detector.vectorizer.deviations, per_key_deviations=True)
-    earlier = replace(detector, vectorizer=vectorizer.fit(detector.vectorizer.keys))
+    earlier = replace(detector, vectorizer=vectorizer.fit(np.asarray(detector.vectorizer.keys, dtype=object)))
     vectors = _trace_vectors(earlier, data.forest)
     svm = TraceSVM(C=config.svm_C, random_state=config.seed).fit(vectors[data.train], data.y[data.train])
     threshold = threshold_for_precision(data.y[data.val], svm.predict_proba(vectors[data.val])[:, 1],
