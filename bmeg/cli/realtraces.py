@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import click
@@ -110,6 +109,7 @@ def evaluate() -> None:
 def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path | None, window_minutes: float,
         pod_suffix_parts: int, offset_hours: int, published: bool, input_format: str | None, as_json: bool) -> None:
     """Rank root-cause services after each injected fault; AC@k for bmeg and the baselines."""
+    from bmeg.evaluation.bootstrap import cached_bootstrap
     from bmeg.evaluation.faults import read_fault_list
     from bmeg.evaluation.rankers import default_rankers
     from bmeg.evaluation.rca import hour_offset, report, run_rca
@@ -122,7 +122,7 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
     try:
         faults = read_fault_list(faults_path, pod_suffix_parts)
         normal = rpc_view(read_spans(normal_path, format=input_format))
-        detector = Detector.load(run_dir or _bootstrapped(normal_path, input_format, as_json))
+        detector = Detector.load(run_dir or cached_bootstrap(normal_path, input_format, progress=not as_json))
         rankers = default_rankers(detector, normal, published)
         files = TraceFiles(traces_path, input_format, progress=not as_json)
         slip = hour_offset(files, faults, window_minutes)
@@ -211,16 +211,3 @@ def rca_sim(topology: Path, run_dir: Path, out: Path, window_seconds: float, see
         rows = [{"ranker": name, **values} for name, values in summary[group].items()]
         print_table(rows, title=f"simulated: {group.replace('_', ' ')}")
 
-
-def _bootstrapped(normal_path: Path, input_format: str | None, quiet: bool) -> Path:
-    """A bootstrapped run for these normal traces, from the cache or trained now."""
-    from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
-    from bmeg.paths import cache_dir
-
-    key = hashlib.sha256(str(normal_path.resolve()).encode()).hexdigest()[:10]
-    run_dir = cache_dir() / "runs" / f"bootstrap-{key}"
-    if not (run_dir / "metrics.json").is_file():
-        if not quiet:
-            click.echo(f"no --model: bootstrapping one from {normal_path} into {run_dir}")
-        run_bootstrap(normal_path, run_dir, input_format=input_format, progress=not quiet)
-    return run_dir

@@ -20,15 +20,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from bmeg.datasets.generate import generate_dataset
+from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_TRACES, generate_dataset
 from bmeg.faultinject.errors import SpecError
 from bmeg.faultinject.scenario import scenario_path
 from bmeg.faultinject.spec import topology_path
 from bmeg.paths import cache_dir
 from bmeg.traces.schema import conform
 
-DEFAULT_TRACES = 20_000
-DEFAULT_IMBALANCE = 0.1
 TEST_FRACTION = 0.2
 
 
@@ -61,6 +59,13 @@ class Dataset:
             test.extend(shuffled[: round(len(members) * test_fraction)].tolist())
         test_set = frozenset(test)
         return Split(frozenset(ids.tolist()) - test_set, test_set)
+
+    def sample(self, anomalous: int, normal: int) -> pa.Table:
+        """The spans of the first `anomalous` anomalous traces and the first `normal` normal ones (or all there are)."""
+        flags = self.traces["anomalous"]
+        ids = pa.concat_arrays([self.traces.filter(flags)["trace_id"][:anomalous].combine_chunks(),
+                                self.traces.filter(pc.invert(flags))["trace_id"][:normal].combine_chunks()])
+        return self.spans.filter(pc.is_in(self.spans["trace_id"], value_set=ids))
 
 
 def _dataset_dirs(path: Path) -> list[Path]:

@@ -13,7 +13,7 @@ writes the run directory. Each machine's local rank 0 loads (or generates) the d
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from bmeg.datasets.loader import (
-    DEFAULT_IMBALANCE,
-    DEFAULT_TRACES,
-    Dataset,
-    load_dataset,
-)
+from bmeg.datasets.loader import Dataset, load_dataset
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
 from bmeg.graphs.features import self_time_ns
 from bmeg.models.detector import Detector, Scores, node_keys
@@ -49,24 +44,8 @@ from bmeg.training.evaluate import evaluate, measure_cost, true_services
 from bmeg.training.labelled import Labelled
 from bmeg.training.metrics import threshold_for_precision
 from bmeg.training.plots import plot_run
-from bmeg.training.trainer import FitConfig, fit, process_group
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    dataset: str = "socialnet"
-    traces: int = DEFAULT_TRACES
-    imbalance: float = DEFAULT_IMBALANCE
-    scenario: str = "single"
-    seed: int = 0
-    features: str = "full"  # or "thesis": service time only
-    min_precision: float = 0.8  # stage-1 threshold: best recall at this precision
-    firm_window: int = 100  # traces over which FIRM's RI and CI are computed
-    svm_C: float = 0.1  # the trace SVM's regularisation
-    svm_max_services: int | None = None  # the router's cuts; None: chosen on validation
-    svm_max_paths: int | None = None
-    router_tolerance: float = 0.01  # validation quality (F1 x AC@1) the router may give up for a cheaper model
-    fit: FitConfig = field(default_factory=FitConfig)
+from bmeg.training.config import FitConfig, TrainConfig
+from bmeg.training.trainer import fit, process_group
 
 
 def load_recipe(name_or_path: str | Path, **overrides) -> TrainConfig:
