@@ -105,7 +105,10 @@ def split_by_time(dataset: Dataset, train_share: float, cap: int) -> tuple[Datas
 
 def _subset(dataset: Dataset, ids: np.ndarray) -> Dataset:
     keep = pa.array(ids.tolist())
-    take = lambda table: table.filter(pc.is_in(table["trace_id"], value_set=keep))  # noqa: E731
+
+    def take(table: pa.Table) -> pa.Table:
+        return table.filter(pc.is_in(table["trace_id"], value_set=keep))
+
     return Dataset(dataset.path, take(dataset.spans), take(dataset.traces), take(dataset.nodes), dataset.cards)
 
 

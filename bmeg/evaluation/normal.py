@@ -162,7 +162,9 @@ def _own_times(forest: SpanForest) -> pd.DataFrame:
     child = np.flatnonzero(forest.parent >= 0)
     called = child[is_client[forest.parent[child]]]
     callee[forest.parent[called]] = service[called]
-    return pd.DataFrame({"service": service, "key": span_keys(forest), "client": is_client & (callee != None),  # noqa: E711
+    calls = np.zeros(forest.num_spans, dtype=bool)  # a client span with a child: its callee is known
+    calls[forest.parent[called]] = True
+    return pd.DataFrame({"service": service, "key": span_keys(forest), "client": is_client & calls,
                          "callee": callee, "ns": np.maximum(self_time_ns(forest), MIN_EXCLUSIVE_NS).astype(float)})
 
 

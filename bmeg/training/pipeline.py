@@ -133,7 +133,10 @@ def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple
     dgcnn = DGCNN(encoder.num_features, **hparams["dgcnn"])
     gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
     histories = {"dgcnn": fit(dgcnn, graphs, data.train, data.val, "graph", fit_config, "stage 1 (DGCNN)")}
-    anomalous = lambda part: part[data.y[part] == 1]  # noqa: E731
+
+    def anomalous(part: np.ndarray) -> np.ndarray:
+        return part[data.y[part] == 1]
+
     histories["gcn"] = fit(gcn, graphs, anomalous(data.train), anomalous(data.val), "node", fit_config, "stage 2 (GCN)")
 
     services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
