@@ -136,9 +136,7 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
     if as_json:
         print_json(summary)
         return
-    for group in ("latency_faults", "overall"):
-        rows = [{"ranker": name, **values} for name, values in summary[group].items()]
-        print_table(rows, title=f"{group.replace('_', ' ')} (window {window_minutes:g} min)")
+    _print_scores(summary, f"(window {window_minutes:g} min)")
     rows = [{"type": kind, "ranker": name, **values}
             for kind, groups in summary["by_type"].items() for name, values in groups.items()]
     print_table(rows, title="by fault type")
@@ -207,7 +205,12 @@ def rca_sim(topology: Path, run_dir: Path, out: Path, window_seconds: float, see
     if as_json:
         print_json(summary)
         return
+    _print_scores(summary, "(simulated)")
+
+
+def _print_scores(summary: dict, note: str) -> None:
+    """The rankers' scores on the latency faults and on all faults, a table each."""
     for group in ("latency_faults", "overall"):
         rows = [{"ranker": name, **values} for name, values in summary[group].items()]
-        print_table(rows, title=f"simulated: {group.replace('_', ' ')}")
+        print_table(rows, title=f"{group.replace('_', ' ')} {note}")
 

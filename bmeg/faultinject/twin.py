@@ -43,7 +43,7 @@ from bmeg.faultinject.spec import (
 from bmeg.faultinject.tables import spans_of
 from bmeg.graphs import SpanForest
 from bmeg.graphs.features import self_time_ns
-from bmeg.graphs.rpc import rpc_view, span_roles
+from bmeg.graphs.rpc import called_spans, rpc_view, span_roles
 from bmeg.traces.errors import TraceInputError
 
 #: Quantile that sets a self time's sigma (with the median): the tail the percentiles are judged on.
@@ -235,12 +235,10 @@ def _instances(table: pa.Table) -> dict[str, int]:
 
 def _network(forest: SpanForest, is_client: np.ndarray) -> Network:
     """One-way delay: half of what a client span adds around its server span."""
-    parent = forest.parent
-    child = np.flatnonzero(parent >= 0)
-    pairs = child[is_client[parent[child]]]
-    if len(pairs) == 0:
+    called = called_spans(forest, is_client)
+    if len(called) == 0:
         return Network()
-    gap_us = (forest.duration_ns[parent[pairs]] - forest.duration_ns[pairs]) / 2e3
+    gap_us = (forest.duration_ns[forest.parent[called]] - forest.duration_ns[called]) / 2e3
     return Network(latency=_lognormal(gap_us, NETWORK_QUANTILE))
 
 

@@ -22,10 +22,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from bmeg.datasets.loader import Dataset, load_dataset
-from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
+from bmeg.datasets.loader import Dataset, load_dataset, stratified_pick
+from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
 from bmeg.graphs.features import self_time_ns
-from bmeg.models.detector import Detector, Scores, node_keys
+from bmeg.models.detector import Detector, Scores
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
@@ -112,9 +112,7 @@ def label(dataset: Dataset, seed: int) -> Labelled:
     split = dataset.split(seed)
     test = np.flatnonzero(positions.isin(list(split.test)))
     train_all = np.flatnonzero(positions.isin(list(split.train)))
-    rng = np.random.default_rng(seed + 1)
-    val = np.concatenate([rng.permutation(part)[: round(len(part) * 0.2)]
-                          for part in (train_all[y[train_all] == 1], train_all[y[train_all] == 0])])
+    val = stratified_pick(train_all, y[train_all] == 1, 0.2, np.random.default_rng(seed + 1))
     train_part = np.setdiff1d(train_all, val)
     return Labelled(forest, y, node_y, train_part, np.sort(val), test, traces)
 
@@ -140,7 +138,7 @@ def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple
     histories["gcn"] = fit(gcn, graphs, anomalous(data.train), anomalous(data.val), "node", fit_config, "stage 2 (GCN)")
 
     services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
-    keys = node_keys(services, forest)
+    keys = operation_keys(forest, services)
     on_train = np.isin(forest.trace_index, data.train)
     vectorizer = TraceVectorizer(deviations=tuple(name for name in DEVIATIONS if name in encoder.names))
     vectorizer.fit(keys[on_train])
