@@ -25,6 +25,10 @@ consumer's CPU time per trace (all its threads: steadier than traces/s on a shar
 lost traces (no diagnosis) and split ones (more than one diagnosis, or one with fewer spans than
 sent, or marked partial). Target: >= 2,000 traces/s per consumer process, 0 lost, 0 split.
 
+With `--stages` it measures instead the CPU time per trace of the consumer's own stages without
+Kafka (reading, assembling, diagnosing), where the time of a change shows without the broker's
+and the shared machine's noise.
+
 With `--consumers 1,2` it measures instead, one after the other in the same run, that many
 consumer processes in one group (each its own interpreter, as replicas would run), each on a
 fresh topic of the broker's default partition count holding the same traces: traces/s from the
@@ -74,7 +78,12 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, help="Another checkout: alternate runs with its bmeg, print medians.")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--consumers", help="Comma-separated consumer process counts to compare, e.g. 1,2.")
+    parser.add_argument("--stages", action="store_true",
+                        help="CPU per trace of the consumer's stages, without Kafka (read, assemble, diagnose).")
     args = parser.parse_args()
+    if args.stages and args.compare is None:
+        print(json.dumps(measure_stages(args)))
+        return
     if args.consumers:
         compare_consumer_processes(args, [int(n) for n in args.consumers.split(",")])
         return
@@ -138,6 +147,63 @@ def measure(args) -> dict:
             "start_s": first_at - started, "longest_gap_s": longest_gap_s,
             "cpu_us_per_trace": cpu_s * 1e6 / max(received, 1), "lost": args.traces - received, "split": split,
             "load_average": os.getloadavg()[0]}
+
+
+def measure_stages(args) -> dict:
+    """The consumer's stages on the same messages, one after the other in this process, CPU
+    time per trace (steady on a shared machine): reading runs of up to `MAX_RUN_MESSAGES`
+    messages as the loop does (with its per-message encoding check), assembling, diagnosing in
+    batches with a stream history. No Kafka: its client's fetching and sending are left out."""
+    import gc
+
+    import torch
+
+    from bmeg.models.detector import Detector
+    from bmeg.models.history import StreamHistory
+    from bmeg.serving.assembler import TraceAssembler
+    from bmeg.serving.consumer import MAX_RUN_MESSAGES
+    from bmeg.serving.publishing import diagnose_batch
+    from bmeg.traces.io import detect_encoding, read_spans_bytes
+
+    torch.set_num_threads(1)
+    detector = Detector.load(args.model, device="cpu")
+    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=0)
+    messages = [value for _, value in (trace_per_message(spans) if args.shape == "trace-per-message"
+                                       else batches(spans, args.window))]
+    gc.collect()
+    gc.freeze()  # as the consumer freezes its heap
+
+    def read() -> list:
+        runs = [messages[start:start + MAX_RUN_MESSAGES] for start in range(0, len(messages), MAX_RUN_MESSAGES)]
+        return [read_spans_bytes(b"".join(run), encoding="otlp_proto")
+                for run in runs if all(detect_encoding(value, "otlp_proto") for value in run)]
+
+    def assemble(tables: list) -> list:
+        assembler, done = TraceAssembler(args.idle_timeout), []
+        for source, table in enumerate(tables):
+            assembler.add(table, source)
+            done += assembler.finished()
+        return done + assembler.drain()
+
+    def diagnose(traces: list) -> None:
+        history = StreamHistory(visits=detector.encoder.history)
+        for start in range(0, len(traces), args.batch_traces):
+            diagnose_batch(detector, traces[start:start + args.batch_traces], history=history)
+
+    figures: dict[str, float] = {}
+    for repeat in range(2):  # the first pass warms up (imports, the model's first calls)
+        started = time.process_time()
+        tables = read()
+        read_at = time.process_time()
+        traces = assemble(tables)
+        assembled_at = time.process_time()
+        diagnose(traces)
+        ended = time.process_time()
+        figures = {"shape": args.shape, "traces": len(traces), "read_us": (read_at - started) * 1e6 / len(traces),
+                   "assemble_us": (assembled_at - read_at) * 1e6 / len(traces),
+                   "diagnose_us": (ended - assembled_at) * 1e6 / len(traces),
+                   "total_us": (ended - started) * 1e6 / len(traces)}
+    return figures
 
 
 def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> None:
@@ -319,7 +385,8 @@ def compare(args) -> None:
     sides = {"this": HERE.parent, "other": args.compare.resolve()}
     passed = ["--model", str(args.model), "--bootstrap", args.bootstrap, "--traces", str(args.traces),
               "--spans-per-trace", str(args.spans_per_trace), "--shape", args.shape, "--window", str(args.window),
-              "--idle-timeout", str(args.idle_timeout), "--batch-traces", str(args.batch_traces)]
+              "--idle-timeout", str(args.idle_timeout), "--batch-traces", str(args.batch_traces),
+              *(["--stages"] if args.stages else [])]
     figures: dict[str, list[dict]] = {side: [] for side in sides}
     for run in range(args.runs):
         for side, checkout in (sides.items() if run % 2 == 0 else reversed(sides.items())):
@@ -329,7 +396,12 @@ def compare(args) -> None:
             print(f"run {run + 1} {side} ({checkout}): {figures[side][-1]}", flush=True)
     for side, runs in figures.items():
         median = {key: statistics.median(run[key] for run in runs)
-                  for key in ("traces_per_s", "traces_per_s_after_start", "cpu_us_per_trace", "lost", "split")}
+                  for key, value in runs[0].items() if isinstance(value, (int, float))}
+        if args.stages:
+            print(f"{side} ({sides[side]}), median of {len(runs)}, CPU us per trace: read {median['read_us']:.0f}, "
+                  f"assemble {median['assemble_us']:.0f}, diagnose {median['diagnose_us']:.0f}, "
+                  f"total {median['total_us']:.0f}")
+            continue
         print(f"{side} ({sides[side]}), median of {len(runs)}: {median['traces_per_s']:.0f} traces/s "
               f"({median['traces_per_s_after_start']:.0f} after the first diagnosis), "
               f"{median['cpu_us_per_trace']:.0f} us CPU per trace, lost {median['lost']:.0f}, split {median['split']:.0f}")
