@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -40,6 +41,7 @@ from bmeg.graphs import assemble, node_services
 from bmeg.mitigation.audit import AuditLog
 from bmeg.mitigation.catalogue import Catalogue
 from bmeg.mitigation.controller import Controller
+from bmeg.mitigation.executor import Executor
 from bmeg.mitigation.planner import descendants
 from bmeg.mitigation.safety import SafetyPolicy
 from bmeg.mitigation.simulated import SimulatedApp, Window
@@ -135,8 +137,8 @@ def run_closed_loop(topology: TopologySpec, scenario: Scenario, catalogue: Catal
     baseline = pd.concat([w.service_latency for w in normal]).groupby("service")["us"].quantile(0.95).to_dict()
     fallback = SlowestLeafDetector(topology.name, baseline)
     controlled_app, hpa_app = app(), app()
-    controlled = _run(controlled_app, starts, settings, bar, _controller_step(controlled_app, catalogue, policy, detector, fallback))
-    hpa = _run(hpa_app, starts, settings, bar, _hpa_step(hpa_app, settings, policy))
+    controlled = _run(controlled_app, starts, settings, bar, controller_step(controlled_app, catalogue, policy, detector, fallback))
+    hpa = _run(hpa_app, starts, settings, bar, hpa_step(hpa_app, policy, settings.hpa_target_utilization, settings.hpa_tolerance))
     bar.close()
 
     fault_windows = lambda run: [w for w in run.windows_raw if _overlaps(w, faults)]  # noqa: E731
@@ -182,9 +184,12 @@ def _run(app: SimulatedApp, starts: np.ndarray, settings: LoopSettings, bar, act
     return run
 
 
-def _controller_step(app: SimulatedApp, catalogue: Catalogue, policy: SafetyPolicy, detector: TraceDetector | None,
-                     fallback: SlowestLeafDetector):
-    controller = Controller(app, catalogue, policy, AuditLog())
+def controller_step(executor: Executor, catalogue: Catalogue, policy: SafetyPolicy, detector: TraceDetector | None,
+                    fallback: SlowestLeafDetector, audit: AuditLog | None = None) -> Callable[[Window], list[dict]]:
+    """One control step per window: verify the actions due (rolling back those that did not
+    help), diagnose the window (the detector, else the fallback rule), act on the plan. Returns
+    what was done, as records for the report."""
+    controller = Controller(executor, catalogue, policy, audit or AuditLog())
     records: dict[int, dict] = {}  # id(Applied) -> its action's record, marked when rolled back
 
     def step(window: Window) -> list[dict]:
@@ -211,16 +216,21 @@ def _controller_step(app: SimulatedApp, catalogue: Catalogue, policy: SafetyPoli
     return step
 
 
-def _hpa_step(app: SimulatedApp, settings: LoopSettings, policy: SafetyPolicy):
+def hpa_step(executor: Executor, policy: SafetyPolicy, target_utilization: float,
+             tolerance: float) -> Callable[[Window], list[dict]]:
+    """The HPA baseline's step: desired = ceil(replicas * utilization / target) per service,
+    acted on when the ratio is beyond the tolerance; CPU utilization is all it looks at."""
     def step(window: Window) -> list[dict]:
         done = []
         for service, telemetry in window.telemetry.items():
-            ratio = telemetry.cpu_utilization / settings.hpa_target_utilization
-            if ratio <= 1 + settings.hpa_tolerance:  # the HPA's scale-down waits 5 minutes: never here
+            if telemetry.cpu_utilization is None or telemetry.replicas is None:
+                continue
+            ratio = telemetry.cpu_utilization / target_utilization
+            if ratio <= 1 + tolerance:  # the HPA's scale-down waits 5 minutes: never here
                 continue
             desired = min(policy.max_replicas, math.ceil(telemetry.replicas * ratio))
             if desired > telemetry.replicas:
-                app.scale(service, desired)
+                executor.scale(service, desired)
                 done.append({"time_s": window.end_s, "service": service, "action": "scale_out",
                              "status": "applied", "detail": f"{telemetry.replicas} -> {desired} replicas "
                              f"(CPU {telemetry.cpu_utilization:.0%} of the limit)"})
