@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import numpy as np
@@ -185,11 +185,12 @@ def _run(app: SimulatedApp, starts: np.ndarray, settings: LoopSettings, bar, act
 
 
 def controller_step(executor: Executor, catalogue: Catalogue, policy: SafetyPolicy, detector: TraceDetector | None,
-                    fallback: SlowestLeafDetector, audit: AuditLog | None = None) -> Callable[[Window], list[dict]]:
+                    fallback: SlowestLeafDetector, audit: AuditLog | None = None,
+                    services: Collection[str] | None = None) -> Callable[[Window], list[dict]]:
     """One control step per window: verify the actions due (rolling back those that did not
-    help), diagnose the window (the detector, else the fallback rule), act on the plan. Returns
-    what was done, as records for the report."""
-    controller = Controller(executor, catalogue, policy, audit or AuditLog())
+    help), diagnose the window (the detector, else the fallback rule), act on the plan (on
+    `services` only, when given). Returns what was done, as records for the report."""
+    controller = Controller(executor, catalogue, policy, audit or AuditLog(), services=services)
     records: dict[int, dict] = {}  # id(Applied) -> its action's record, marked when rolled back
 
     def step(window: Window) -> list[dict]:

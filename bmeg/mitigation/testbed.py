@@ -95,12 +95,13 @@ class TestbedFault:
 #: the shipped closed-loop scenarios: post-storage-service is on every read path (60% home
 #: timelines, 30% user timelines), so its trouble shows in the end-to-end tail
 SCENARIOS: dict[str, TestbedFault] = {
-    # its CPU quota cut to a fifth (0.1 of a core): the container's limit too small for the load
-    "saturation": TestbedFault("post-storage-service", "saturation", {"capacity": 0.2}),
+    # its CPU quota cut to a twentieth (0.025 of a core): the container's limit too small for the load
+    "saturation": TestbedFault("post-storage-service", "saturation", {"capacity": 0.05}),
     # a stress-ng hog on its CPU with 9x its cgroup's shares: it keeps ~1/10 of the CPU it wants
     "interference": TestbedFault("post-storage-service", "interference", {"factor": 10.0}),
-    # a worker pool (and store pool) of 1: a thread-pool misconfiguration
-    "misconfiguration": TestbedFault("post-storage-service", "misconfiguration", {"pool_size": 1}),
+    # a worker pool (and store pool) of 1 on the home timelines (60% of requests; each holds its
+    # worker while it reads Redis and calls post-storage-service): a thread-pool misconfiguration
+    "misconfiguration": TestbedFault("home-timeline-service", "misconfiguration", {"pool_size": 1}),
 }
 
 
@@ -464,6 +465,7 @@ def run_testbed_loop(testbed: Testbed, scenario: str, catalogue: Catalogue, poli
                          f"for {settings.fault_s:g} s")
                 runs.append(_run_arm(arm, testbed, state, executor, fault, live, settings, catalogue,
                                      settings.policy(policy), detector))
+                executor.reset(overrides)  # the next arm starts from the normal deployment
         finally:
             undo_all(testbed, state)
             executor.reset(overrides)
@@ -514,7 +516,8 @@ def _step(arm: str, executor: TestbedExecutor, catalogue: Catalogue, policy: Saf
         return hpa_step(executor, policy, settings.hpa_target_utilization, settings.hpa_tolerance)
     per_trace = per_trace_service(span_frame(normal))
     baseline = per_trace.groupby("service")["us"].quantile(0.95).to_dict()
-    return controller_step(executor, catalogue, policy, detector, SlowestLeafDetector("socialnet", baseline), AuditLog())
+    return controller_step(executor, catalogue, policy, detector, SlowestLeafDetector("socialnet", baseline), AuditLog(),
+                           services=SERVICES)
 
 
 def _ns(seconds: float) -> int:
