@@ -76,7 +76,7 @@ def test_scale_out_is_balanced_and_undone(bed):
 
 
 def test_closed_loop_mitigation_beats_no_mitigation(bed):
-    settings = TestbedLoopSettings(normal_s=10.0, fault_s=36.0, arms=("none", "bmeg"))
+    settings = TestbedLoopSettings(normal_s=10.0, fault_s=40.0, arms=("none", "bmeg"))
     report = run_testbed_loop(bed, SCENARIO, load_catalogue(), load_policy(DEFAULT_POLICY), settings)
     none, bmeg = report.arm("none"), report.arm("bmeg")
     target = SCENARIOS[SCENARIO].service

@@ -31,15 +31,17 @@ def test_settings_refuse_what_cannot_run():
     with pytest.raises(ValueError, match="arms"):
         TestbedLoopSettings(arms=())
     with pytest.raises(ValueError, match="no time to act"):
-        TestbedLoopSettings(fault_s=10.0, window_s=4.0, lag_s=6.5)
+        TestbedLoopSettings(fault_s=15.0, window_s=4.0, history_s=8.0, lag_s=6.5)
+    with pytest.raises(ValueError, match="history_s"):
+        TestbedLoopSettings(window_s=4.0, history_s=2.0)
     with pytest.raises(ValueError, match="positive"):
         TestbedLoopSettings(window_s=0)
 
 
 def test_policy_waits_for_a_window_of_traces_begun_after_the_action():
-    policy = TestbedLoopSettings(window_s=4.0, lag_s=6.5).policy(SafetyPolicy())
+    policy = TestbedLoopSettings(window_s=4.0, history_s=8.0, lag_s=6.5).policy(SafetyPolicy())
     assert not policy.dry_run
-    assert policy.verify_after_s == pytest.approx(10.5)
+    assert policy.verify_after_s == pytest.approx(14.5)
     assert policy.cooldown_s > policy.verify_after_s
 
 

@@ -53,24 +53,35 @@ class TraceDetector(Protocol):
 
 @dataclass
 class SlowestLeafDetector:
-    """The fallback detector (see the module's words); `baseline_p95_us` per service."""
+    """The fallback detector (see the module's words); `baseline_p95_us` per service.
+
+    On a real machine (`by_excess`, `min_samples`): scheduling noise doubles a 0.2-ms span's
+    time without hurting anyone, so the causes are scored by their excess time (p95 over its
+    normal, in µs) rather than the log of their slowdown, and a service seen in fewer than
+    `min_samples` traces of the window (whose p95 is the largest of a handful) is left out."""
 
     application: str
     baseline_p95_us: dict[str, float]
     slow_ratio: float = 2.0
     min_excess_us: float = 1000.0  # ignore services slower by less than a millisecond
     explains: float = 0.25  # share of a caller's slowdown (p95 / normal p95) a slow callee must have to explain it
+    by_excess: bool = False
+    min_samples: int = 1
 
     def diagnose_window(self, window: Window, edges: set[tuple[str, str]]) -> Diagnosis:
-        p95 = window.service_latency.groupby("service")["us"].quantile(0.95)
-        ratio = {s: us / self.baseline_p95_us[s] for s, us in p95.items() if self.baseline_p95_us.get(s, 0) > 0}
+        grouped = window.service_latency.groupby("service")["us"]
+        counts = grouped.size()
+        p95 = grouped.quantile(0.95)
+        ratio = {s: us / self.baseline_p95_us[s] for s, us in p95.items()
+                 if self.baseline_p95_us.get(s, 0) > 0 and counts[s] >= self.min_samples}
         slow = {s for s, r in ratio.items() if r >= self.slow_ratio and p95[s] - self.baseline_p95_us[s] >= self.min_excess_us}
         below = descendants(edges)
         # back-pressure amplifies: a caller's queue can grow far beyond its slow callee's
         # latency, so a callee explains a caller once its slowdown is of the same order
         causes = {s for s in slow if not any(ratio[d] >= self.explains * ratio[s] for d in below.get(s, set()) & slow)}
-        top = max((math.log(ratio[s]) for s in causes), default=1.0)
-        ranking = [ServiceScore(service=s, score=round(math.log(ratio[s]) / top, 4) if s in causes else 0.0,
+        weight = {s: (p95[s] - self.baseline_p95_us[s]) if self.by_excess else math.log(ratio[s]) for s in causes}
+        top = max(weight.values(), default=1.0)
+        ranking = [ServiceScore(service=s, score=round(weight[s] / top, 4) if s in causes else 0.0,
                                 bottleneck=s in causes)
                    for s in sorted(ratio, key=lambda s: -ratio[s])]
         return Diagnosis(model_version="slowest-leaf-rule", application=self.application, traces=[], ranking=ranking)
