@@ -38,7 +38,9 @@ served it), after the last arm's spans arrived: p95/p99 in the normal phase, ove
 fault period and over its second half (`late`, where the mitigation had time to act: the same
 seconds for every arm), SLO-violation seconds (1-s buckets of the fault period whose p95 is
 above `slo_ratio` x the normal p95 of all arms) and the recovery time (from the fault's start
-until every later window's p95 stays within the SLO).
+until every later window's p95 stays within the SLO). On the shared machine a few seconds of
+other users' load can multiply every arm's p95 for a while, so the report also gives the median
+of the late half's 1-s p95s, which such seconds do not move.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ from bmeg.mitigation.catalogue import Catalogue, Parameter
 from bmeg.mitigation.closed_loop import SlowestLeafDetector, TraceDetector, controller_step, hpa_step
 from bmeg.mitigation.executor import ActionError, Applied, ServiceState
 from bmeg.mitigation.planner import ServiceTelemetry
-from bmeg.mitigation.safety import SafetyPolicy
+from bmeg.mitigation.safety import Latencies, SafetyPolicy
 from bmeg.mitigation.simulated import Window, per_trace_service, span_frame, window_latencies
 
 ARMS = ("none", "bmeg", "hpa")
@@ -105,7 +107,9 @@ class TestbedFault:
 #: the shipped closed-loop scenarios: post-storage-service is on every read path (60% home
 #: timelines, 30% user timelines), so its trouble shows in the end-to-end tail
 SCENARIOS: dict[str, TestbedFault] = {
-    # its CPU quota cut to a twentieth (0.025 of a core): the container's limit too small for the load
+    # its CPU quota cut to 0.025 of a core, 60-70% used at 50 req/s: the container's limit too
+    # small for the load (at 0.015 of a core scale-out replicas with that quota were throttled
+    # as badly: CFS throttles each request that needs more than the quota per 100-ms period)
     "saturation": TestbedFault("post-storage-service", "saturation", {"capacity": 0.05}),
     # a stress-ng hog on its CPU with 9x its cgroup's shares: it keeps ~1/10 of the CPU it wants
     "interference": TestbedFault("post-storage-service", "interference", {"factor": 10.0}),
@@ -341,7 +345,8 @@ def make_window(spans: pa.Table, start_s: float, end_s: float, executor: Testbed
     """The controller's view of a window: its traces, latencies and the services' telemetry."""
     per_span = span_frame(spans)
     service_latency = per_trace_service(per_span)
-    latency_ms = spans.filter(_is_root(spans))["duration_ns"].to_numpy() / 1e6
+    roots = spans.filter(_is_root(spans))
+    latency_ms = roots["duration_ns"].to_numpy() / 1e6
     per_instance = per_span.groupby(["service", "instance"])["us"].quantile(0.95) / 1e3
     telemetry = {}
     for service in SERVICES:
@@ -350,8 +355,17 @@ def make_window(spans: pa.Table, start_s: float, end_s: float, executor: Testbed
         telemetry[service] = ServiceTelemetry(replicas=state.replicas, cpu_utilization=utilization.get(service),
                                               cpu_limit_cores=state.cpu_cores, memory_limit_mb=None, parameters=state.parameters,
                                               replica_p95_ms=p95)
-    return Window(start_s, end_s, spans, latency_ms, np.zeros(0, dtype=bool), window_latencies(latency_ms, service_latency),
-                  telemetry, service_latency)
+    latencies = window_latencies(latency_ms, service_latency)
+    # the application's p95 as the median of its 1-s p95s: other users' load on the 2 shared cores
+    # multiplies it for a few seconds now and then (92 -> 260 ms across a scale-up that cut the
+    # saturated service's p95 by 62%, which verification then rolled back)
+    start_ns = roots["start_ns"].to_numpy()
+    first = int(start_ns.min()) if len(start_ns) else 0
+    seconds = _buckets(start_ns, latency_ms, first, int(start_ns.max()) + 1 if len(start_ns) else 0, 1.0)
+    typical = _median([p95 for _, p95, _ in seconds])
+    if np.isfinite(typical):
+        latencies = Latencies(typical, latencies.service_p95_ms)
+    return Window(start_s, end_s, spans, latency_ms, np.zeros(0, dtype=bool), latencies, telemetry, service_latency)
 
 
 # --- the loop ----------------------------------------------------------------------------
@@ -415,6 +429,7 @@ class ArmReport:
     p99_fault_ms: float
     p95_late_ms: float  # the fault period's second half
     p99_late_ms: float
+    p95_late_median_ms: float  # the median of its 1-s buckets' p95: a few noisy seconds do not move it
     slo_violation_s: int  # 1-s buckets of the fault period above the SLO
     recovery_s: float | None  # None: not back within the SLO while the fault lasted
     error_share: float  # root spans with an error status in the fault period
@@ -514,13 +529,18 @@ def _run_arm(arm: str, testbed: Testbed, state: TestbedState, executor: TestbedE
             live.refresh()
             if arm == "none":
                 continue
-            spans = live.traces(_ns(tick - settings.lag_s - settings.history_s), _ns(tick - settings.lag_s))
+            # from the fault on, as --sim: traces begun before it tell of the normal state (noise
+            # in them once sent the controller after a service, verified against the fault)
+            begin = max(fault_start, tick - settings.lag_s - settings.history_s)
+            if tick - settings.lag_s - begin < settings.window_s:
+                continue
+            spans = live.traces(_ns(begin), _ns(tick - settings.lag_s))
             if spans.num_rows == 0:
                 continue
             if step is None:
                 step = _step(arm, executor, catalogue, policy, settings, detector,
                              live.traces(_ns(normal_start), _ns(fault_start)))
-            window = make_window(spans, tick - fault_start - settings.history_s, tick - fault_start, executor, utilization)
+            window = make_window(spans, begin - fault_start, tick - fault_start, executor, utilization)
             run.actions += step(window)
     finally:
         undo_fault(testbed, state, fault_id)
@@ -564,6 +584,7 @@ def _report(scenario: str, fault: TestbedFault, rate: float, settings: TestbedLo
             arm=run.arm, p95_normal_ms=_quantile(before, 0.95), p99_normal_ms=_quantile(before, 0.99),
             p95_fault_ms=_quantile(latency[during], 0.95), p99_fault_ms=_quantile(latency[during], 0.99),
             p95_late_ms=_quantile(late, 0.95), p99_late_ms=_quantile(late, 0.99),
+            p95_late_median_ms=_median([p95 for at, p95, _ in seconds if run.fault_start_ns + at * 1e9 >= half]),
             slo_violation_s=sum(1 for _, p95, _ in seconds if not p95 <= slo),
             recovery_s=_recovery(windows, slo), error_share=round(float(failed[during].mean()) if during.any() else 0.0, 4),
             traces=int(during.sum()),
@@ -572,6 +593,11 @@ def _report(scenario: str, fault: TestbedFault, rate: float, settings: TestbedLo
     return TestbedLoopReport(scenario=scenario, fault=asdict(fault), rate=rate, settings=asdict(settings),
                              detector=getattr(detector, "version", None) or "slowest-leaf-rule",
                              slo_ms=round(slo, 2), arms=arms)
+
+
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if np.isfinite(v)]
+    return round(float(np.median(finite)), 2) if finite else float("nan")
 
 
 def _quantile(values: np.ndarray, q: float) -> float:
@@ -602,7 +628,8 @@ def report_rows(report: TestbedLoopReport) -> list[dict]:
     """The closed-loop table: one row per arm."""
     names = {"none": "fault, no mitigation", "bmeg": "fault, bmeg controller", "hpa": "fault, HPA baseline (CPU)"}
     return [{"run": names[a.arm], "p95 normal ms": a.p95_normal_ms, "p95 fault ms": a.p95_fault_ms,
-             "p95 late ms": a.p95_late_ms, "p99 late ms": a.p99_late_ms, "SLO violation s": a.slo_violation_s,
+             "p95 late ms": a.p95_late_ms, "p99 late ms": a.p99_late_ms, "p95 late, median s ms": a.p95_late_median_ms,
+             "SLO violation s": a.slo_violation_s,
              "recovery s": a.recovery_s, "errors": a.error_share,
              "actions": "; ".join(f"{x['service']} {x['action']} {x['status']}" for x in a.actions
                                   if x["status"] not in ("refused", "advice")) or "-"}
