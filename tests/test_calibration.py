@@ -11,7 +11,7 @@ from bmeg.graphs import assemble
 from bmeg.traces import span_table
 from bmeg.traces.schema import empty_span_table
 from bmeg.training.calibration import calibrate_on_healthy, flagged_share, split_by_time
-from tests.test_models import _tiny_detector, many_traces
+from builders import many_traces, tiny_detector
 
 
 @settings(max_examples=25, deadline=None)
@@ -35,7 +35,7 @@ def test_split_by_time_rejects_what_it_cannot_split():
 
 
 def test_calibration_brings_false_alarms_to_the_target_and_only_raises_thresholds():
-    detector = _tiny_detector()
+    detector = tiny_detector()
     healthy = assemble(span_table(many_traces(200)))
     detector.thresholds["graph"] = 0.0  # an operating point that flags every healthy trace
     assert flagged_share(detector, healthy) == 1.0

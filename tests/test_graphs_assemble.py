@@ -7,25 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from builders import chain, spans
+
 from bmeg.graphs import assemble
 from bmeg.traces import TraceInputError, span_table
-
-
-def spans(rows, trace_id: str = "t1"):
-    """A span table from (span_id, parent_id, start, duration[, kind]) rows of one trace."""
-    rows = [row if len(row) == 5 else (*row, "server") for row in rows]
-    return span_table(
-        {
-            "trace_id": [trace_id] * len(rows),
-            "span_id": [row[0] for row in rows],
-            "parent_id": [row[1] for row in rows],
-            "service": [f"svc-{row[0]}" for row in rows],
-            "operation": [f"op-{row[0]}" for row in rows],
-            "start_ns": [row[2] for row in rows],
-            "duration_ns": [row[3] for row in rows],
-            "kind": [row[4] for row in rows],
-        }
-    )
 
 
 def parent_of(forest) -> dict[str, str | None]:
@@ -185,16 +170,6 @@ def test_async_children_keep_their_timing():
 def test_consumer_cannot_start_before_its_producer():
     forest = assemble(spans([("r", None, 0, 100, "producer"), ("q", "r", -30, 200, "consumer")]))
     assert starts(forest)["q"] == 0
-
-
-def chain(trace_id: str, start_ns: list[int], duration_ns: list[int]):
-    """One trace whose spans form a single chain, span i the parent of span i + 1."""
-    n = len(start_ns)
-    return span_table({
-        "trace_id": [trace_id] * n, "span_id": [f"{i:x}" for i in range(n)],
-        "parent_id": [None] + [f"{i:x}" for i in range(n - 1)], "service": ["s"] * n, "operation": ["o"] * n,
-        "start_ns": start_ns, "duration_ns": duration_ns,
-    })
 
 
 def test_deep_chain_of_100k_spans():

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import httpx
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from conftest_infra import free_port
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
@@ -120,6 +120,30 @@ def test_traces_in_pieces_are_diagnosed_whole_and_poison_goes_to_the_dead_letter
     assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
 
 
+def test_a_consumer_started_before_its_topic_exists_joins_once_it_does_and_reads_it_all(
+        kafka_bootstrap, detector, hotel_dataset):
+    """The Collector's first write creates the topic, usually after `bmeg consume` started. A
+    consumer that joined the group before that was once left unassigned for good (a
+    kafka-python 3.0.12 join race): it must not join until the topic exists, then read it all."""
+    config = config_for(kafka_bootstrap)
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[:20]
+    spans = traces_of(hotel_dataset.spans, trace_ids)
+    consumer = StreamConsumer(detector, config)
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(2.5)  # a few checks of the topic
+        assert not consumer.consumer.subscription()  # not in the group before the topic exists
+        produce(kafka_bootstrap, config.topic, split_messages(spans, trace_ids))
+        _wait_for(lambda: diagnosed(consumer) >= len(trace_ids), timeout_s=60)
+    finally:
+        stop.set()
+        thread.join(30)
+    diagnoses = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))
+    assert sorted(record.key.decode() for record in diagnoses) == sorted(trace_ids)
+
+
 def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_restart_resumes(
         kafka_bootstrap, detector, hotel_dataset):
     config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces never finish while it runs
@@ -157,7 +181,7 @@ def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, traine
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     admin.create_topics([NewTopic(config.topic, PARTITIONS, 1)])
     admin.close()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     logs = [tmp_path / f"log{i}" for i in range(2)]
     processes = [_consume_process(kafka_bootstrap, config, trained_run_dir, logs[i],
                                   ["--metrics-port", str(metrics_port)] if i == 0 else []) for i in range(2)]
@@ -195,12 +219,6 @@ def _wait_for(condition, timeout_s: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.2)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _consume_process(bootstrap: str, config: ConsumerConfig, run_dir: Path, log: Path, extra: list[str]) -> subprocess.Popen:
@@ -362,7 +380,7 @@ def test_healthz_fails_while_the_poll_loop_is_stuck_and_recovers_after(kafka_boo
     trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[220:224]
     produce(kafka_bootstrap, config.topic, [(0, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t]))) for t in trace_ids])
     consumer = StreamConsumer(StandInDetector(delay_s=6.0), config)
-    port = _free_port()
+    port = free_port()
     probes = serve_probes(consumer, "127.0.0.1", port)
     seen: list[int] = []
     try:

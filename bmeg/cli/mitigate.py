@@ -226,7 +226,7 @@ def _on_cluster(kubeconfig, topology_name, namespace, bootstrap, topic, max_mess
     from bmeg.mitigation import ActionError, AuditLog, Controller, load_catalogue
     from bmeg.mitigation.audit import default_audit_path
     from bmeg.mitigation.feed import consume
-    from bmeg.mitigation.kubernetes import KubernetesExecutor, api_client
+    from bmeg.cluster.kubernetes import KubernetesExecutor, api_client
 
     catalogue = load_catalogue()
     services = _topology(topology_name).services

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from bmeg.datasets.generate import generate_dataset
 from bmeg.evaluation.rankers import with_normal_baselines
-from bmeg.faultinject.twin import fit_twin, rpc_view
+from bmeg.faultinject.twin import fit_twin
+from bmeg.graphs.rpc import rpc_view
 from bmeg.training.calibration import DEFAULT_FALSE_ALARM_RATE
 from bmeg.traces.io import read_spans
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from bmeg.faultinject import Fault, TopologySpec, simulate, spans_of
 from bmeg.faultinject.scenario import SOURCE_PARAMETERS
-from bmeg.faultinject.twin import span_roles
+from bmeg.graphs.rpc import span_roles
 from bmeg.graphs import assemble
 from bmeg.graphs.features import self_time_ns
 from bmeg.traces.io import write_spans

@@ -29,10 +29,9 @@ from kubernetes.client.exceptions import ApiException
 
 from bmeg.faultinject.scenario import Fault
 from bmeg.faultinject.spec import TopologySpec
-from bmeg.mitigation.catalogue import Catalogue
-from bmeg.mitigation.executor import Applied
-from bmeg.mitigation.kubernetes import INTERFERENCE_LABELS, KubernetesExecutor
-from bmeg.traces.fetch import fetch_jaeger_traces  # noqa: F401 (moved to bmeg.traces; its callers import it here)
+from bmeg.cluster.catalogue import Catalogue
+from bmeg.cluster.executor import Applied
+from bmeg.cluster.kubernetes import INTERFERENCE_LABELS, KubernetesExecutor
 
 DEFAULT_STRESS_IMAGE = "ghcr.io/colinianking/stress-ng:latest"
 SUPPORTED_SOURCES = ("interference", "saturation", "misconfiguration")

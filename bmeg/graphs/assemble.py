@@ -179,7 +179,7 @@ def _reject_bad_traces(table: pa.Table, on_bad_trace: str, dropped: list[Dropped
         )
     bad_traces = set(trace_ids[bad_rows])
     drop = np.isin(trace_ids, list(bad_traces))
-    for row in np.flatnonzero(drop):
+    for row in np.flatnonzero(drop).tolist():
         why = reasons[row] or "its trace has an unrepairable span"
         dropped.append(DroppedSpan(trace_ids[row], span_ids[row], why))
     return table.filter(pa.array(~drop))

@@ -39,7 +39,7 @@ from bmeg.diagnosis import Diagnosis, ServiceScore
 from bmeg.faultinject import Fault, Scenario, TopologySpec, calibrate, plan_faults
 from bmeg.graphs import assemble, node_services
 from bmeg.mitigation.audit import AuditLog
-from bmeg.mitigation.catalogue import Catalogue
+from bmeg.cluster.catalogue import Catalogue
 from bmeg.mitigation.controller import Controller
 from bmeg.mitigation.executor import Executor
 from bmeg.mitigation.planner import descendants

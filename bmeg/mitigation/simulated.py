@@ -25,8 +25,8 @@ import pyarrow as pa
 from bmeg.faultinject import Fault, Thresholds, TopologySpec, episode_tables, label_episode, simulate
 from bmeg.graphs import assemble, node_services
 from bmeg.graphs.features import self_time_ns
-from bmeg.mitigation.catalogue import Catalogue, Parameter
-from bmeg.mitigation.executor import ActionError, Applied, ServiceState
+from bmeg.cluster.catalogue import Catalogue, Parameter
+from bmeg.cluster.executor import ActionError, Applied, ServiceState
 from bmeg.mitigation.planner import ServiceTelemetry
 from bmeg.mitigation.safety import Latencies
 

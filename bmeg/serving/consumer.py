@@ -146,7 +146,8 @@ class StreamConsumer:
             auto_offset_reset="earliest", max_poll_records=config.max_poll_records,
             partition_assignment_strategy=[CooperativeStickyAssignor],
         )
-        self.consumer.subscribe([config.topic], listener=_Rebalance(self))
+        self._subscribed = False  # until the topic exists: see `_subscribe_once_the_topic_exists`
+        self._topic_checked = float("-inf")
         self._diagnoser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bmeg-diagnoser")
         self._in_flight: deque[Future[list[Delivery]]] = deque()  # oldest first
         self._unsent: list[Delivery] = []  # published, not yet all acknowledged
@@ -169,6 +170,9 @@ class StreamConsumer:
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
         self._beat()
+        if not self._subscribed and not self._subscribe_once_the_topic_exists():
+            time.sleep(self.config.poll_timeout_ms / 1e3)
+            return
         self._throttle()
         try:
             batches = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
@@ -183,6 +187,32 @@ class StreamConsumer:
         self._submit(self.assembler.finished())
         if time.monotonic() - self._last_commit >= self.config.commit_interval_s:
             self.commit()
+
+    def _subscribe_once_the_topic_exists(self) -> bool:
+        """Subscribe to the topic once the broker lists its partitions (checked once a second).
+
+        A consumer that subscribes before the topic exists (the Collector's first write creates
+        it) is assigned nothing, then rejoins when the topic appears; kafka-python 3.0.12 can
+        drop the result of that second join when it spans two polls (the join loop stops once
+        the leader's own snapshot matches, before the assignment is applied), and the member,
+        with its heartbeat off, sits unassigned until the broker evicts it: every message lost
+        to this consumer. Joining only when the partitions are known makes the first join the
+        one that assigns them."""
+        if time.monotonic() - self._topic_checked < 1.0:
+            return False
+        first_check, self._topic_checked = self._topic_checked == float("-inf"), time.monotonic()
+        try:
+            partitions = self.consumer.partitions_for_topic(self.config.topic)
+        except KafkaError as error:  # the broker is away: asked again in a second
+            log.warning("listing the partitions of %s failed (retrying): %s", self.config.topic, error)
+            return False
+        if not partitions:
+            if first_check:
+                log.info("waiting for the topic %s to exist", self.config.topic)
+            return False
+        self.consumer.subscribe([self.config.topic], listener=_Rebalance(self))
+        self._subscribed = True
+        return True
 
     def healthy(self) -> bool:
         """Liveness: the loop went round within `liveness_timeout_s`."""
