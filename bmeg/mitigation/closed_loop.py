@@ -41,7 +41,7 @@ from bmeg.graphs import assemble, node_services
 from bmeg.mitigation.audit import AuditLog
 from bmeg.cluster.catalogue import Catalogue
 from bmeg.mitigation.controller import Controller
-from bmeg.mitigation.executor import Executor
+from bmeg.cluster.executor import Executor
 from bmeg.mitigation.planner import descendants
 from bmeg.mitigation.safety import SafetyPolicy
 from bmeg.mitigation.simulated import SimulatedApp, Window

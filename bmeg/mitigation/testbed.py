@@ -72,9 +72,9 @@ from bmeg.faultinject.testbed.state import Testbed, TestbedState
 from bmeg.faultinject.testbed.supervisor import start_service, wait_healthy
 from bmeg.faultinject.testbed.system import ProcessRecord, TestbedError
 from bmeg.mitigation.audit import AuditLog
-from bmeg.mitigation.catalogue import Catalogue, Parameter
+from bmeg.cluster.catalogue import Catalogue, Parameter
 from bmeg.mitigation.closed_loop import SlowestLeafDetector, TraceDetector, controller_step, hpa_step
-from bmeg.mitigation.executor import ActionError, Applied, ServiceState
+from bmeg.cluster.executor import ActionError, Applied, ServiceState
 from bmeg.mitigation.planner import ServiceTelemetry
 from bmeg.mitigation.safety import Latencies, SafetyPolicy
 from bmeg.mitigation.simulated import Window, per_trace_service, span_frame, window_latencies
