@@ -89,6 +89,7 @@ def test_report_compares_the_arms_on_the_same_seconds():
     assert none.p95_normal_ms == bmeg.p95_normal_ms == 10.0 and report.slo_ms == 15.0
     assert none.p95_late_ms == 100.0 and bmeg.p95_late_ms == 10.0
     assert none.p95_late_median_ms == 100.0 and bmeg.p95_late_median_ms == 10.0
+    assert none.late_over_normal == 10.0 and bmeg.late_over_normal == 1.0
     assert none.slo_violation_s == 20 and bmeg.slo_violation_s == 8
     assert none.recovery_s is None and bmeg.recovery_s == 8.0
     assert none.traces == bmeg.traces == 200 and none.error_share == 0.0

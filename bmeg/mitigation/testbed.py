@@ -40,7 +40,9 @@ seconds for every arm), SLO-violation seconds (1-s buckets of the fault period w
 above `slo_ratio` x the normal p95 of all arms) and the recovery time (from the fault's start
 until every later window's p95 stays within the SLO). On the shared machine a few seconds of
 other users' load can multiply every arm's p95 for a while, so the report also gives the median
-of the late half's 1-s p95s, which such seconds do not move.
+of the late half's 1-s p95s, which such seconds do not move, and that over the same median in
+the arm's own normal phase (`late_over_normal`: the arms run a minute apart, and the machine's
+load moves between them).
 """
 
 from __future__ import annotations
@@ -430,6 +432,9 @@ class ArmReport:
     p95_late_ms: float  # the fault period's second half
     p99_late_ms: float
     p95_late_median_ms: float  # the median of its 1-s buckets' p95: a few noisy seconds do not move it
+    #: that over the same median in the arm's own normal phase: the arms run a minute apart, and
+    #: the shared machine's load moved the normal p95 from 69 to 118 ms between two of them
+    late_over_normal: float
     slo_violation_s: int  # 1-s buckets of the fault period above the SLO
     recovery_s: float | None  # None: not back within the SLO while the fault lasted
     error_share: float  # root spans with an error status in the fault period
@@ -579,12 +584,15 @@ def _report(scenario: str, fault: TestbedFault, rate: float, settings: TestbedLo
         half = run.fault_start_ns + (run.fault_end_ns - run.fault_start_ns) // 2
         late = latency[during & (start >= half)]
         seconds = _buckets(start[during], latency[during], run.fault_start_ns, run.fault_end_ns, 1.0)
+        normal_seconds = _buckets(start, latency, run.normal_start_ns, run.fault_start_ns, 1.0)
+        late_median = _median([p95 for at, p95, _ in seconds if run.fault_start_ns + at * 1e9 >= half])
         windows = _buckets(start[during], latency[during], run.fault_start_ns, run.fault_end_ns, settings.window_s)
         arms.append(ArmReport(
             arm=run.arm, p95_normal_ms=_quantile(before, 0.95), p99_normal_ms=_quantile(before, 0.99),
             p95_fault_ms=_quantile(latency[during], 0.95), p99_fault_ms=_quantile(latency[during], 0.99),
             p95_late_ms=_quantile(late, 0.95), p99_late_ms=_quantile(late, 0.99),
-            p95_late_median_ms=_median([p95 for at, p95, _ in seconds if run.fault_start_ns + at * 1e9 >= half]),
+            p95_late_median_ms=late_median,
+            late_over_normal=round(late_median / _median([p95 for _, p95, _ in normal_seconds]), 3),
             slo_violation_s=sum(1 for _, p95, _ in seconds if not p95 <= slo),
             recovery_s=_recovery(windows, slo), error_share=round(float(failed[during].mean()) if during.any() else 0.0, 4),
             traces=int(during.sum()),
@@ -629,6 +637,7 @@ def report_rows(report: TestbedLoopReport) -> list[dict]:
     names = {"none": "fault, no mitigation", "bmeg": "fault, bmeg controller", "hpa": "fault, HPA baseline (CPU)"}
     return [{"run": names[a.arm], "p95 normal ms": a.p95_normal_ms, "p95 fault ms": a.p95_fault_ms,
              "p95 late ms": a.p95_late_ms, "p99 late ms": a.p99_late_ms, "p95 late, median s ms": a.p95_late_median_ms,
+             "late / normal": a.late_over_normal,
              "SLO violation s": a.slo_violation_s,
              "recovery s": a.recovery_s, "errors": a.error_share,
              "actions": "; ".join(f"{x['service']} {x['action']} {x['status']}" for x in a.actions
