@@ -169,12 +169,15 @@ class TestbedExecutor:
         if replicas > before:
             quota = self._quota(instances[0])
             for number in range(before, replicas):
-                record = start_service(self.testbed, self.bed, service, number)
-                system.set_quota(Path(str(record.cgroup)), quota)
-                if service in self.home_cpu:
-                    system.pin(record, self._cpu(instances[0]))
-                    self.bed.save()
-                wait_healthy(self.bed, record.name, f"127.0.0.1:{replica_port(self.testbed.ports, service, number)}")
+                try:
+                    record = start_service(self.testbed, self.bed, service, number)
+                    system.set_quota(Path(str(record.cgroup)), quota)
+                    if service in self.home_cpu:
+                        system.pin(record, self._cpu(instances[0]))
+                        self.bed.save()
+                    wait_healthy(self.bed, record.name, f"127.0.0.1:{replica_port(self.testbed.ports, service, number)}")
+                except TestbedError as error:  # the replicas started so far stay out of the balancing
+                    raise ActionError(f"replica {number} of {service} did not start: {error}") from None
             self._balance(service, replicas)
         elif replicas < before:
             self._balance(service, replicas)  # no new request reaches them; the ones under way finish
