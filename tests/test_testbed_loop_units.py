@@ -104,3 +104,27 @@ def test_cli_bad_options_are_usage_errors(options, words):
     result = CliRunner().invoke(main, ["mitigate", *options])
     assert result.exit_code == 2, result.output
     assert words in result.output
+
+
+def test_rule_on_a_real_machine_scores_excess_among_candidates():
+    """A store slowed by the machine (10x, +20 ms) must not shrink the saturated service's score
+    (3x, +8 ms) when only services can be acted on; a service seen in a handful of traces is left out."""
+    import pandas as pd
+
+    from bmeg.mitigation.closed_loop import SlowestLeafDetector
+    from bmeg.mitigation.safety import Latencies
+    from bmeg.mitigation.simulated import Window
+
+    rows = [(t, "home-timeline-redis", 22_000.0) for t in range(40)] + [(t, "post-storage-service", 12_000.0) for t in range(40)]
+    rows += [(t, "compose-post-service", 50_000.0) for t in range(5)]
+    latency = pd.DataFrame(rows, columns=["trace", "service", "us"])
+    window = Window(0.0, 8.0, pa.table({}), np.zeros(0), np.zeros(0, dtype=bool), Latencies(0.0, {}), {}, latency)
+    baseline = {"home-timeline-redis": 2_000.0, "post-storage-service": 4_000.0, "compose-post-service": 5_000.0}
+    rule = SlowestLeafDetector("socialnet", baseline, min_excess_us=5000.0, by_excess=True, min_samples=30,
+                               candidates=frozenset({"post-storage-service", "compose-post-service"}))
+    ranking = {s.service: s for s in rule.diagnose_window(window, set()).ranking}
+    assert ranking["post-storage-service"].bottleneck and ranking["post-storage-service"].score == 1.0
+    assert not ranking["home-timeline-redis"].bottleneck
+    assert "compose-post-service" not in ranking
+    plain = {s.service: s for s in SlowestLeafDetector("socialnet", baseline).diagnose_window(window, set()).ranking}
+    assert plain["home-timeline-redis"].score == 1.0 and plain["post-storage-service"].score < 1.0

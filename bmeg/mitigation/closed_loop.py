@@ -58,7 +58,9 @@ class SlowestLeafDetector:
     On a real machine (`by_excess`, `min_samples`): scheduling noise doubles a 0.2-ms span's
     time without hurting anyone, so the causes are scored by their excess time (p95 over its
     normal, in µs) rather than the log of their slowdown, and a service seen in fewer than
-    `min_samples` traces of the window (whose p95 is the largest of a handful) is left out."""
+    `min_samples` traces of the window (whose p95 is the largest of a handful) is left out.
+    `candidates`, when given, are the only services that can be causes (the ones a controller
+    can act on): a slower store elsewhere then does not shrink their scores."""
 
     application: str
     baseline_p95_us: dict[str, float]
@@ -67,6 +69,7 @@ class SlowestLeafDetector:
     explains: float = 0.25  # share of a caller's slowdown (p95 / normal p95) a slow callee must have to explain it
     by_excess: bool = False
     min_samples: int = 1
+    candidates: frozenset[str] | None = None
 
     def diagnose_window(self, window: Window, edges: set[tuple[str, str]]) -> Diagnosis:
         grouped = window.service_latency.groupby("service")["us"]
@@ -79,6 +82,8 @@ class SlowestLeafDetector:
         # back-pressure amplifies: a caller's queue can grow far beyond its slow callee's
         # latency, so a callee explains a caller once its slowdown is of the same order
         causes = {s for s in slow if not any(ratio[d] >= self.explains * ratio[s] for d in below.get(s, set()) & slow)}
+        if self.candidates is not None:
+            causes &= self.candidates
         weight = {s: (p95[s] - self.baseline_p95_us[s]) if self.by_excess else math.log(ratio[s]) for s in causes}
         top = max(weight.values(), default=1.0)
         ranking = [ServiceScore(service=s, score=round(weight[s] / top, 4) if s in causes else 0.0,

@@ -562,7 +562,11 @@ def _step(arm: str, executor: TestbedExecutor, catalogue: Catalogue, policy: Saf
         return hpa_step(executor, policy, settings.hpa_target_utilization, settings.hpa_tolerance)
     per_trace = per_trace_service(span_frame(normal))
     baseline = per_trace.groupby("service")["us"].quantile(0.95).to_dict()
-    rule = SlowestLeafDetector("socialnet", baseline, min_excess_us=MIN_EXCESS_US, by_excess=True, min_samples=MIN_SAMPLES)
+    # the stores are Debian's processes, shared by the services and not acted on: a store slowed by
+    # the machine's load (home-timeline-redis, 3x the excess of the saturated service) left the
+    # service's score at 0.36, under the controller's confidence threshold
+    rule = SlowestLeafDetector("socialnet", baseline, min_excess_us=MIN_EXCESS_US, by_excess=True, min_samples=MIN_SAMPLES,
+                               candidates=frozenset(SERVICES))
     return controller_step(executor, catalogue, policy, detector, rule, AuditLog(), services=SERVICES)
 
 
