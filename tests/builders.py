@@ -215,3 +215,19 @@ def one_diagnosis() -> Diagnosis:
                            model="gnn", bottlenecks=[ServiceScore(service="text-service", score=0.95, bottleneck=True)],
                            latencies=[ServiceLatency(service="text-service", latency_us=30_000, baseline_us=2_000, ratio=15)])
     return Diagnosis(model_version="t", application="socialnet", traces=[trace])
+
+
+def assert_restricted(spec: dict) -> None:
+    """The restricted Pod Security profile's rules, and resource limits, over a pod spec."""
+    pod = spec.get("securityContext", {})
+    assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) != 0
+    assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}
+    assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+    assert all("hostPath" not in volume for volume in spec.get("volumes", []))
+    for container in spec["containers"] + spec.get("initContainers", []):
+        context = container.get("securityContext", {})
+        assert context.get("allowPrivilegeEscalation") is False, container["name"]
+        assert context.get("readOnlyRootFilesystem") is True, container["name"]
+        assert context.get("capabilities") == {"drop": ["ALL"]}, container["name"]
+        assert not context.get("privileged"), container["name"]
+        assert {"cpu", "memory"} <= set(container["resources"]["limits"]), container["name"]

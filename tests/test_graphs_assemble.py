@@ -61,6 +61,17 @@ def test_duplicate_span_id_keeps_first_complete_copy():
     assert any("span b" in w and "duplicate" in w for w in forest.warnings)
 
 
+def test_a_repair_names_its_trace_and_span_as_fields_not_as_text():
+    """Repairs are matched to traces by id: trace t10's repair never lands on t1."""
+    import pyarrow as pa
+
+    table = pa.concat_tables([spans([("a", None, 0, 100)], trace_id="t1"),
+                              spans([("a", None, 0, 100), ("b", "a", 10, 40), ("b", "a", 10, 40)], trace_id="t10")])
+    forest = assemble(table)
+    assert [(r.trace_id, r.span_id, r.kind) for r in forest.repairs] == [("t10", "b", "duplicate")]
+    assert forest.warnings == ["trace t10: span b: duplicate span id; kept the first complete copy, dropped one"]
+
+
 def test_orphan_is_attached_to_root_with_its_timing():
     forest = assemble(spans([("a", None, 0, 100), ("b", "missing", 150, 10)]))
     assert parent_of(forest) == {"a": None, "b": "a"}

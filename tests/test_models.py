@@ -303,6 +303,29 @@ def test_router_takes_the_svm_only_where_it_is_measurably_better_then_the_cheape
                   gnn_verdict=gnn_wrong_on_small)[0] == Router()  # better verdicts, worse ranking
 
 
+def test_router_needs_a_margin_above_the_tolerance_and_never_trades_quality_for_cost():
+    """The decision bench/router.py re-measured on fresh fault draws (README, issue 17): the SVM
+    takes traces only when a cut beats the GNN alone by more than `tolerance` on validation; a
+    cut inside the tolerance, however much cheaper, leaves every trace on the GNN."""
+    y = np.array([1] * 10 + [0] * 10)
+    services = np.array([2] * 10 + [9] * 10)
+    paths = np.ones(20, dtype=np.int64)
+    gnn = y.astype(bool)
+    gnn_hits = np.arange(20) != 0  # the GNN ranks one bottlenecked trace wrong: its quality is 0.9
+    cheap_svm = {"gnn": 1e-3, "svm": 1e-5}
+    svm_hits = np.ones(20, dtype=bool)  # the SVM ranks all ten right: the small cut's quality is 1.0
+    svm = np.where(services <= 2, y, 1).astype(bool)  # ... and flags every large trace: that cut's is 2/3
+
+    def chosen(tolerance):
+        hits = {"gnn": gnn_hits, "svm": svm_hits}
+        return choose(y, {"gnn": gnn, "svm": svm}, hits, services, paths, cheap_svm, tolerance)[0]
+
+    assert chosen(0.2) == Router()  # 1.0 - 0.9 = 0.1 is inside the tolerance: the GNN stays, cost aside
+    assert chosen(0.05) == Router(2, 1)  # beyond it: the small traces go to the SVM
+    # the default tolerance (0.01) against a tie on both verdicts and ranking: the GNN stays
+    assert choose(y, {"gnn": gnn, "svm": gnn}, {"gnn": svm_hits, "svm": svm_hits}, services, paths, cheap_svm)[0] == Router()
+
+
 def _history_of(detector, traces: int) -> StreamHistory:
     history = StreamHistory(visits=detector.encoder.history)
     detector.diagnose(span_table(many_traces(traces)), history=history)

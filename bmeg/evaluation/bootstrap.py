@@ -14,6 +14,7 @@ with a `calibration` entry in its metrics), `twin.yaml`, and the generated data 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from bmeg.datasets.generate import generate_dataset
@@ -52,7 +53,6 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features)
     detector = with_normal_baselines(detector, rpc_view(fitting))
     metrics["calibration"] = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate).to_dict()
-    detector.metrics = metrics
-    detector.save(out)
+    detector = replace(detector, metrics=metrics).save(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return detector, metrics
