@@ -35,17 +35,23 @@ def test_split_by_time_rejects_what_it_cannot_split():
 
 
 def test_calibration_brings_false_alarms_to_the_target_and_only_raises_thresholds():
-    detector = _tiny_detector()
+    from dataclasses import replace
+
+    tiny = _tiny_detector()
     healthy = assemble(span_table(many_traces(200)))
-    detector.thresholds["graph"] = 0.0  # an operating point that flags every healthy trace
+    # an operating point that flags every healthy trace
+    detector = replace(tiny, thresholds={**tiny.thresholds, "graph": 0.0})
     assert flagged_share(detector, healthy) == 1.0
-    calibration = calibrate_on_healthy(detector, healthy, rate=0.05)
+    calibrated, calibration = calibrate_on_healthy(detector, healthy, rate=0.05)
     assert calibration.flagged_before == 1.0 and calibration.flagged_after <= 0.05
-    assert flagged_share(detector, healthy) == calibration.flagged_after
-    assert detector.thresholds["graph"] > 0.0 and detector.thresholds["svm"] == 0.5  # no trace went to the SVM
+    assert flagged_share(calibrated, healthy) == calibration.flagged_after
+    assert calibrated.thresholds["graph"] > 0.0 and calibrated.thresholds["svm"] == 0.5  # no trace went to the SVM
+    assert calibration.after == calibrated.thresholds
+    # the detector given is left as it was: a new one carries the new thresholds
+    assert detector.thresholds["graph"] == 0.0 and flagged_share(detector, healthy) == 1.0
     # a threshold that already meets the target is kept
-    kept = dict(detector.thresholds)
-    assert calibrate_on_healthy(detector, healthy, rate=0.05).after == kept
+    again, kept = calibrate_on_healthy(calibrated, healthy, rate=0.05)
+    assert kept.after == calibrated.thresholds == again.thresholds
     with pytest.raises(ValueError, match="between 0 and 1"):
         calibrate_on_healthy(detector, healthy, rate=0.0)
     assert np.isnan(flagged_share(detector, assemble(empty_span_table())))

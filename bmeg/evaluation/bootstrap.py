@@ -14,6 +14,7 @@ with a `calibration` entry in its metrics), `twin.yaml`, and the generated data 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from bmeg.datasets.generate import generate_dataset
@@ -50,8 +51,9 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
                          imbalance=imbalance, seed=seed * len(SCENARIOS) + index, scenario=scenario, progress=progress)
     detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features)
     detector = with_normal_baselines(detector, rpc_view(fitting))
-    metrics["calibration"] = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate).to_dict()
-    detector.metrics = metrics
+    detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate)
+    metrics["calibration"] = calibration.to_dict()
+    detector = replace(detector, metrics=metrics)
     detector.save(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return detector, metrics

@@ -4,7 +4,7 @@ A detector trained on synthetic traces (a twin) chooses its stage-1 threshold fo
 *synthetic* validation traces; on the real application the healthy traces score differently,
 and a threshold that flags 1% of synthetic normal traces can flag 10-40% of real ones. So, for
 a target false-alarm rate α, each stage-1 threshold (the DGCNN's and the SVM's, each on the
-traces the router sends it) is raised to the (1 - α) quantile of the scores of held-back
+traces the router sends it) is raised, in a new detector, to the (1 - α) quantile of the scores of held-back
 real healthy traces, where it is below that: the synthetic operating point is kept where it
 already meets the target, so recall is lost only where it must be.
 
@@ -15,7 +15,7 @@ then come from minutes the model has not seen, as the live traffic will).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -58,23 +58,27 @@ class Calibration:
                 "flagged_after": self.flagged_after}
 
 
-def calibrate_on_healthy(detector, healthy: SpanForest, rate: float = DEFAULT_FALSE_ALARM_RATE) -> Calibration:
-    """Raise the detector's stage-1 thresholds (in place) so that at most about `rate` of the
-    `healthy` traces are flagged; returns what changed."""
+def calibrate_on_healthy(detector, healthy: SpanForest, rate: float = DEFAULT_FALSE_ALARM_RATE):
+    """(the detector with its stage-1 thresholds raised so that at most about `rate` of the
+    `healthy` traces are flagged, what changed). The detector given is left as it was: a
+    `Detector` is immutable (a served model may be read by another thread meanwhile)."""
     if not 0.0 < rate < 1.0:
         raise ValueError(f"the false-alarm rate must be between 0 and 1, not {rate}")
     if healthy.num_traces == 0:
         raise ValueError("no healthy traces to calibrate stage 1 on")
     scores = detector.score(healthy, all_models=True)
     before = dict(detector.thresholds)
-    flagged_before = float(scores.anomalous.mean())
+    after = dict(before)
     for key, to_model in (("graph", ~scores.to_svm), ("svm", scores.to_svm)):
         if to_model.any():
             quantile = float(np.quantile(scores.anomaly[to_model], 1.0 - rate, method="higher"))
             # strictly above the quantile's score: `anomalous` is score >= threshold
-            detector.thresholds[key] = max(before[key], float(np.nextafter(quantile, np.inf)))
-    flagged_after = float(detector.route(scores).anomalous.mean())
-    return Calibration(rate, healthy.num_traces, before, dict(detector.thresholds), flagged_before, flagged_after)
+            after[key] = max(before[key], float(np.nextafter(quantile, np.inf)))
+    calibrated = replace(detector, thresholds=after)
+    flagged_after = float(calibrated.route(scores).anomalous.mean())
+    calibration = Calibration(rate, healthy.num_traces, before, dict(after), float(scores.anomalous.mean()),
+                              flagged_after)
+    return calibrated, calibration
 
 
 def flagged_share(detector, healthy: SpanForest) -> float:
