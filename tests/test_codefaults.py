@@ -70,3 +70,23 @@ def test_code_fault_dataset_loads_as_a_labelled_dataset_with_every_service_and_k
         code_fault_dataset(topology, tmp_path / "none", traces=0)
     with pytest.raises(ValueError, match="share"):
         apply_code_fault(spans_of(simulate(topology, [], 1, 1)), "cart", "return", 1.5, np.random.default_rng(0))
+
+
+@pytest.mark.integration
+def test_bootstrap_trains_on_latency_and_code_faults_and_returns_a_calibrated_detector(topology, tmp_path):
+    """`bmeg bootstrap` end to end on a small application (it once failed at its last step,
+    writing metrics into the frozen Detector)."""
+    from bmeg.evaluation.bootstrap import bootstrap
+    from bmeg.models.detector import Detector
+    from bmeg.traces.io import write_spans
+
+    normal = tmp_path / "normal.parquet"
+    write_spans(spans_of(simulate(topology, [], 8, 5)), normal, "parquet")
+    detector, metrics = bootstrap(normal, tmp_path / "run", traces=900, epochs=2, progress=False)
+    assert {p.name for p in (tmp_path / "run" / "data").iterdir()} == {"single", "multiple", "code"}
+    calibration = metrics["calibration"]
+    assert calibration["healthy_traces"] > 300 and calibration["bound_met"]
+    assert calibration["flagged_after"] <= 0.01
+    assert detector.thresholds["graph"] >= calibration["thresholds_before"]["graph"]
+    loaded = Detector.load(tmp_path / "run")
+    assert loaded.thresholds == detector.thresholds and loaded.metrics["calibration"] == calibration

@@ -21,7 +21,7 @@ from bmeg.datasets.generate import generate_dataset
 from bmeg.faultinject.codefaults import code_fault_dataset
 from bmeg.evaluation.rankers import with_normal_baselines
 from bmeg.faultinject.twin import fit_twin, rpc_view
-from bmeg.training.calibration import DEFAULT_FALSE_ALARM_RATE
+from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RATE
 from bmeg.traces.io import read_spans
 
 #: Scenarios the dataset is generated from, one shard each, sharing the traces equally with a
@@ -37,7 +37,7 @@ HELD_BACK = 0.25
 def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, imbalance: float = 0.3,
               epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True,
               features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
-              false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE):
+              false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics)."""
     from bmeg.training import train
@@ -56,7 +56,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     code_fault_dataset(spec, out / "data" / "code", traces=shard_traces, seed=seed)
     detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features)
     detector = with_normal_baselines(detector, rpc_view(fitting))
-    detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate)
+    detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate, confidence)
     metrics["calibration"] = calibration.to_dict()
     detector = replace(detector, metrics=metrics)
     detector.save(out)
