@@ -1,6 +1,7 @@
 """False alarms on fresh healthy traffic: stage 1 calibrated by the plain quantile vs the binomial bound.
 
-    python bench/healthy.py --model RUN --normal NORMAL_TRACES --healthy MORE_HEALTHY_TRACES [--json OUT]
+    python bench/healthy.py --model RUN --normal NORMAL_TRACES --healthy MORE_HEALTHY_TRACES \
+        [--anomalous ANOMALOUS_TRACES] [--json OUT]
 
 RUN is a `bmeg bootstrap` run fitted from NORMAL_TRACES; its stage-1 thresholds from before the
 calibration (`metrics.json`) are calibrated again here, on the same held-back later part of
@@ -8,7 +9,8 @@ NORMAL_TRACES that `bmeg bootstrap` used, once per rule (`bmeg.training.calibrat
 (1 - α) quantile, and the Clopper-Pearson bound at 95%), and each calibrated detector is scored
 on MORE_HEALTHY_TRACES, traces neither the twin nor the calibration saw (e.g. the testbed's
 fault-free traces recorded between fault rounds, with the campaign loading the machine).
-Prints the share of them flagged, per rule and target rate, in one run.
+Prints the share of them flagged, per rule and target rate, in one run; with ANOMALOUS_TRACES
+(traces labelled anomalous), the share of those flagged too: the recall each rule keeps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--normal", type=Path, required=True)
     parser.add_argument("--healthy", type=Path, required=True)
+    parser.add_argument("--anomalous", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     loaded = Detector.load(args.model)
@@ -41,18 +44,24 @@ def main() -> None:
     held_back_forest = rpc_view(held_back)
     fresh = rpc_view(read_spans(args.healthy))
     scores = uncalibrated.score(fresh)
+    faulty = uncalibrated.score(rpc_view(read_spans(args.anomalous))) if args.anomalous else None
+
+    def recall(detector: Detector) -> float | None:
+        return None if faulty is None else float(detector.route(faulty).anomalous.mean())
+
     rows = [{"rule": "uncalibrated", "rate": None, "held_back_flagged": None,
-             "fresh_flagged": float(uncalibrated.route(scores).anomalous.mean())}]
+             "fresh_flagged": float(uncalibrated.route(scores).anomalous.mean()), "recall": recall(uncalibrated)}]
     for rate in RATES:
         for rule, confidence in RULES.items():
             calibrated, calibration = calibrate_on_healthy(uncalibrated, held_back_forest, rate, confidence)
             rows.append({"rule": rule, "rate": rate, "held_back_flagged": calibration.flagged_after,
                          "bound_met": calibration.bound_met, "graph_threshold": calibration.after["graph"],
-                         "fresh_flagged": float(calibrated.route(scores).anomalous.mean())})
+                         "fresh_flagged": float(calibrated.route(scores).anomalous.mean()),
+                         "recall": recall(calibrated)})
     result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": fresh.num_traces, "rows": rows}
     for row in rows:
         print(f"{row['rule']:>12} rate {row['rate']!s:>6}: held-back flagged {row['held_back_flagged']!s:>22}, "
-              f"fresh flagged {row['fresh_flagged']:.4f} of {fresh.num_traces}")
+              f"fresh flagged {row['fresh_flagged']:.4f} of {fresh.num_traces}, anomalous flagged {row['recall']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 
