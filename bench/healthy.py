@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bmeg.evaluation.bootstrap import HELD_BACK
-from bmeg.faultinject.twin import rpc_view
+from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time

@@ -1,5 +1,5 @@
-"""Fixtures for the real parts the integration tests talk to: a Kafka broker and a Kubernetes
-API server with RBAC.
+"""Fixtures for the real parts the integration tests talk to: a Kafka broker, a Kubernetes
+API server with RBAC, and the OpenTelemetry Collector (`otelcol_binary`, `Collector`).
 
 `scripts/test.sh` (that is, `make test`) starts both and exports the variables read here.
 Run by hand, start them yourself (`scripts/kafka.sh start`, `scripts/kube-apiserver.sh start`);
@@ -12,13 +12,17 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
-RBAC_MANIFEST = Path(__file__).resolve().parents[1] / "mitigation" / "rbac.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+RBAC_MANIFEST = ROOT / "mitigation" / "rbac.yaml"
 APP_NAMESPACE = "socialnet"
 
 # The scripts' defaults, for runs outside scripts/test.sh.
@@ -144,3 +148,62 @@ def kube_app_namespace(kube_admin) -> str:
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": APP_NAMESPACE}}
     apply_objects(kube_admin, [namespace, *load_manifest(RBAC_MANIFEST)])
     return APP_NAMESPACE
+
+
+@pytest.fixture(scope="session")
+def otelcol_binary() -> Path:
+    """The OpenTelemetry Collector built by `scripts/otelcol.sh` (`BMEG_OTELCOL_BINARY` under make test)."""
+    binary = os.environ.get("BMEG_OTELCOL_BINARY")
+    if not binary:
+        built = subprocess.run(["bash", str(ROOT / "scripts" / "otelcol.sh"), "path"], capture_output=True, text=True)
+        if built.returncode != 0:
+            pytest.fail(f"building the Collector failed:\n{built.stderr[-3000:]}", pytrace=False)
+        binary = built.stdout.strip().splitlines()[-1]
+    return Path(binary)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback when asked (the caller binds it soon after)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Collector:
+    """One Collector: OTLP in on its own ports, the batch processor, the `exporters` given."""
+
+    def __init__(self, binary: Path, work: Path, exporters: dict):
+        self.grpc_port, self.http_port = free_port(), free_port()
+        config = {
+            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": f"127.0.0.1:{self.grpc_port}"},
+                                                 "http": {"endpoint": f"127.0.0.1:{self.http_port}"}}}},
+            "processors": {"batch": {}},
+            "exporters": exporters,
+            "service": {"telemetry": {"metrics": {"level": "none"}},
+                        "pipelines": {"traces": {"receivers": ["otlp"], "processors": ["batch"],
+                                                 "exporters": list(exporters)}}},
+        }
+        self.config, self.log = work / f"otelcol-{self.http_port}.yaml", work / f"otelcol-{self.http_port}.log"
+        self.config.write_text(yaml.safe_dump(config))
+        self.process = subprocess.Popen([str(binary), "--config", str(self.config)], stdout=self.log.open("w"),
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{self.http_port}/", timeout=1)
+                return
+            except httpx.HTTPError:
+                assert self.process.poll() is None, self.log.read_text()
+                assert time.monotonic() < deadline, "the Collector did not start:\n" + self.log.read_text()
+                time.sleep(0.3)
+
+    def endpoint(self, protocol: str) -> str:
+        return f"127.0.0.1:{self.grpc_port}" if protocol == "grpc" else f"http://127.0.0.1:{self.http_port}/v1/traces"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -1,5 +1,5 @@
 """Fixtures of the serving tests, a pytest plugin (`conftest.py` registers it); test modules
-import only its plain helpers (`traces_of`, `StandInDetector`), never its fixtures.
+import only its plain helpers (`traces_of`, `StandInDetector`, `running`), never its fixtures.
 
 `trained_run_dir` trains a small real model (hotelreservation, 2,000 traces, 2 epochs) into the
 bmeg cache under a key that is the hash of bmeg's own source: any change to the code trains a
@@ -10,12 +10,16 @@ steered into (slow calls, failures on chosen traces).
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+import uvicorn
 
 import bmeg
 from bmeg.diagnosis import Diagnosis, ServiceScore, TraceDiagnosis
@@ -33,6 +37,24 @@ def keyed_settings(**values):
     from bmeg.serving.settings import ServingSettings
 
     return ServingSettings(api_key=API_KEY, **values)
+
+
+@contextmanager
+def running(server_config: uvicorn.Config) -> Iterator[int]:
+    """The server of `server_config` (port 0: the system picks one) on a thread; yields the port
+    it listens on once it does, and stops it after."""
+    server = uvicorn.Server(server_config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from bmeg.graphs import assemble
 from bmeg.traces import span_table
 from bmeg.traces.schema import empty_span_table
 from bmeg.training.calibration import allowed_exceedances, calibrate_on_healthy, flagged_share, split_by_time
-from tests.test_models import _tiny_detector, many_traces
+from builders import many_traces, tiny_detector
 
 
 @settings(max_examples=25, deadline=None)
@@ -37,7 +37,7 @@ def test_split_by_time_rejects_what_it_cannot_split():
 def test_calibration_brings_false_alarms_to_the_target_and_only_raises_thresholds():
     from dataclasses import replace
 
-    tiny = _tiny_detector()
+    tiny = tiny_detector()
     healthy = assemble(span_table(many_traces(200)))
     # an operating point that flags every healthy trace
     detector = replace(tiny, thresholds={**tiny.thresholds, "graph": 0.0})
@@ -73,7 +73,7 @@ def test_allowed_exceedances_is_the_clopper_pearson_count(n, rate, confidence):
 def test_the_bound_lets_fewer_healthy_traces_through_than_the_quantile_and_says_when_it_cannot():
     from dataclasses import replace
 
-    tiny = _tiny_detector()
+    tiny = tiny_detector()
     detector = replace(tiny, thresholds={**tiny.thresholds, "graph": 0.0})
     healthy = assemble(span_table(many_traces(400)))
     _, quantile = calibrate_on_healthy(detector, healthy, rate=0.05, confidence=None)

@@ -25,7 +25,7 @@ import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import yaml
+from conftest_infra import Collector, free_port
 from kafka import KafkaConsumer
 
 from bmeg.diagnosis import Diagnosis
@@ -39,65 +39,6 @@ SERVICES = ["frontend", "search", "geo", "rate", "profile"]  # hotelreservation'
 
 
 # -- the parts --------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def otelcol_binary() -> Path:
-    binary = os.environ.get("BMEG_OTELCOL_BINARY")
-    if not binary:
-        built = subprocess.run(["bash", str(ROOT / "scripts" / "otelcol.sh"), "path"], capture_output=True, text=True)
-        if built.returncode != 0:
-            pytest.fail(f"building the Collector failed:\n{built.stderr[-3000:]}", pytrace=False)
-        binary = built.stdout.strip().splitlines()[-1]
-    return Path(binary)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Collector:
-    """One Collector: OTLP in on its own ports, the batch processor, the `exporters` given."""
-
-    def __init__(self, binary: Path, work: Path, exporters: dict):
-        self.grpc_port, self.http_port = free_port(), free_port()
-        config = {
-            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": f"127.0.0.1:{self.grpc_port}"},
-                                                 "http": {"endpoint": f"127.0.0.1:{self.http_port}"}}}},
-            "processors": {"batch": {}},
-            "exporters": exporters,
-            "service": {"telemetry": {"metrics": {"level": "none"}},
-                        "pipelines": {"traces": {"receivers": ["otlp"], "processors": ["batch"],
-                                                 "exporters": list(exporters)}}},
-        }
-        self.config, self.log = work / f"otelcol-{self.http_port}.yaml", work / f"otelcol-{self.http_port}.log"
-        self.config.write_text(yaml.safe_dump(config))
-        self.process = subprocess.Popen([str(binary), "--config", str(self.config)], stdout=self.log.open("w"),
-                                        stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{self.http_port}/", timeout=1)
-                return
-            except httpx.HTTPError:
-                assert self.process.poll() is None, self.log.read_text()
-                assert time.monotonic() < deadline, "the Collector did not start:\n" + self.log.read_text()
-                time.sleep(0.3)
-
-    def endpoint(self, protocol: str) -> str:
-        return f"127.0.0.1:{self.grpc_port}" if protocol == "grpc" else f"http://127.0.0.1:{self.http_port}/v1/traces"
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 def kafka_exporters(bootstrap: str, outputs: list[tuple[str, str, bool]]) -> dict:
     """One `kafka` exporter (v0.155.0 keys) per (topic, encoding, partition_traces_by_id)."""
     return {f"kafka/{i}": {"brokers": [bootstrap], "traces": {"topic": topic, "encoding": encoding},
@@ -158,9 +99,6 @@ def topic_name(label: str) -> str:
 
 
 # -- spans in, diagnoses out ------------------------------------------------------------------
-@pytest.mark.xfail(strict=False, reason=(
-    "intermittent since the branches were merged (session 4): now and then one case loses all 250 "
-    "traces (no diagnosis at all on its topic), otherwise 0 lost, 0 split; open in issue 14"))
 @pytest.mark.parametrize("encoding", ["otlp_proto", "otlp_json"])
 @pytest.mark.parametrize("by_id", [False, True], ids=["batches", "partition_traces_by_id"])
 def test_sdk_services_through_the_collector_to_one_whole_diagnosis_per_trace(

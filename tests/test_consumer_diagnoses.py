@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 
 from bmeg.diagnosis import Diagnosis, TraceDiagnosis, single_trace_json
 from bmeg.traces import span_table
-from test_models import _tiny_detector, many_traces, star_trace
+from builders import many_traces, star_trace, tiny_detector
 
 
 def _batch_with_an_odd_trace():
@@ -24,7 +24,7 @@ def _batch_with_an_odd_trace():
 
 
 def test_a_trace_diagnosed_in_a_batch_gets_the_diagnosis_it_gets_alone():
-    detector = _tiny_detector()  # GNN stages only: no SVM window ties traces together
+    detector = tiny_detector()  # GNN stages only: no SVM window ties traces together
     table = _batch_with_an_odd_trace()
 
     batch = detector.diagnose(table)
@@ -46,7 +46,7 @@ def test_a_trace_diagnosed_in_a_batch_gets_the_diagnosis_it_gets_alone():
 
 
 def test_the_consumers_json_is_the_typed_diagnosis_byte_for_byte():
-    detector = _tiny_detector()
+    detector = tiny_detector()
     document = detector.diagnosis_document(_batch_with_an_odd_trace(), window=True)
     diagnosis = Diagnosis.model_validate(document)
     assert diagnosis.model_dump() == document  # every field present (the order: below)

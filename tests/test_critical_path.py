@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_graphs_assemble import chain, spans
+from builders import chain, spans
 
 from bmeg.graphs import assemble, critical_paths, trace_paths
 from bmeg.graphs.critical_path import OVERLAP_ALLOWANCE

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from click.testing import CliRunner
-from test_graphs_assemble import spans
+from builders import spans
 
 from bmeg.cli import main
 from bmeg.traces import span_table

@@ -9,20 +9,13 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from click.testing import CliRunner
-from test_faultinject_simulator import chain_spec
+from builders import chain_spec
+
+from builders import SCENARIO
 
 from bmeg.cli import main
 from bmeg.datasets import Shard, generate_dataset, load_dataset, read_dataset
 from bmeg.traces.schema import SPAN_SCHEMA
-
-SCENARIO = {
-    "name": "quick",
-    "kind": "single",
-    "duration_s": 6,
-    "warmup_s": 0.5,
-    "campaign": {"start_s": 1, "every_s": 2.5, "burst_s": 1.5,
-                 "sources": {"interference": {"factor": [3, 5]}, "saturation": {"capacity": [0.2, 0.4]}}},
-}
 
 
 @pytest.fixture

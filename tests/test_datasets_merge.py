@@ -15,8 +15,7 @@ import yaml
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_datasets_generate import SCENARIO
-from test_faultinject_simulator import chain_spec
+from builders import SCENARIO, chain_spec
 
 from bmeg.cli import main
 from bmeg.datasets import Shard, generate_dataset, read_dataset

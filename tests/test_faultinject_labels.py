@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.compute as pc
 import pytest
-from test_faultinject_simulator import chain_spec
+from builders import chain_spec
 
 from bmeg.faultinject import (
     Fault,

@@ -7,37 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from builders import chain_spec, chain_topology
+
 from bmeg.faultinject import Fault, calibrate, episode_tables, label_episode, parse_topology, simulate, spans_of
 from bmeg.traces.schema import SPAN_SCHEMA
-
-
-def chain_spec(rate: float = 300, **overrides) -> dict:
-    """front -> mid -> leaf, mid also reads a cache that falls through to a database."""
-    spec = {
-        "name": "chain",
-        "workload": {"rate": rate},
-        "requests": {"get": {"entry": "front:get", "weight": 1}},
-        "services": {
-            "front": {"cores": 2, "workers": 32, "operations": {"get": {
-                "self_time": {"median_us": 200, "p99_us": 600},
-                "calls": [{"call": "mid:work_server", "timeout_ms": 2000}]}}},
-            "mid": {"cores": 1, "workers": 8, "operations": {"work_server": {
-                "self_time": {"median_us": 300, "p99_us": 900},
-                "calls": [
-                    {"call": "leaf:compute"},
-                    {"cache": "cache:get", "hit_ratio": 0.9, "on_miss": [{"call": "db:find"}]},
-                ]}}},
-            "leaf": {"cores": 1, "workers": 8, "operations": {"compute": {"self_time": {"median_us": 800, "p99_us": 2000}}}},
-            "cache": {"storage": "memcached", "workers": 4, "operations": {"get": {"self_time": {"median_us": 100, "p99_us": 300}}}},
-            "db": {"storage": "mongodb", "cores": 2, "workers": 16, "operations": {"find": {"self_time": {"median_us": 1500, "p99_us": 4000}}}},
-        },
-    }
-    spec.update(overrides)
-    return spec
-
-
-def chain_topology(rate: float = 300):
-    return parse_topology(chain_spec(rate))
 
 
 def _tables(topology, result):

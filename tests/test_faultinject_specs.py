@@ -6,7 +6,7 @@ import copy
 
 import numpy as np
 import pytest
-from test_faultinject_simulator import chain_spec, chain_topology
+from builders import chain_spec, chain_topology
 
 from bmeg.faultinject import SpecError, load_scenario, load_topology, parse_scenario, parse_topology, plan_faults
 from bmeg.faultinject.scenario import check_against, service_chains

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from bmeg.evaluation.rankers import node_score_shift, rank_fusion
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
-from bmeg.faultinject.twin import rpc_view
+from bmeg.graphs.rpc import rpc_view
 from bmeg.graphs import assemble
 from bmeg.models.features import FeatureEncoder
 

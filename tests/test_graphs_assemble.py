@@ -7,25 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from builders import chain, spans
+
 from bmeg.graphs import assemble
 from bmeg.traces import TraceInputError, span_table
-
-
-def spans(rows, trace_id: str = "t1"):
-    """A span table from (span_id, parent_id, start, duration[, kind]) rows of one trace."""
-    rows = [row if len(row) == 5 else (*row, "server") for row in rows]
-    return span_table(
-        {
-            "trace_id": [trace_id] * len(rows),
-            "span_id": [row[0] for row in rows],
-            "parent_id": [row[1] for row in rows],
-            "service": [f"svc-{row[0]}" for row in rows],
-            "operation": [f"op-{row[0]}" for row in rows],
-            "start_ns": [row[2] for row in rows],
-            "duration_ns": [row[3] for row in rows],
-            "kind": [row[4] for row in rows],
-        }
-    )
 
 
 def parent_of(forest) -> dict[str, str | None]:
@@ -74,6 +59,17 @@ def test_duplicate_span_id_keeps_first_complete_copy():
     assert forest.duration_ns.tolist() == [100, 40]  # the complete copy, not the 0-length one
     assert [(d.span_id, d.reason) for d in forest.dropped] == [("b", "duplicate span id")]
     assert any("span b" in w and "duplicate" in w for w in forest.warnings)
+
+
+def test_a_repair_names_its_trace_and_span_as_fields_not_as_text():
+    """Repairs are matched to traces by id: trace t10's repair never lands on t1."""
+    import pyarrow as pa
+
+    table = pa.concat_tables([spans([("a", None, 0, 100)], trace_id="t1"),
+                              spans([("a", None, 0, 100), ("b", "a", 10, 40), ("b", "a", 10, 40)], trace_id="t10")])
+    forest = assemble(table)
+    assert [(r.trace_id, r.span_id, r.kind) for r in forest.repairs] == [("t10", "b", "duplicate")]
+    assert forest.warnings == ["trace t10: span b: duplicate span id; kept the first complete copy, dropped one"]
 
 
 def test_orphan_is_attached_to_root_with_its_timing():
@@ -185,16 +181,6 @@ def test_async_children_keep_their_timing():
 def test_consumer_cannot_start_before_its_producer():
     forest = assemble(spans([("r", None, 0, 100, "producer"), ("q", "r", -30, 200, "consumer")]))
     assert starts(forest)["q"] == 0
-
-
-def chain(trace_id: str, start_ns: list[int], duration_ns: list[int]):
-    """One trace whose spans form a single chain, span i the parent of span i + 1."""
-    n = len(start_ns)
-    return span_table({
-        "trace_id": [trace_id] * n, "span_id": [f"{i:x}" for i in range(n)],
-        "parent_id": [None] + [f"{i:x}" for i in range(n - 1)], "service": ["s"] * n, "operation": ["o"] * n,
-        "start_ns": start_ns, "duration_ns": duration_ns,
-    })
 
 
 def test_deep_chain_of_100k_spans():

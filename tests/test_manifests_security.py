@@ -9,6 +9,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from builders import assert_restricted
+
 from bmeg.cli.mitigate import mitigate
 from bmeg.faultinject import load_topology
 from bmeg.mitigation import load_catalogue
@@ -38,19 +40,7 @@ def test_the_manifests_hold_the_three_pods():
 
 @pytest.mark.parametrize("name", sorted(pod_templates()))
 def test_every_pod_meets_the_restricted_profile(name):
-    spec = pod_templates()[name]["spec"]
-    pod = spec.get("securityContext", {})
-    assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) != 0
-    assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}
-    assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
-    assert all("hostPath" not in volume for volume in spec.get("volumes", []))
-    for container in spec["containers"] + spec.get("initContainers", []):
-        context = container.get("securityContext", {})
-        assert context.get("allowPrivilegeEscalation") is False, container["name"]
-        assert context.get("readOnlyRootFilesystem") is True, container["name"]
-        assert context.get("capabilities") == {"drop": ["ALL"]}, container["name"]
-        assert not context.get("privileged"), container["name"]
-        assert {"cpu", "memory"} <= set(container["resources"]["limits"]), container["name"]
+    assert_restricted(pod_templates()[name]["spec"])
 
 
 def test_the_server_needs_its_api_key_secret():

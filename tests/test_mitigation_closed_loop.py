@@ -12,8 +12,9 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from builders import ReadOnlyDeployments, one_diagnosis
+
 from bmeg.cli import main
-from bmeg.diagnosis import Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
 from bmeg.faultinject import Fault, calibrate, load_topology, parse_scenario
 from bmeg.mitigation import AuditLog, Controller, SafetyPolicy, load_catalogue, load_policy
 from bmeg.mitigation.closed_loop import LoopSettings, SlowestLeafDetector, _last_kept_action_s, run_closed_loop
@@ -99,38 +100,24 @@ def test_cli_closed_loop_beats_no_mitigation(scenario: str) -> None:
 
 
 # ---- the Kafka feed, without a broker ---------------------------------------------------------
-class _Deployments:
-    def __init__(self):
-        from bmeg.mitigation import ServiceState
-
-        self.state = lambda service: ServiceState(service, 2, 1.0, 512.0, {})
-
-
-def _diagnosis() -> Diagnosis:
-    trace = TraceDiagnosis(trace_id="t", spans=5, total_us=40_000, anomalous=True, anomaly_score=0.9, threshold=0.5,
-                           model="gnn", bottlenecks=[ServiceScore(service="text-service", score=0.95, bottleneck=True)],
-                           latencies=[ServiceLatency(service="text-service", latency_us=30_000, baseline_us=2_000, ratio=15)])
-    return Diagnosis(model_version="t", application="socialnet", traces=[trace])
-
-
 def test_feed_handles_a_diagnosis_and_audits_a_bad_message() -> None:
     audit = AuditLog()
-    controller = Controller(_Deployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), audit)
-    [outcome] = handle_message(controller, encode(_diagnosis()), now=1.0)
+    controller = Controller(ReadOnlyDeployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), audit)
+    [outcome] = handle_message(controller, encode(one_diagnosis()), now=1.0)
     assert outcome.status == "dry-run" and outcome.decision.target == {"replicas": 3}
     assert handle_message(controller, b"{not json", now=2.0) == []
     assert audit.records(kind="error")[0].outcome.startswith("not a Diagnosis")
-    assert diagnosis_latencies(_diagnosis()).app_p95_ms == pytest.approx(40.0)
+    assert diagnosis_latencies(one_diagnosis()).app_p95_ms == pytest.approx(40.0)
 
 
 def test_feed_skips_a_stale_diagnosis() -> None:
     audit = AuditLog()
-    controller = Controller(_Deployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), audit)
-    old = _diagnosis()
+    controller = Controller(ReadOnlyDeployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), audit)
+    old = one_diagnosis()
     old.traces[0].start_time = datetime.fromtimestamp(1_000.0, tz=UTC)
     assert handle_message(controller, encode(old), now=1_000.0 + 301) == []  # the default limit: 300 s
     assert audit.records(kind="refused")[0].outcome.startswith("stale: 301 s old")
-    assert handle_message(controller, encode(_diagnosis()), now=5_000.0, published_at=4_000.0) == []  # by the record's time
+    assert handle_message(controller, encode(one_diagnosis()), now=5_000.0, published_at=4_000.0) == []  # by the record's time
     [outcome] = handle_message(controller, encode(old), now=1_010.0)
     assert outcome.decision.target == {"replicas": 3}
 
@@ -146,7 +133,7 @@ def test_cli_log_and_plan(tmp_path) -> None:
     missing = runner.invoke(main, ["mitigate", "log", "--audit", str(tmp_path / "none.sqlite")])
     assert missing.exit_code != 0 and "no audit log" in missing.output
     diagnosis_file = tmp_path / "d.json"
-    diagnosis_file.write_text(_diagnosis().model_dump_json())
+    diagnosis_file.write_text(one_diagnosis().model_dump_json())
     planned = runner.invoke(main, ["mitigate", "plan", str(diagnosis_file), "--json"])
     assert planned.exit_code == 0, planned.output
     assert json.loads(planned.output)[0]["action"] == "scale_out"
@@ -161,11 +148,11 @@ def test_feed_consumes_diagnoses_from_kafka(kafka_bootstrap: str) -> None:
     topic = f"bmeg.mitigations.test-{np.random.default_rng().integers(1 << 30)}"
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
     producer.send(topic, b"not a diagnosis", key=b"socialnet")  # one key: one partition, in order
-    producer.send(topic, encode(_diagnosis()), key=b"socialnet")
+    producer.send(topic, encode(one_diagnosis()), key=b"socialnet")
     producer.flush()
     producer.close()
     audit = AuditLog()
-    controller = Controller(_Deployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), audit)
+    controller = Controller(ReadOnlyDeployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), audit)
     handled = list(consume(controller, kafka_bootstrap, topic, group=topic, max_messages=2, idle_timeout_s=30,
                            offset_reset="earliest"))  # a new group starts at the end by default
     assert [len(outcomes) for outcomes in handled] == [0, 1]

@@ -16,7 +16,7 @@ from bmeg.diagnosis import Diagnosis, ServiceScore, TraceDiagnosis
 from bmeg.faultinject import Fault, load_topology
 from bmeg.faultinject.kubernetes import KubernetesCampaign, app_deployments
 from bmeg.mitigation import ActionForbidden, AuditLog, Controller, SafetyPolicy, ServiceTelemetry, load_catalogue
-from bmeg.mitigation.kubernetes import ANNOTATION, KubernetesExecutor, cpu_cores
+from bmeg.cluster.kubernetes import ANNOTATION, KubernetesExecutor, cpu_cores
 
 pytestmark = pytest.mark.integration
 
@@ -305,7 +305,7 @@ def test_a_keda_scaled_object_gets_new_bounds(kube_admin, kube_controller, own_n
 def test_in_cluster_configuration_acts_as_the_pods_service_account(kube_run_dir, kube_controller_kubeconfig, own_namespace, tmp_path) -> None:
     import yaml
 
-    from bmeg.mitigation.kubernetes import api_client
+    from bmeg.cluster.kubernetes import api_client
 
     kubeconfig = yaml.safe_load(kube_controller_kubeconfig.read_text())
     (tmp_path / "token").write_text(kubeconfig["users"][0]["user"]["token"])

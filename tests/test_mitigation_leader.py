@@ -145,21 +145,21 @@ def test_a_controller_that_stops_leading_leaves_the_rest_to_the_next(kafka_boots
     import threading
 
     from kafka import KafkaProducer
-    from test_mitigation_closed_loop import CATALOGUE, _Deployments, _diagnosis
+    from builders import ReadOnlyDeployments, one_diagnosis
 
-    from bmeg.mitigation import AuditLog, Controller
+    from bmeg.mitigation import AuditLog, Controller, load_catalogue
     from bmeg.mitigation.feed import consume, encode
     from bmeg.mitigation.safety import SafetyPolicy
 
     topic = f"bmeg.mitigations.leader-{uuid.uuid4().hex[:8]}"
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
     for _ in range(3):
-        producer.send(topic, encode(_diagnosis()), key=b"socialnet")  # one key: one partition, in order
+        producer.send(topic, encode(one_diagnosis()), key=b"socialnet")  # one key: one partition, in order
     producer.flush()
     producer.close()
 
     def controller() -> Controller:
-        return Controller(_Deployments(), CATALOGUE, SafetyPolicy(confidence_threshold=0.3), AuditLog())
+        return Controller(ReadOnlyDeployments(), load_catalogue(), SafetyPolicy(confidence_threshold=0.3), AuditLog())
 
     stop = threading.Event()
     first = []

@@ -14,8 +14,8 @@ from bmeg.mitigation import (
     AuditLog, CatalogueError, Controller, Guard, HybridBandit, Latencies, SafetyPolicy, ServiceState,
     ServiceTelemetry, judge, load_catalogue, plan, tune, with_hints,
 )
-from bmeg.mitigation.catalogue import Parameter, parse_catalogue
-from bmeg.mitigation.executor import Applied
+from bmeg.cluster.catalogue import Parameter, parse_catalogue
+from bmeg.cluster.executor import Applied
 from bmeg.mitigation.planner import Decision, gather_evidence
 from bmeg.mitigation.safety import improved
 from bmeg.mitigation.tuning import search_around

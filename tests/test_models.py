@@ -11,6 +11,8 @@ from torch_geometric.data import Batch, Data
 from torch_geometric.nn import GCNConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
+from builders import many_traces, star_trace, tiny_detector
+
 from bmeg.graphs import assemble
 from bmeg.models.adjacency import gcn_adjacency
 from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -37,32 +39,6 @@ from bmeg.training.metrics import (
 )
 
 
-def star_trace(trace_id: str, leaf_us: list[int], operation: str = "op") -> dict[str, list]:
-    """A root with one child per entry of `leaf_us`, run one after the other."""
-    spans = {"trace_id": [], "span_id": [], "parent_id": [], "service": [], "operation": [], "start_ns": [], "duration_ns": []}
-    total = sum(leaf_us) + 10
-    rows = [("r", None, "front", "GET /", 0, total * 1000)]
-    start = 5
-    for i, us in enumerate(leaf_us):
-        rows.append((f"c{i}", "r", f"svc{i}", operation, start * 1000, us * 1000))
-        start += us
-    for span_id, parent, service, op, begin, duration in rows:
-        for key, value in zip(spans, (trace_id, f"{trace_id}-{span_id}", parent and f"{trace_id}-{parent}", service, op, begin, duration)):
-            spans[key].append(value)
-    return spans
-
-
-def many_traces(n: int, slow: int | None = None) -> dict[str, list]:
-    merged: dict[str, list] = {}
-    for t in range(n):
-        leaf = [100 + t % 7, 200 + t % 5, 50]
-        if slow is not None and t == slow:
-            leaf[1] = 5000
-        for key, values in star_trace(f"t{t:04d}", leaf).items():
-            merged.setdefault(key, []).extend(values)
-    return merged
-
-
 def test_dgcnn_and_gcn_shapes():
     graphs = [Data(x=torch.randn(n, 6), edge_index=torch.tensor([[0] * (n - 1), list(range(1, n))])) for n in (2, 12, 40)]
     batch = Batch.from_data_list(graphs)
@@ -86,6 +62,17 @@ def test_minibatch_matches_the_forest_graphs():
     assert linked.sum() == 2 * (6 + 4)
     assert torch.equal(linked, linked.T) and linked.diagonal().all()
     assert not linked[:4, 4:].any() and not linked[4:, :4].any()
+
+
+def test_graph_sets_of_a_one_span_trace_and_of_no_trace():
+    forest = assemble(span_table(star_trace("solo", [])))
+    graphs = GraphSet.from_forest(forest, FeatureEncoder("thesis").transform(forest), y=[1], node_y=[1])
+    batch = graphs.minibatch(np.array([0]))
+    assert graphs.edges.shape == (2, 0) and batch.adj_t.to_dense().tolist() == [[1.0]]  # its self-loop only
+    assert batch.y.tolist() == [1] and batch.node_y.tolist() == [1]
+    empty = assemble(span_table({key: [] for key in star_trace("none", [])}))
+    nothing = GraphSet.from_forest(empty, FeatureEncoder("thesis").transform(empty))
+    assert nothing.num_graphs == 0 and nothing.minibatch(np.array([], dtype=np.int64)).x.shape == (0, 1)
 
 
 @settings(max_examples=50, deadline=None)
@@ -199,30 +186,10 @@ def test_threshold_for_precision_prefers_recall_at_the_precision():
     assert predicted[y == 1].all()
 
 
-def _tiny_detector():
-    from bmeg.models.detector import Detector
-
-    forest = assemble(span_table(many_traces(20)))
-    encoder = FeatureEncoder().fit(forest)
-    rng = np.random.default_rng(0)
-    firm = FirmSVM().fit(rng.normal(size=(40, 2)), np.r_[np.zeros(30), np.ones(10)])
-    keys = np.char.add(np.char.add(forest.spans["service"].to_numpy(zero_copy_only=False).astype(str), "\x1f"),
-                       forest.spans["operation"].to_numpy(zero_copy_only=False).astype(str))
-    vectorizer = TraceVectorizer().fit(keys)
-    svm = TraceSVM().fit(rng.normal(size=(40, vectorizer.num_columns)), np.r_[np.zeros(30), np.ones(10)])
-    return Detector(
-        application="toy", encoder=encoder, dgcnn=DGCNN(encoder.num_features, k=10).eval(),
-        gcn=GCNNodeClassifier(encoder.num_features).eval(), vectorizer=vectorizer, svm=svm, firm=firm,
-        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5, "svm_node": 0.5}, router=Router(), firm_window=20,
-        services=["front", "svc0", "svc1", "svc2"], service_baseline_us={"svc1": 200.0},
-        hparams={"dgcnn": {"k": 10}, "gcn": {}}, metrics={},
-    )
-
-
 def test_detector_round_trip_and_diagnosis(tmp_path):
     from bmeg.models.detector import Detector
 
-    _tiny_detector().save(tmp_path)
+    tiny_detector().save(tmp_path)
     detector = Detector.load(tmp_path, device="cpu", application="toy")
     diagnosis = detector.diagnose(span_table(many_traces(3, slow=1)), window=True)
     assert [t.trace_id for t in diagnosis.traces] == ["t0000", "t0001", "t0002"]
@@ -239,7 +206,7 @@ def test_detector_warns_about_unknown_services_and_repairs(tmp_path):
     spans = star_trace("u", [100, 200])
     spans["service"][2] = "brand-new-service"
     spans["parent_id"][1] = "missing-parent"
-    diagnosis = _tiny_detector().diagnose(span_table(spans))
+    diagnosis = tiny_detector().diagnose(span_table(spans))
     warnings = " ".join(diagnosis.traces[0].warnings)
     assert "brand-new-service" in warnings and "parent" in warnings
 
@@ -247,7 +214,7 @@ def test_detector_warns_about_unknown_services_and_repairs(tmp_path):
 def test_checkpoint_with_other_features_is_rejected(tmp_path):
     from bmeg.models.detector import Detector
 
-    _tiny_detector().save(tmp_path)
+    tiny_detector().save(tmp_path)
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     state["encoder"]["names"] = state["encoder"]["names"][:-1]
     torch.save(state, tmp_path / "model.pt")
@@ -336,6 +303,29 @@ def test_router_takes_the_svm_only_where_it_is_measurably_better_then_the_cheape
                   gnn_verdict=gnn_wrong_on_small)[0] == Router()  # better verdicts, worse ranking
 
 
+def test_router_needs_a_margin_above_the_tolerance_and_never_trades_quality_for_cost():
+    """The decision bench/router.py re-measured on fresh fault draws (README, issue 17): the SVM
+    takes traces only when a cut beats the GNN alone by more than `tolerance` on validation; a
+    cut inside the tolerance, however much cheaper, leaves every trace on the GNN."""
+    y = np.array([1] * 10 + [0] * 10)
+    services = np.array([2] * 10 + [9] * 10)
+    paths = np.ones(20, dtype=np.int64)
+    gnn = y.astype(bool)
+    gnn_hits = np.arange(20) != 0  # the GNN ranks one bottlenecked trace wrong: its quality is 0.9
+    cheap_svm = {"gnn": 1e-3, "svm": 1e-5}
+    svm_hits = np.ones(20, dtype=bool)  # the SVM ranks all ten right: the small cut's quality is 1.0
+    svm = np.where(services <= 2, y, 1).astype(bool)  # ... and flags every large trace: that cut's is 2/3
+
+    def chosen(tolerance):
+        hits = {"gnn": gnn_hits, "svm": svm_hits}
+        return choose(y, {"gnn": gnn, "svm": svm}, hits, services, paths, cheap_svm, tolerance)[0]
+
+    assert chosen(0.2) == Router()  # 1.0 - 0.9 = 0.1 is inside the tolerance: the GNN stays, cost aside
+    assert chosen(0.05) == Router(2, 1)  # beyond it: the small traces go to the SVM
+    # the default tolerance (0.01) against a tie on both verdicts and ranking: the GNN stays
+    assert choose(y, {"gnn": gnn, "svm": gnn}, {"gnn": svm_hits, "svm": svm_hits}, services, paths, cheap_svm)[0] == Router()
+
+
 def _history_of(detector, traces: int) -> StreamHistory:
     history = StreamHistory(visits=detector.encoder.history)
     detector.diagnose(span_table(many_traces(traces)), history=history)
@@ -346,7 +336,7 @@ def _history_of(detector, traces: int) -> StreamHistory:
 def test_a_verdict_does_not_depend_on_the_batch(router):
     from dataclasses import replace
 
-    detector = replace(_tiny_detector(), router=router)
+    detector = replace(tiny_detector(), router=router)
     history = _history_of(detector, 12)
     spans = many_traces(6, slow=2)
     for t, key in enumerate(spans["trace_id"]):  # later than the history
@@ -365,7 +355,7 @@ def test_a_verdict_does_not_depend_on_the_batch(router):
 
 
 def test_the_history_is_read_and_recorded():
-    detector = _tiny_detector()
+    detector = tiny_detector()
     history = StreamHistory(visits=detector.encoder.history)
     detector.diagnose(span_table(many_traces(4, slow=1)), history=history)
     assert set(history.z_self) == {"front", "svc0", "svc1", "svc2"} and len(history.z_self["svc1"]) == 4

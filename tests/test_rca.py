@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from bmeg.evaluation.faults import InjectedFault, read_fault_list, service_from_pod
-from bmeg.evaluation.rankers import MicroRankRanker, NormalStats, SelfTimeRanker, TraceRCARanker, default_rankers
+from bmeg.evaluation.normal import NormalStats
+from bmeg.evaluation.rankers import MicroRankRanker, SelfTimeRanker, TraceRCARanker, default_rankers
 from bmeg.evaluation.rca import report, run_rca
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
-from bmeg.faultinject.twin import rpc_view
+from bmeg.graphs.rpc import rpc_view
 from bmeg.traces.io import write_spans
 
 SPEC = {

@@ -10,12 +10,10 @@ import gzip
 import io
 import json
 import socket
-import threading
 import time
 
 import pyarrow as pa
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +27,7 @@ from bmeg.serving.model import ModelSlot
 from bmeg.serving.payloads import Answer, Limits, Payload, RequestRefused, diagnose_payloads, split
 from bmeg.serving.recent import RecentDiagnoses
 from bmeg.traces import span_table, to_otlp_proto_bytes, write_spans
-from serving_fixtures import KEY_HEADER, StandInDetector, keyed_settings
+from serving_fixtures import KEY_HEADER, StandInDetector, keyed_settings, running
 
 PROTOBUF = {"content-type": "application/x-protobuf"}
 JSON = {"content-type": "application/json"}
@@ -283,19 +281,8 @@ def test_ready_is_never_said_before_the_model_info_is_there(monkeypatch):
 @pytest.fixture
 def deadline_server():
     settings = keyed_settings(request_read_timeout_s=1.0)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(config(create_app(StandInDetector(), settings), "127.0.0.1", port, settings, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    with running(config(create_app(StandInDetector(), settings), "127.0.0.1", 0, settings, log_level="warning")) as port:
+        yield port
 
 
 def _closed(sock: socket.socket) -> bool:

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import httpx
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from conftest_infra import free_port
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
@@ -120,6 +120,30 @@ def test_traces_in_pieces_are_diagnosed_whole_and_poison_goes_to_the_dead_letter
     assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
 
 
+def test_a_consumer_started_before_its_topic_exists_joins_once_it_does_and_reads_it_all(
+        kafka_bootstrap, detector, hotel_dataset):
+    """The Collector's first write creates the topic, usually after `bmeg consume` started. A
+    consumer that joined the group before that was once left unassigned for good (a
+    kafka-python 3.0.12 join race): it must not join until the topic exists, then read it all."""
+    config = config_for(kafka_bootstrap)
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[:20]
+    spans = traces_of(hotel_dataset.spans, trace_ids)
+    consumer = StreamConsumer(detector, config)
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(2.5)  # a few checks of the topic
+        assert not consumer.consumer.subscription()  # not in the group before the topic exists
+        produce(kafka_bootstrap, config.topic, split_messages(spans, trace_ids))
+        _wait_for(lambda: diagnosed(consumer) >= len(trace_ids), timeout_s=60)
+    finally:
+        stop.set()
+        thread.join(30)
+    diagnoses = read_topic(kafka_bootstrap, config.diagnoses_topic, len(trace_ids))
+    assert sorted(record.key.decode() for record in diagnoses) == sorted(trace_ids)
+
+
 def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_restart_resumes(
         kafka_bootstrap, detector, hotel_dataset):
     config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces never finish while it runs
@@ -157,7 +181,7 @@ def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, traine
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     admin.create_topics([NewTopic(config.topic, PARTITIONS, 1)])
     admin.close()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     logs = [tmp_path / f"log{i}" for i in range(2)]
     processes = [_consume_process(kafka_bootstrap, config, trained_run_dir, logs[i],
                                   ["--metrics-port", str(metrics_port)] if i == 0 else []) for i in range(2)]
@@ -184,6 +208,34 @@ def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, traine
     assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
 
 
+def test_a_stop_with_many_open_traces_ends_within_the_shutdown_timeout_and_loses_none(
+        kafka_bootstrap, detector, hotel_dataset):
+    """Before, a stop diagnosed every open trace first, however many (at max_open_traces: 72 s,
+    past the pod's grace period); now what is not done in time stays uncommitted and is read again."""
+    config = config_for(kafka_bootstrap, idle_timeout_s=3600, batch_traces=1, shutdown_timeout_s=1.0)
+    rootless, _ = _without_roots(traces_of(hotel_dataset.spans, hotel_dataset.traces["trace_id"].to_pylist()[:1500]))
+    open_ids = sorted(set(rootless["trace_id"].to_pylist()))  # open until the stop: their roots never come
+    chunks = [open_ids[i:i + 100] for i in range(0, len(open_ids), 100)]
+    produce(kafka_bootstrap, config.topic,
+            [(i % PARTITIONS, to_otlp_proto_bytes(traces_of(rootless, chunk))) for i, chunk in enumerate(chunks)])
+    stopping = StreamConsumer(detector, config)
+    deadline = time.monotonic() + 60
+    while stopping.metrics.registry.get_sample_value("bmeg_consumer_spans_total") < rootless.num_rows:
+        assert time.monotonic() < deadline, "the consumer read too little"
+        stopping.step()
+    started = time.monotonic()
+    stopping.close()
+    took, first = time.monotonic() - started, diagnosed(stopping)
+    assert took < config.shutdown_timeout_s + 5, took  # slack: one batch, the Kafka closes, a loaded machine
+    assert first < len(open_ids)  # one trace per model call: far more than a second's work
+
+    restarted = StreamConsumer(detector, dataclasses.replace(config, idle_timeout_s=0.5, batch_traces=512,
+                                                             shutdown_timeout_s=20.0))
+    run_until(restarted, lambda: diagnosed(restarted) >= len(open_ids) - first, timeout_s=120)
+    keys = {r.key.decode() for r in read_topic(kafka_bootstrap, config.diagnoses_topic, len(open_ids))}
+    assert keys == set(open_ids)  # at least once: every trace diagnosed by one or the other
+
+
 def _without_roots(spans: pa.Table) -> tuple[pa.Table, pa.Table]:
     """(every span but the roots, the roots): a trace is never complete before its root is in."""
     has_parent = spans["parent_id"].is_valid()
@@ -195,12 +247,6 @@ def _wait_for(condition, timeout_s: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.2)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _consume_process(bootstrap: str, config: ConsumerConfig, run_dir: Path, log: Path, extra: list[str]) -> subprocess.Popen:
@@ -362,7 +408,7 @@ def test_healthz_fails_while_the_poll_loop_is_stuck_and_recovers_after(kafka_boo
     trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[220:224]
     produce(kafka_bootstrap, config.topic, [(0, to_otlp_proto_bytes(traces_of(hotel_dataset.spans, [t]))) for t in trace_ids])
     consumer = StreamConsumer(StandInDetector(delay_s=6.0), config)
-    port = _free_port()
+    port = free_port()
     probes = serve_probes(consumer, "127.0.0.1", port)
     seen: list[int] = []
     try:

@@ -3,6 +3,7 @@ settings, container arguments are CLI options, and every container has probes an
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -11,10 +12,15 @@ import yaml
 
 from bmeg.cli.serving import consume, serve
 from bmeg.serving.app import create_app
+from bmeg.serving.consumer import ConsumerConfig
 from bmeg.serving.settings import ServingSettings
 from serving_fixtures import StandInDetector, keyed_settings
 
 KUBERNETES = Path(__file__).resolve().parents[1] / "serving" / "kubernetes"
+#: The consumer's memory at its limits, as `python bench/consumer_limits.py --record` wrote it.
+CONSUMER_MEMORY = Path(__file__).resolve().parents[1] / "bench" / "measured" / "consumer-memory.json"
+#: The consumer's memory limit stays this far above its measured peak (README, Security).
+MEMORY_MARGIN = 1.25
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +95,29 @@ def test_consumer_scales_on_its_groups_lag_within_the_partitions(objects):
     partitions = int(scaled["metadata"]["annotations"]["bmeg.io/topic-partitions"])
     assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"] <= partitions
     assert trigger["metadata"]["allowIdleConsumers"] == "false"
+
+
+def mebibytes(quantity: str) -> float:
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(Mi|Gi)", quantity).groups()  # the manifests' units
+    return float(number) * (1024 if unit == "Gi" else 1)
+
+
+def test_the_consumers_memory_covers_its_measured_peak_at_the_limits_it_runs_with(objects):
+    measured = json.loads(CONSUMER_MEMORY.read_text())
+    (consumer,) = containers(objects["Deployment", "bmeg-consumer"])
+    memory = {kind: mebibytes(consumer["resources"][kind]["memory"]) for kind in ("requests", "limits")}
+    assert memory["limits"] >= MEMORY_MARGIN * measured["peak_mib"]
+    assert memory["requests"] >= measured["idle_mib"]
+    # measured at the defaults, and the pod runs with them: no option raises a limit
+    defaults = ConsumerConfig(bootstrap="-")
+    assert measured["limits"] == {name: getattr(defaults, name) for name in measured["limits"]}
+    assert not [arg for arg in consumer["args"] if arg.startswith(("--max-", "--batch-"))]
+
+
+def test_the_servers_configured_limits_are_not_above_those_it_was_measured_at(objects):
+    """The server's memory figures (README, Security) are at the settings' defaults."""
+    defaults = ServingSettings(no_auth=True)
+    for key, value in objects["ConfigMap", "bmeg-serving"]["data"].items():
+        name = key.removeprefix("BMEG_").lower()
+        if name.startswith("max_") or name.startswith("recent_"):
+            assert float(value) <= getattr(defaults, name), key

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import io
 import shutil
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,7 +14,7 @@ import uvicorn
 
 from bmeg.serving.app import create_app
 from bmeg.traces import to_otlp_proto_bytes, write_spans
-from serving_fixtures import API_KEY, keyed_settings, traces_of
+from serving_fixtures import API_KEY, keyed_settings, running, traces_of
 
 pytestmark = pytest.mark.integration
 
@@ -28,20 +25,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 
 @pytest.fixture(scope="module")
 def server_url(detector):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(detector, keyed_settings()), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    app = create_app(detector, keyed_settings())
+    with running(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

@@ -166,6 +166,20 @@ def test_a_trace_at_the_span_cap_finishes_at_once():
     assert [t.trace_id for t in assembler.drain()] == ["small"]
 
 
+def test_beyond_max_open_traces_the_least_recently_touched_finishes_early():
+    clock = Clock()
+    assembler = TraceAssembler(idle_timeout_s=60, clock=clock, max_open=2)
+    assembler.add(spans_of(["a", "b"], parent=ABSENT), ("p", 0))
+    assembler.add(spans_of(["a"], parent=ABSENT), ("p", 1))  # a touched last: b is the oldest
+    assembler.add(spans_of(["c"], parent=ABSENT), ("p", 2))
+    assert len(assembler) == 3 and assembler.evicted == 1
+    (b,) = assembler.finished()  # long before the idle timeout
+    assert (b.trace_id, b.partial) == ("b", True)
+    assert sorted(t.trace_id for t in assembler.drain()) == ["a", "c"]
+    with pytest.raises(ValueError, match="max_open"):
+        TraceAssembler(max_open=0)
+
+
 @given(st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=40))
 def test_split_by_trace_keeps_every_span_once(trace_ids):
     pieces = split_by_trace(spans_of(trace_ids))
@@ -214,7 +228,7 @@ def test_a_trace_of_a_revoked_assignment_does_not_release_the_message_read_again
     assert tracker.commit_points() == {"p": 1}
 
 
-@settings(max_examples=100)
+@settings(max_examples=100, deadline=None)  # an example took 251 ms on the loaded 2-core machine
 @given(st.data())
 def test_never_commits_past_a_message_whose_trace_is_unpublished(data):
     """Random messages carry random traces; traces publish in random order. At every step the

@@ -10,9 +10,6 @@ conventions (`db.system.name`, `server.address`) and must come out as the `cart-
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import time
 import urllib.request
 import uuid
@@ -21,54 +18,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-import yaml
+from conftest_infra import Collector
 from kafka import KafkaConsumer
 
-from bmeg.traces import ENCODINGS, SPAN_SCHEMA, detect_encoding, read_spans_bytes, to_otlp_proto_bytes
+from builders import sent_spans
+
+from bmeg.traces import ENCODINGS, detect_encoding, read_spans_bytes, to_otlp_proto_bytes
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def collector_binary() -> Path:
-    binary = os.environ.get("BMEG_OTELCOL_BINARY")
-    if not binary:
-        built = subprocess.run(["bash", str(ROOT / "scripts/otelcol.sh"), "path"], capture_output=True, text=True)
-        if built.returncode != 0:
-            pytest.fail(f"building the Collector failed:\n{built.stderr[-3000:]}", pytrace=False)
-        binary = built.stdout.strip().splitlines()[-1]
-    return Path(binary)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def sent_spans(run: str) -> pa.Table:
-    """Three traces of frontend -> cart (-> its redis, named by server.address), microsecond times."""
-    rows = []
-    for number in range(3):
-        trace_id = f"{run}{number:04x}".ljust(32, "0")[:32]
-        start = 1_700_000_000_000_000_000 + number * 10_000_000
-        rows += [
-            dict(trace_id=trace_id, span_id=f"{number:02x}" + "01" * 7, parent_id=None, service="frontend",
-                 operation="GET /cart", start_ns=start, duration_ns=9_000_000, kind="server", status="ok",
-                 peer_service=None, db_system=None, instance="frontend-0"),
-            dict(trace_id=trace_id, span_id=f"{number:02x}" + "02" * 7, parent_id=f"{number:02x}" + "01" * 7,
-                 service="frontend", operation="cart.Get", start_ns=start + 1_000_000, duration_ns=6_000_000,
-                 kind="client", status="unset", peer_service="cart", db_system=None, instance="frontend-0"),
-            dict(trace_id=trace_id, span_id=f"{number:02x}" + "03" * 7, parent_id=f"{number:02x}" + "02" * 7,
-                 service="cart", operation="cart.Get", start_ns=start + 2_000_000, duration_ns=4_000_000,
-                 kind="server", status="error", peer_service=None, db_system=None, instance="cart-1"),
-            dict(trace_id=trace_id, span_id=f"{number:02x}" + "04" * 7, parent_id=f"{number:02x}" + "03" * 7,
-                 service="cart", operation="HGET", start_ns=start + 3_000_000, duration_ns=1_000,
-                 kind="client", status="unset", peer_service="cart-redis", db_system="redis", instance="cart-1"),
-        ]  # fmt: skip
-    return pa.Table.from_pylist(rows, schema=SPAN_SCHEMA)
 
 
 def otlp_request(table: pa.Table) -> bytes:
@@ -84,39 +43,18 @@ def otlp_request(table: pa.Table) -> bytes:
     return request.SerializeToString()
 
 
-def test_every_encoding_the_collector_writes_reads_back(collector_binary, kafka_bootstrap, tmp_path):
+def test_every_encoding_the_collector_writes_reads_back(otelcol_binary, kafka_bootstrap, tmp_path):
     run = uuid.uuid4().hex[:8]
     topics = {encoding: f"bmeg-14b-{encoding}-{run}" for encoding in ENCODINGS}
-    http_port = free_port()
     exporters = {f"kafka/{encoding}": {"brokers": [kafka_bootstrap], "traces": {"topic": topic, "encoding": encoding}}
                  for encoding, topic in topics.items()}  # fmt: skip
-    config = {
-        "receivers": {"otlp": {"protocols": {"http": {"endpoint": f"127.0.0.1:{http_port}"}}}},
-        "processors": {"batch": {}},
-        "exporters": exporters,
-        "service": {"telemetry": {"metrics": {"level": "none"}},
-                    "pipelines": {"traces": {"receivers": ["otlp"], "processors": ["batch"],
-                                             "exporters": list(exporters)}}},
-    }  # fmt: skip
-    (tmp_path / "otelcol.yaml").write_text(yaml.safe_dump(config))
-    log = (tmp_path / "otelcol.log").open("w")
-    collector = subprocess.Popen([str(collector_binary), "--config", str(tmp_path / "otelcol.yaml")],
-                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    collector = Collector(otelcol_binary, tmp_path, exporters)
     try:
         sent = sent_spans(run)
-        body = otlp_request(sent)
-        deadline = time.monotonic() + 60
-        while True:  # until the receiver answers
-            try:
-                request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/traces", data=body,
-                                                 headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
-                with urllib.request.urlopen(request, timeout=5) as response:
-                    assert response.status == 200
-                break
-            except OSError:
-                assert collector.poll() is None, (tmp_path / "otelcol.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "the Collector's OTLP/HTTP receiver never answered"
-                time.sleep(0.5)
+        request = urllib.request.Request(collector.endpoint("http"), data=otlp_request(sent),
+                                         headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
         for encoding, topic in topics.items():
             messages = read_topic(kafka_bootstrap, topic, sent.num_rows)
             assert messages, f"{encoding}: nothing on {topic}"
@@ -132,25 +70,27 @@ def test_every_encoding_the_collector_writes_reads_back(collector_binary, kafka_
                                                pc.utf8_lower(expected["operation"]))  # fmt: skip
             assert ordered(got).equals(ordered(expected)), f"{encoding}:\n{ordered(got).to_pylist()}"
     finally:
-        collector.terminate()
-        collector.wait(timeout=20)
-        log.close()
+        collector.stop()
 
 
 def read_topic(bootstrap: str, topic: str, spans: int, timeout_s: float = 45) -> list[bytes]:
-    """The topic's messages, once they hold `spans` spans (Jaeger: one span per message)."""
+    """The topic's distinct messages, once they hold `spans` spans (Jaeger: one span per
+    message). Each offset is read once; a message written twice (the exporter is at least once:
+    a send it retries under load can land twice, at another offset) counts once, since every
+    reader downstream drops a repeated span id."""
     reader = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None,
                            consumer_timeout_ms=1000)  # fmt: skip
-    messages: list[bytes] = []
+    by_offset: dict[tuple[int, int], bytes] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            messages += [record.value for record in reader]
+            by_offset.update({(record.partition, record.offset): record.value for record in reader})
+            messages = list(dict.fromkeys(by_offset.values()))
             if messages and sum(read_spans_bytes(m).num_rows for m in messages) >= spans:
                 break
     finally:
         reader.close()
-    return messages
+    return list(dict.fromkeys(by_offset.values()))
 
 
 def ordered(table: pa.Table) -> pa.Table:

@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 from pathlib import Path
 
 import pyarrow.compute as pc
-from test_traces_collector_encodings import sent_spans
-from test_traces_io import in_order, span_tables
+from builders import in_order, sent_spans, span_tables
 
 from bmeg.traces import (
     ENCODINGS,

@@ -121,14 +121,36 @@ def test_jaeger_v3_search_reads_every_chunk_and_asks_with_rfc3339_times(store):
 
 
 def test_jaeger_v1_query_api(store):
-    from bmeg.faultinject.kubernetes import fetch_jaeger_traces as moved  # the campaign's import still works
-
-    assert moved is fetch_jaeger_traces
     store.routes["/api/traces"] = (200, json.dumps(table_to_jaeger_json(trace(TRACE_A))).encode())
     assert ordered(fetch_jaeger_traces(store.url, "frontend", 1_700_000_000, 1_700_000_060, limit=5)).equals(
         trace(TRACE_A)
     )
-    assert store.requests[0][1]["start"] == ["1700000000000000"]
+    [(path, query)] = store.requests
+    assert path == "/api/traces"
+    assert query == {"service": ["frontend"], "start": ["1700000000000000"], "end": ["1700000060000000"],
+                     "limit": ["5"]}
+
+
+#: A v1 answer as the Jaeger UI gets it (processes by id, references), not written by bmeg's writer.
+JAEGER_UI_DOCUMENT = {"data": [{
+    "traceID": "00000000000000aa",
+    "spans": [
+        {"traceID": "00000000000000aa", "spanID": "0000000000000001", "operationName": "/wrk2-api/home-timeline/read",
+         "references": [], "startTime": 1_700_000_000_000_000, "duration": 900, "tags": [], "processID": "p1"},
+        {"traceID": "00000000000000aa", "spanID": "0000000000000002", "operationName": "read_home_timeline_server",
+         "references": [{"refType": "CHILD_OF", "traceID": "00000000000000aa", "spanID": "0000000000000001"}],
+         "startTime": 1_700_000_000_000_100, "duration": 500, "tags": [], "processID": "p2"},
+    ],
+    "processes": {"p1": {"serviceName": "nginx-web-server", "tags": []},
+                  "p2": {"serviceName": "home-timeline-service", "tags": []}},
+}]}  # fmt: skip
+
+
+def test_jaeger_v1_reads_the_ui_document(store):
+    store.routes["/api/traces"] = (200, json.dumps(JAEGER_UI_DOCUMENT).encode())
+    table = fetch_jaeger_traces(store.url, "nginx-web-server", 1_700_000_000.0, 1_700_000_060.0, limit=50)
+    assert sorted(table["service"].to_pylist()) == ["home-timeline-service", "nginx-web-server"]
+    assert table["parent_id"].to_pylist() == [None, "0000000000000001"]
 
 
 def test_tempo_trace_by_id_and_search(store):

@@ -6,6 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from builders import in_order, span_tables
+
 from bmeg.traces import (
     SPAN_SCHEMA,
     WRITE_FORMATS,
@@ -15,50 +17,6 @@ from bmeg.traces import (
     to_otlp_proto_bytes,
     write_spans,
 )
-from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
-
-MAX_START = 2**62  # start + duration stays within int64
-
-
-def hex_ids(size: int):
-    return st.binary(min_size=size, max_size=size).map(bytes.hex)
-
-
-names = st.text(st.characters(codec="utf-8"), max_size=12)
-
-
-@st.composite
-def span_tables(draw, time_step: int = 1) -> pa.Table:
-    """Random span tables: a few traces, random hex ids, unicode names, optional nulls.
-    `time_step` makes times multiples of it (1000 for Jaeger's microseconds)."""
-    trace_ids = draw(st.lists(hex_ids(16), min_size=1, max_size=3))
-    rows = draw(
-        st.lists(
-            st.fixed_dictionaries(
-                {
-                    "trace_id": st.sampled_from(trace_ids),
-                    "span_id": hex_ids(8),
-                    "parent_id": st.none() | hex_ids(8),
-                    "service": names,
-                    "operation": names,
-                    "start_ns": st.integers(1, MAX_START // time_step).map(lambda t: t * time_step),
-                    "duration_ns": st.integers(0, (MAX_START - 1) // time_step).map(lambda t: t * time_step),
-                    "kind": st.sampled_from(SPAN_KINDS),
-                    "status": st.sampled_from(STATUS_CODES),
-                    "peer_service": st.none() | names,
-                    "db_system": st.none() | names,
-                    "instance": st.none() | names,
-                }
-            ),
-            max_size=12,
-        )
-    )
-    return pa.Table.from_pylist(rows, schema=SPAN_SCHEMA)
-
-
-def in_order(table: pa.Table) -> pa.Table:
-    """Writers group spans (by service, by trace): compare tables as sets of rows."""
-    return table.sort_by([(name, "ascending") for name in SPAN_SCHEMA.names])
 
 
 @pytest.mark.parametrize("format", WRITE_FORMATS)

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest_infra import free_port
 
 from bmeg.cli import main
 from bmeg.datasets import generate_dataset
@@ -74,12 +74,6 @@ def test_two_processes_train_as_well_as_one(tmp_path, monkeypatch):
     assert two["bmeg"]["accuracy"] >= one["bmeg"]["accuracy"] - 0.05
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_torchrun_two_nodes_train_as_well_as_one_process(tmp_path, monkeypatch):
     """`torchrun --nnodes 2 --nproc-per-node 1` twice on this machine, as two nodes would start
     it (c10d rendezvous on loopback): DDP across the two, rank 0 alone writes its run."""
@@ -88,7 +82,7 @@ def test_torchrun_two_nodes_train_as_well_as_one_process(tmp_path, monkeypatch):
     generate_dataset(data, "socialnet", 2000, 0.2, seed=5, progress=False)
     _, one = train(str(data), epochs=4, seed=5, progress=False)
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "BMEG_CACHE": str(tmp_path / "cache")}
     nodes = [
         subprocess.Popen(

@@ -9,7 +9,8 @@ import pytest
 
 from bmeg.faultinject import parse_topology
 from bmeg.faultinject.spec import BranchStep, CallStep, ParallelStep, walk_calls
-from bmeg.faultinject.twin import fit_twin, rpc_view, simulated_spans, twin_fidelity
+from bmeg.faultinject.twin import fit_twin, simulated_spans, twin_fidelity
+from bmeg.graphs.rpc import rpc_view
 from bmeg.traces.schema import span_table
 
 KNOWN = {

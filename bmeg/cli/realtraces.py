@@ -121,7 +121,7 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
     from bmeg.evaluation.rankers import default_rankers
     from bmeg.evaluation.rca import hour_offset, report, run_rca
     from bmeg.evaluation.windows import TraceFiles
-    from bmeg.faultinject.twin import rpc_view
+    from bmeg.graphs.rpc import rpc_view
     from bmeg.models.detector import Detector
     from bmeg.traces import TraceInputError
     from bmeg.traces.io import read_spans
@@ -166,7 +166,7 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
 @json_option
 def healthy(traces: Path, run_dir: Path, input_format: str | None, as_json: bool) -> None:
     """The share of the fault-free traces in TRACES that stage 1 flags (false alarms)."""
-    from bmeg.faultinject.twin import rpc_view
+    from bmeg.graphs.rpc import rpc_view
     from bmeg.models.detector import Detector
     from bmeg.traces import TraceInputError
     from bmeg.traces.io import read_spans
@@ -201,7 +201,7 @@ def rca_sim(topology: Path, run_dir: Path, out: Path, window_seconds: float, see
     from bmeg.evaluation.simulated import simulated_faults
     from bmeg.evaluation.windows import TraceFiles
     from bmeg.faultinject import load_topology
-    from bmeg.faultinject.twin import rpc_view
+    from bmeg.graphs.rpc import rpc_view
     from bmeg.models.detector import Detector
 
     sim = simulated_faults(load_topology(topology), out, normal_s=2 * window_seconds, window_s=window_seconds, seed=seed)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from bmeg.serving.assembler import DEFAULT_IDLE_TIMEOUT_S
+from bmeg.serving.assembler import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_OPEN
 
 model_option = click.option("--model", "run_dir", type=click.Path(path_type=Path), default=None,
                             help="Run directory of `bmeg train` (default: the cache's socialnet run).")
@@ -87,13 +87,15 @@ def serve(run_dir: Path | None, device: str, host: str, port: int, log_level: st
               help="Seconds without a new span after which an incomplete trace is finished (above the senders' "
                    "export interval: the OpenTelemetry SDKs export every 5 s).")
 @click.option("--max-trace-spans", type=int, default=10_000, show_default=True, help="A trace is finished at this size.")
+@click.option("--max-open-traces", type=click.IntRange(min=1), default=DEFAULT_MAX_OPEN, show_default=True,
+              help="Traces assembled at once; beyond, the least recently touched is finished early (bounds memory).")
 @click.option("--batch-traces", type=int, default=512, show_default=True, help="Traces diagnosed per model call.")
 @click.option("--metrics-port", type=int, default=None, help="Serve /metrics and /healthz (liveness) on this port.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address the metrics port binds (0.0.0.0 in a pod, for the probes).")
 def consume(run_dir: Path | None, device: str, bootstrap: str, topic: str, group_id: str, encoding: str,
             diagnoses_topic: str, mitigations_topic: str, dead_letter_topic: str, idle_timeout_s: float,
-            max_trace_spans: int, batch_traces: int, metrics_port: int | None, metrics_host: str) -> None:
+            max_trace_spans: int, max_open_traces: int, batch_traces: int, metrics_port: int | None, metrics_host: str) -> None:
     """Diagnose every trace on a Kafka topic; publish diagnoses, forward bottlenecks. Stops on SIGTERM."""
     from bmeg.models.checkpoint import CheckpointError
     from bmeg.models.detector import Detector, default_run_dir
@@ -109,7 +111,8 @@ def consume(run_dir: Path | None, device: str, bootstrap: str, topic: str, group
     config = ConsumerConfig(
         bootstrap=bootstrap, topic=topic, group_id=group_id, encoding=None if encoding == "auto" else encoding,
         diagnoses_topic=diagnoses_topic, mitigations_topic=mitigations_topic, dead_letter_topic=dead_letter_topic,
-        idle_timeout_s=idle_timeout_s, max_trace_spans=max_trace_spans, batch_traces=batch_traces,
+        idle_timeout_s=idle_timeout_s, max_trace_spans=max_trace_spans, max_open_traces=max_open_traces,
+        batch_traces=batch_traces,
     )
     consumer = StreamConsumer(detector, config)
     probes = serve_probes(consumer, metrics_host, metrics_port) if metrics_port is not None else None

@@ -20,7 +20,8 @@ from pathlib import Path
 from bmeg.datasets.generate import generate_dataset
 from bmeg.faultinject.codefaults import code_fault_dataset
 from bmeg.evaluation.rankers import with_normal_baselines
-from bmeg.faultinject.twin import fit_twin, rpc_view
+from bmeg.faultinject.twin import fit_twin
+from bmeg.graphs.rpc import rpc_view
 from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RATE
 from bmeg.traces.io import read_spans
 
@@ -58,7 +59,6 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     detector = with_normal_baselines(detector, rpc_view(fitting))
     detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate, confidence)
     metrics["calibration"] = calibration.to_dict()
-    detector = replace(detector, metrics=metrics)
-    detector.save(out)
+    detector = replace(detector, metrics=metrics).save(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return detector, metrics

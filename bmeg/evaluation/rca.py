@@ -2,7 +2,7 @@
 minutes after it, and score the rankings (AC@1, AC@3, AC@5, Avg@5) per fault type, overall,
 and over the latency-type faults.
 
-Every ranker sees the same windows, in the RPC view (`bmeg.faultinject.twin.rpc_view`), and
+Every ranker sees the same windows, in the RPC view (`bmeg.graphs.rpc.rpc_view`), and
 the same normal-period statistics. A fault whose window holds no traces is reported as skipped
 and not scored, with the time range the trace files do cover.
 
@@ -21,10 +21,10 @@ from datetime import UTC, datetime
 from tqdm import tqdm
 
 from bmeg.evaluation.faults import InjectedFault
-from bmeg.evaluation.rankers import NormalStats, Ranker
+from bmeg.evaluation.normal import NormalStats, Ranker
 from bmeg.evaluation.windows import TraceFiles
-from bmeg.faultinject.twin import rpc_view
 from bmeg.graphs import SpanForest
+from bmeg.graphs.rpc import rpc_view
 from bmeg.training.metrics import accuracy_at_k, average_at_k
 
 DEFAULT_WINDOW_MINUTES = 2.0

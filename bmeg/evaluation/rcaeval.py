@@ -33,15 +33,12 @@ import io
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
+from bmeg.evaluation.normal import NormalStats, Ranking
 from bmeg.graphs import SpanForest
-
-if TYPE_CHECKING:  # the rankers import this module to list the published methods
-    from bmeg.evaluation.rankers import NormalStats, Ranking
 
 #: The RCAEval methods the harness runs, by ranker name.
 METHODS = {"tracerca (RCAEval)": "tracerca", "microrank (RCAEval)": "microrank"}

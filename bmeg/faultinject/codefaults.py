@@ -32,10 +32,10 @@ import pyarrow.parquet as pq
 
 from bmeg.faultinject.simulator import simulate
 from bmeg.faultinject.spec import TopologySpec
-from bmeg.faultinject.twin import span_roles
 from bmeg.faultinject.tables import NODES_SCHEMA, TRACES_SCHEMA, spans_of
 from bmeg.graphs import assemble, node_services
 from bmeg.graphs.features import self_time_ns
+from bmeg.graphs.rpc import span_roles
 from bmeg.traces.schema import SPAN_SCHEMA
 
 CODE_FAULTS = ("return", "exception")

@@ -49,8 +49,11 @@ class Latency(_Strict):
 
     def log_params_ns(self) -> tuple[float, float]:
         """(mu, sigma) of the lognormal in nanoseconds."""
-        sigma = self.sigma if self.sigma is not None else math.log(self.p99_us / self.median_us) / Z99
-        return math.log(self.median_us * 1e3), sigma
+        mu = math.log(self.median_us * 1e3)
+        if self.sigma is not None:
+            return mu, self.sigma
+        assert self.p99_us is not None  # the validator lets exactly one of them through
+        return mu, math.log(self.p99_us / self.median_us) / Z99
 
     def p99_ns(self) -> float:
         mu, sigma = self.log_params_ns()

@@ -1,14 +1,9 @@
 """Digital twins: a `TopologySpec` fitted from fault-free traces, and how well it reproduces them.
 
-What the twin models is the RPC structure of the traces:
-- A *server span* is a trace's root, or a span whose parent runs in another service. It is one
-  operation of its service (`service:operation`).
-- A *client span* is a span with exactly one child, in another service (the RPC it made), or
-  a childless span naming a `peer_service`/`db_system` (a call to a store). OpenTelemetry
-  `kind`s say so directly where they are set.
-- Every other span is *internal* (work inside a service, e.g. `sql.rows` or a helper method)
-  and is folded into its parent: its children move up to the parent, and its time becomes the
-  parent's self time. `rpc_view` does this, for the fitter and for anything compared with it.
+What the twin models is the RPC structure of the traces, their RPC view
+(`bmeg.graphs.rpc.rpc_view`: server and client spans kept, internal spans folded into their
+parents), for the fitter and for anything compared with it. A server span is one operation of its
+service (`service:operation`).
 
 Fitted per operation: the patterns of calls it makes (children ordered by start; a child that
 starts before the earlier ones have ended runs in parallel with them), as a branch over the
@@ -45,8 +40,9 @@ from bmeg.faultinject.spec import (
     Workload,
 )
 from bmeg.faultinject.tables import spans_of
-from bmeg.graphs import SpanForest, assemble
+from bmeg.graphs import SpanForest
 from bmeg.graphs.features import self_time_ns
+from bmeg.graphs.rpc import rpc_view, span_roles
 from bmeg.traces.errors import TraceInputError
 
 #: Quantile that sets a self time's sigma (with the median): the tail the percentiles are judged on.
@@ -64,52 +60,6 @@ MIN_TIME_US = 1.0
 #: Target CPU utilisation of a fitted replica: the measured self times already hold the real
 #: queueing, so the twin gives each replica enough cores not to add much of its own.
 TARGET_UTILISATION = 0.3
-
-
-# ---- the RPC view ------------------------------------------------------------------------------
-def span_roles(forest: SpanForest) -> tuple[np.ndarray, np.ndarray]:
-    """(is_server, is_client) per span of a forest, by `kind` where set, else by structure."""
-    spans = forest.spans
-    service = spans["service"].to_numpy(zero_copy_only=False)
-    kind = spans["kind"].to_numpy(zero_copy_only=False)
-    peer = spans["peer_service"].is_valid().to_numpy(zero_copy_only=False)
-    peer |= spans["db_system"].is_valid().to_numpy(zero_copy_only=False)
-    parent = forest.parent
-    has_parent = parent >= 0
-    cross = np.zeros(forest.num_spans, dtype=bool)  # parent in another service
-    cross[has_parent] = service[has_parent] != service[parent[has_parent]]
-    children = np.bincount(parent[has_parent], minlength=forest.num_spans)
-    cross_children = np.bincount(parent[cross], minlength=forest.num_spans)
-    structural_client = ((children == 1) & (cross_children == 1)) | ((children == 0) & peer)
-    is_client = np.where(kind == "client", True, np.where(kind == "server", False, structural_client))
-    is_client &= has_parent
-    is_server = ~has_parent | (~is_client & (cross | (kind == "server")))
-    return is_server, is_client
-
-
-def rpc_view(spans: pa.Table | SpanForest) -> SpanForest:
-    """The forest without internal spans: each kept span's parent is its nearest kept ancestor."""
-    forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="drop")
-    is_server, is_client = span_roles(forest)
-    keep = is_server | is_client
-    if keep.all():
-        return forest
-    parent = forest.parent.copy()
-    folded = (parent >= 0) & ~keep[np.maximum(parent, 0)]
-    while folded.any():  # climb past internal ancestors, one level per round
-        parent[folded] = forest.parent[parent[folded]]
-        folded = (parent >= 0) & ~keep[np.maximum(parent, 0)]
-    rows = np.flatnonzero(keep)
-    new_row = np.full(forest.num_spans, -1)
-    new_row[rows] = np.arange(len(rows))
-    table = forest.spans.take(pa.array(rows))
-    span_ids = table["span_id"]
-    parent_rows = parent[rows]
-    parent_ids = span_ids.take(pa.array(np.maximum(new_row[parent_rows], 0), mask=parent_rows < 0))
-    table = table.set_column(table.schema.get_field_index("parent_id"), "parent_id", parent_ids)
-    # the repaired times of the forest, so that folding never brings clock skew back
-    table = table.set_column(table.schema.get_field_index("start_ns"), "start_ns", pa.array(forest.start_ns[rows]))
-    return assemble(table, on_bad_trace="drop")
 
 
 # ---- fitting ----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ jumping); Python loops run only over the few spans that need a repair. The resul
 `SpanForest`, keeps every span in flat arrays grouped by trace, so later stages (critical
 path, features, PyG batches) stay vectorised too.
 
-Repairs, each reported in `SpanForest.warnings` as a sentence naming the trace and span:
+Repairs, each reported in `SpanForest.repairs` as a `Repair` (trace, span, kind, what was done):
 
 - **Duplicate span ids** (within a trace): keep one copy, the first *complete* one (positive
   duration) in input order, else the first; the others are listed in `dropped`.
@@ -51,6 +51,18 @@ class DroppedSpan(NamedTuple):
     reason: str
 
 
+class Repair(NamedTuple):
+    """One repair: the trace and span it touched, its kind, and what was done (a sentence)."""
+
+    trace_id: str
+    span_id: str
+    kind: Literal["duplicate", "adopted", "made root", "clock skew"]
+    detail: str
+
+    def __str__(self) -> str:
+        return f"trace {self.trace_id}: span {self.span_id}: {self.detail}"
+
+
 @dataclass(frozen=True)
 class SpanForest:
     """All spans of many traces, linked and repaired, in flat arrays.
@@ -68,8 +80,13 @@ class SpanForest:
     depth: np.ndarray  # int64 [n]: 0 for roots
     start_ns: np.ndarray  # int64 [n]: start after the clock-skew repair
     duration_ns: np.ndarray  # int64 [n]
-    warnings: list[str] = field(default_factory=list)
+    repairs: list[Repair] = field(default_factory=list)
     dropped: list[DroppedSpan] = field(default_factory=list)
+
+    @property
+    def warnings(self) -> list[str]:
+        """The repairs as sentences, for people."""
+        return [str(repair) for repair in self.repairs]
 
     @property
     def num_spans(self) -> int:
@@ -91,16 +108,16 @@ def assemble(table: pa.Table, *, on_bad_trace: Literal["raise", "drop"] = "raise
     """Group a span table into traces, link parents and repair (see the module docstring)."""
     table = conform(table).combine_chunks()
     dropped: list[DroppedSpan] = []
-    warnings: list[str] = []
+    repairs: list[Repair] = []
     table = _reject_bad_traces(table, on_bad_trace, dropped)
     if table.num_rows == 0:
-        return _empty_forest(table, warnings, dropped)
+        return _empty_forest(table, repairs, dropped)
 
     trace_code, trace_ids = _encode(table["trace_id"])
     start = table["start_ns"].to_numpy()
     duration = table["duration_ns"].to_numpy()
 
-    kept, key, parent_key = _dedupe(table, trace_code, duration, dropped, warnings)
+    kept, key, parent_key = _dedupe(table, trace_code, duration, dropped, repairs)
     if kept is not None:
         table, key, parent_key = table.take(pa.array(kept)), key[kept], parent_key[kept]
         start, duration, trace_code = start[kept], duration[kept], trace_code[kept]
@@ -112,10 +129,10 @@ def assemble(table: pa.Table, *, on_bad_trace: Literal["raise", "drop"] = "raise
     parent, orphans = _link_parents(key, parent_key)
     _break_cycles(parent, orphans, start, names)
     root, adopted = _choose_roots(
-        parent, orphans, trace_index, len(trace_ids), start, duration, names, warnings
+        parent, orphans, trace_index, len(trace_ids), start, duration, names, repairs
     )
     depth = _depth(parent)
-    start = _repair_clock_skew(table, parent, adopted, depth, trace_offsets, start, duration, names, warnings)
+    start = _repair_clock_skew(table, parent, adopted, depth, trace_offsets, start, duration, names, repairs)
     return SpanForest(
         spans=table,
         trace_ids=list(trace_ids),
@@ -126,13 +143,13 @@ def assemble(table: pa.Table, *, on_bad_trace: Literal["raise", "drop"] = "raise
         depth=depth,
         start_ns=start,
         duration_ns=duration,
-        warnings=warnings,
+        repairs=repairs,
         dropped=dropped,
     )
 
 
 class _SpanNames:
-    """Turns rows into the "trace T: span S" words of warnings and errors."""
+    """Names rows for repairs and errors: "trace T: span S"."""
 
     def __init__(self, trace_ids: list[str], trace_index: np.ndarray, span_ids: pa.ChunkedArray):
         self.trace_ids, self.trace_index, self.span_ids = trace_ids, trace_index, span_ids
@@ -142,6 +159,9 @@ class _SpanNames:
 
     def span(self, row: int) -> str:
         return f"trace {self.trace_ids[self.trace_index[row]]}: span {self.span_id(row)}"
+
+    def repair(self, row: int, kind, detail: str) -> Repair:
+        return Repair(self.trace_ids[self.trace_index[row]], self.span_id(row), kind, detail)
 
 
 def _encode(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
@@ -179,7 +199,7 @@ def _reject_bad_traces(table: pa.Table, on_bad_trace: str, dropped: list[Dropped
         )
     bad_traces = set(trace_ids[bad_rows])
     drop = np.isin(trace_ids, list(bad_traces))
-    for row in np.flatnonzero(drop):
+    for row in np.flatnonzero(drop).tolist():
         why = reasons[row] or "its trace has an unrepairable span"
         dropped.append(DroppedSpan(trace_ids[row], span_ids[row], why))
     return table.filter(pa.array(~drop))
@@ -190,7 +210,7 @@ def _dedupe(
     trace_code: np.ndarray,
     duration: np.ndarray,
     dropped: list[DroppedSpan],
-    warnings: list[str],
+    repairs: list[Repair],
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """Rows to keep, grouped by trace (None: all rows, already grouped), and each row's span
     and parent keys (-1: no parent).
@@ -214,7 +234,7 @@ def _dedupe(
         by_key = np.lexsort((rows, duration <= 0, key))  # first complete copy first
         first_copy = np.r_[True, key[by_key][1:] != key[by_key][:-1]]
         if not first_copy.all():
-            _report_duplicates(table, by_key, first_copy, dropped, warnings)
+            _report_duplicates(table, by_key, first_copy, dropped, repairs)
             keep = np.zeros(n, dtype=bool)
             keep[by_key[first_copy]] = True
     if keep is None and (np.diff(trace_code) >= 0).all():
@@ -223,16 +243,14 @@ def _dedupe(
     return (order if keep is None else order[keep[order]]), key, parent_key
 
 
-def _report_duplicates(table, by_key, first_copy, dropped, warnings) -> None:
+def _report_duplicates(table, by_key, first_copy, dropped, repairs) -> None:
     trace_ids = table["trace_id"].to_numpy(zero_copy_only=False)
     span_ids = table["span_id"].to_numpy(zero_copy_only=False)
     for position in np.flatnonzero(~first_copy):
         row = by_key[position]
         dropped.append(DroppedSpan(trace_ids[row], span_ids[row], "duplicate span id"))
-        warnings.append(
-            f"trace {trace_ids[row]}: span {span_ids[row]}: duplicate span id; "
-            f"kept the first complete copy, dropped one"
-        )
+        repairs.append(Repair(trace_ids[row], span_ids[row], "duplicate",
+                              "duplicate span id; kept the first complete copy, dropped one"))
 
 
 def _link_parents(key: np.ndarray, parent_key: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
@@ -292,7 +310,7 @@ def _choose_roots(
     start: np.ndarray,
     duration: np.ndarray,
     names: _SpanNames,
-    warnings: list[str],
+    repairs: list[Repair],
 ) -> tuple[np.ndarray, np.ndarray]:
     """One root per trace; other parentless rows (extra roots, orphans) are attached to it.
 
@@ -314,11 +332,10 @@ def _choose_roots(
     parent[others] = root[trace_index[others]]
     for row in others.tolist():
         why = orphans.get(row, "a second root span")
-        warnings.append(f"{names.span(row)}: {why}; attached it to the root {names.span_id(parent[row])}")
+        repairs.append(names.repair(row, "adopted", f"{why}; attached it to the root {names.span_id(parent[row])}"))
     for row in root[orphan[root]].tolist():
-        warnings.append(
-            f"{names.span(row)}: {orphans[row]}; the trace has no root span, so made it (the earliest) the root"
-        )
+        repairs.append(names.repair(
+            row, "made root", f"{orphans[row]}; the trace has no root span, so made it (the earliest) the root"))
     return root, adopted
 
 
@@ -344,7 +361,7 @@ def _repair_clock_skew(
     start: np.ndarray,
     duration: np.ndarray,
     names: _SpanNames,
-    warnings: list[str],
+    repairs: list[Repair],
 ) -> np.ndarray:
     """Shift skewed children (and their subtrees) into their parent's window; returns starts."""
     kind = spans["kind"]
@@ -361,11 +378,11 @@ def _repair_clock_skew(
     for trace in skewed_traces.tolist():
         rows = np.arange(trace_offsets[trace], trace_offsets[trace + 1])
         top_down = rows[np.argsort(depth[rows], kind="stable")]
-        _shift_trace(top_down, parent, adopted, is_async_kind, start, duration, names, warnings)
+        _shift_trace(top_down, parent, adopted, is_async_kind, start, duration, names, repairs)
     return start
 
 
-def _shift_trace(top_down, parent, adopted, is_async_kind, start, duration, names, warnings) -> None:
+def _shift_trace(top_down, parent, adopted, is_async_kind, start, duration, names, repairs) -> None:
     """Sequential skew repair of one trace, parents before children (starts change in place)."""
     shift = dict.fromkeys(top_down.tolist(), 0)
     for row in top_down.tolist():
@@ -387,15 +404,13 @@ def _shift_trace(top_down, parent, adopted, is_async_kind, start, duration, name
             too_long = " (it is longer than its parent, so it now starts with it)" if (
                 synchronous and duration[row] > duration[up]
             ) else ""
-            warnings.append(
-                f"{names.span(row)}: outside its parent {names.span_id(up)} by clock skew; "
-                f"shifted it and its subtree by {delta / 1000:+.1f} us{too_long}"
-            )
+            repairs.append(names.repair(row, "clock skew", f"outside its parent {names.span_id(up)} by clock skew; "
+                                        f"shifted it and its subtree by {delta / 1000:+.1f} us{too_long}"))
     for row, total in shift.items():
         start[row] += total
 
 
-def _empty_forest(table: pa.Table, warnings: list[str], dropped: list[DroppedSpan]) -> SpanForest:
+def _empty_forest(table: pa.Table, repairs: list[Repair], dropped: list[DroppedSpan]) -> SpanForest:
     empty = np.zeros(0, dtype=np.int64)
     return SpanForest(
         spans=table,
@@ -407,6 +422,6 @@ def _empty_forest(table: pa.Table, warnings: list[str], dropped: list[DroppedSpa
         depth=empty,
         start_ns=empty,
         duration_ns=empty,
-        warnings=warnings,
+        repairs=repairs,
         dropped=dropped,
     )

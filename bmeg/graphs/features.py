@@ -1,4 +1,4 @@
-"""Node features of call graphs, computed for all spans of a forest at once.
+"""Per-node columns of call graphs, computed for all spans of a forest at once.
 
 Built-in per-node columns (times in microseconds), computed on demand by `NodeColumns`
 (`base_columns` returns them all):
@@ -11,45 +11,31 @@ Built-in per-node columns (times in microseconds), computed on demand by `NodeCo
 - `depth`, `fan_out`: position and number of children in the call tree;
 - `log_*`: log1p of each time and of the fan-out, for models that want tame scales.
 
-A `FeatureSpec` picks columns in order. Extra columns come from `ColumnFn`s that see the
-forest and the built-in columns; `operation_baseline_ratio` is one (the span's duration against a
-per-operation baseline, e.g. the training set's median).
+`SERVICE_TIME_ONLY` (the thesis's feature) and `DEFAULT_FEATURES` name the columns the models
+start from; the models' feature encoder (`bmeg.models.features`) adds per-operation baselines
+and history to them, and `bmeg.models.graphset` batches the result for the GNNs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from bmeg.graphs.assemble import SpanForest
 from bmeg.graphs.critical_path import CriticalPaths, critical_paths
 
-#: (forest, built-in columns) -> more named columns, each float [num_spans].
-ColumnFn = Callable[[SpanForest, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    columns: tuple[str, ...]
-    extra: Sequence[ColumnFn] = field(default_factory=tuple)
-
-
 #: The thesis's feature: the service time of each node, no feature engineering.
-SERVICE_TIME_ONLY = FeatureSpec(("log_duration_us",))
-DEFAULT_FEATURES = FeatureSpec(
-    (
-        "log_duration_us",
-        "log_self_time_us",
-        "log_cp_exclusive_us",
-        "on_critical_path",
-        "log_start_offset_us",
-        "depth",
-        "log_fan_out",
-    )
+SERVICE_TIME_ONLY: tuple[str, ...] = ("log_duration_us",)
+#: The call-graph columns: time, own time, critical path, position.
+DEFAULT_FEATURES: tuple[str, ...] = (
+    "log_duration_us",
+    "log_self_time_us",
+    "log_cp_exclusive_us",
+    "on_critical_path",
+    "log_start_offset_us",
+    "depth",
+    "log_fan_out",
 )
 
 
@@ -67,9 +53,6 @@ class NodeColumns(Mapping[str, np.ndarray]):
         if self._paths is None:
             self._paths = critical_paths(self.forest)
         return self._paths
-
-    def add(self, columns: Mapping[str, np.ndarray]) -> None:
-        self._values.update(columns)
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._values:
@@ -114,22 +97,6 @@ def base_columns(forest: SpanForest, paths: CriticalPaths | None = None) -> dict
     return {name: columns[name] for name in columns}
 
 
-def node_features(
-    forest: SpanForest, spec: FeatureSpec = DEFAULT_FEATURES, paths: CriticalPaths | None = None
-) -> np.ndarray:
-    """The feature matrix float32 [num_spans, len(spec.columns)] in spec order."""
-    columns = NodeColumns(forest, paths)
-    for column_fn in spec.extra:
-        columns.add(column_fn(forest, columns))
-    unknown = [name for name in spec.columns if name not in columns]
-    if unknown:
-        raise KeyError(f"unknown feature columns {unknown}; known: {sorted(columns)}")
-    matrix = np.empty((forest.num_spans, len(spec.columns)), dtype=np.float32)
-    for i, name in enumerate(spec.columns):
-        matrix[:, i] = columns[name]
-    return matrix
-
-
 def self_time_ns(forest: SpanForest) -> np.ndarray:
     """Duration of each span not covered by the union of its children (clipped to the span)."""
     n = forest.num_spans
@@ -160,23 +127,3 @@ def _running_max_within_groups(group: np.ndarray, values: np.ndarray) -> np.ndar
     width = np.int64(len(distinct))
     packed = np.maximum.accumulate(group.astype(np.int64) * width + rank)
     return distinct[packed - group * width]
-
-
-def operation_baseline_ratio(
-    baseline_us: Mapping[tuple[str, str], float], name: str = "log_baseline_ratio"
-) -> ColumnFn:
-    """A column: log(duration / baseline of the span's (service, operation)); 0 when unknown."""
-    keys = pa.array([f"{service}\x1f{operation}" for service, operation in baseline_us], pa.string())
-    baselines = np.array(list(baseline_us.values()), dtype=np.float64)
-
-    def column(forest: SpanForest, base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        span_keys = pc.binary_join_element_wise(forest.spans["service"], forest.spans["operation"], "\x1f")
-        where = pc.index_in(span_keys, value_set=keys)
-        known = pc.is_valid(where).to_numpy(zero_copy_only=False)
-        index = pc.fill_null(where, 0).to_numpy(zero_copy_only=False)[known]
-        ratio = np.zeros(forest.num_spans)
-        duration = np.maximum(base["duration_us"][known], 1e-3)
-        ratio[known] = np.log(duration / np.maximum(baselines[index], 1e-3))
-        return {name: ratio}
-
-    return column

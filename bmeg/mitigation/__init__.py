@@ -2,9 +2,9 @@
 (dry run, cooldown, budgets, verification, rollback, audit) on Kubernetes or the simulator."""
 
 from bmeg.mitigation.audit import AuditLog, Record
-from bmeg.mitigation.catalogue import Catalogue, CatalogueError, Parameter, load_catalogue
+from bmeg.cluster.catalogue import Catalogue, CatalogueError, Parameter, load_catalogue
 from bmeg.mitigation.controller import Controller, Outcome
-from bmeg.mitigation.executor import ActionError, ActionForbidden, Applied, Executor, ServiceState
+from bmeg.cluster.executor import ActionError, ActionForbidden, Applied, Executor, ServiceState
 from bmeg.mitigation.planner import Decision, PlannerPolicy, ServiceTelemetry, plan, with_hints
 from bmeg.mitigation.safety import Guard, Latencies, SafetyPolicy, load_policy
 from bmeg.mitigation.tuning import HybridBandit, Judgement, judge, tune

@@ -68,7 +68,8 @@ class AuditLog:
              json.dumps(details or {}, default=str, sort_keys=True)),
         )
         self._db.commit()
-        return int(cursor.lastrowid)
+        assert cursor.lastrowid is not None  # an INSERT always sets it
+        return cursor.lastrowid
 
     def records(self, *, service: str | None = None, kind: str | None = None, limit: int | None = None) -> list[Record]:
         """Records oldest first (the newest `limit` of them when given)."""

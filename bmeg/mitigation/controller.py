@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from bmeg.diagnosis import Diagnosis
 from bmeg.mitigation.audit import AuditLog
-from bmeg.mitigation.catalogue import Catalogue
-from bmeg.mitigation.executor import ActionError, ActionForbidden, Applied, Executor, Prober
+from bmeg.cluster.catalogue import Catalogue
+from bmeg.cluster.executor import ActionError, ActionForbidden, Applied, Executor, Prober
 from bmeg.mitigation.planner import Decision, PlannerPolicy, ServiceTelemetry, plan
 from bmeg.mitigation.safety import Guard, Latencies, SafetyPolicy, improved
 from bmeg.mitigation.tuning import search_around
@@ -124,11 +124,12 @@ class Controller:
         service, parameter = decision.service, self.catalogue.parameter(decision.service, name)
         if not (isinstance(self.executor, Prober) and parameter.numeric):
             return target, []
+        prober = self.executor
         current = self.executor.state(service).parameters.get(name, parameter.default)
         tried: list[dict] = []
 
         def measure(value: float) -> list[float]:
-            p95 = list(self.executor.probe(service, parameter, value))
+            p95 = list(prober.probe(service, parameter, value))
             tried.append({"value": value, "p95_ms": [round(x, 2) for x in p95]})
             return p95
 

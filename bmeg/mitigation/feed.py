@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from bmeg.diagnosis import Diagnosis
 from bmeg.mitigation.controller import Controller, Outcome
-from bmeg.mitigation.executor import ActionError
+from bmeg.cluster.executor import ActionError
 from bmeg.mitigation.planner import ServiceTelemetry, gather_evidence
 from bmeg.mitigation.safety import Latencies
 

@@ -33,7 +33,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from bmeg.diagnosis import Diagnosis, MitigationHint, TraceDiagnosis
-from bmeg.mitigation.catalogue import Catalogue, Parameter, load_catalogue
+from bmeg.cluster.catalogue import Catalogue, Parameter, load_catalogue
 
 Source = Literal["saturation", "interference", "misconfiguration", "background", "unknown"]
 Action = Literal["scale_out", "scale_up", "retune", "migrate", "shed", "none"]

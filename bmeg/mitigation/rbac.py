@@ -1,6 +1,6 @@
 """The controller's RBAC, generated from the application's topology (`bmeg mitigate rbac`).
 
-The Role grants exactly the calls `bmeg.mitigation.kubernetes.KubernetesExecutor` makes, and
+The Role grants exactly the calls `bmeg.cluster.kubernetes.KubernetesExecutor` makes, and
 only on the application's own objects:
 
 - Deployments named as the topology's services: `get` (state), `patch` (resources,
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import yaml
 
-from bmeg.mitigation.catalogue import Catalogue
+from bmeg.cluster.catalogue import Catalogue
 
 CONTROLLER = "bmeg-mitigation"  # the ServiceAccount, the Roles and the Lease
 CONTROLLER_NAMESPACE = "bmeg"

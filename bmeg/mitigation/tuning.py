@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bmeg.mitigation.catalogue import Parameter
+from bmeg.cluster.catalogue import Parameter
 
 #: TUNA's threshold on the relative range across replicas.
 UNSTABLE_RELATIVE_RANGE = 0.3

@@ -388,11 +388,8 @@ def _path_steps(forest: SpanForest, scores: Scores, paths: CriticalPaths) -> lis
 
 
 def _warnings_by_trace(forest: SpanForest) -> dict[str, list[str]]:
-    """Repair warnings name their trace; group them by it."""
+    """The repairs of each trace, as sentences."""
     by_trace: dict[str, list[str]] = {}
-    for message in forest.warnings:
-        for trace_id in forest.trace_ids:
-            if trace_id in message:
-                by_trace.setdefault(trace_id, []).append(message)
-                break
+    for repair in forest.repairs:
+        by_trace.setdefault(repair.trace_id, []).append(str(repair))
     return by_trace

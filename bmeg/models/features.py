@@ -84,11 +84,11 @@ class FeatureEncoder:
     @property
     def names(self) -> list[str]:
         if self.variant == "thesis":
-            return list(SERVICE_TIME_ONLY.columns)
+            return list(SERVICE_TIME_ONLY)
         if self.variant == "relative":
             return [*RELATIVE_COLUMNS, "unknown_operation", "recent_z_self_time"]
         z_names = [f"z_{name}" for name in BASELINE_COLUMNS]
-        return [*DEFAULT_FEATURES.columns, "log_wait_us", *z_names, "unknown_operation", "recent_z_self_time"]
+        return [*DEFAULT_FEATURES, "log_wait_us", *z_names, "unknown_operation", "recent_z_self_time"]
 
     @property
     def baseline_columns(self) -> tuple[str, ...]:
@@ -119,7 +119,7 @@ class FeatureEncoder:
         `past`: the stream's earlier visits per service, see the module's docstring)."""
         columns = _columns(forest, paths)
         if self.variant == "thesis":
-            return _stack(columns, SERVICE_TIME_ONLY.columns)
+            return _stack(columns, SERVICE_TIME_ONLY)
         if not self.keys:
             raise ValueError("FeatureEncoder is not fitted: call fit() on normal traces first")
         z, known = self._z_scores(forest, columns)

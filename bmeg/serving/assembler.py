@@ -19,7 +19,10 @@ exceed the senders' export interval: the default (`DEFAULT_IDLE_TIMEOUT_S`, 7 s)
 5 s schedule plus the Collector's batching and Kafka's linger, with a second to spare. A trace
 finished while its root or a parent is still missing is **partial**: diagnosed and published
 so, never handed to mitigation. A trace also finishes at `max_spans` (a runaway trace must not
-hold memory and offsets forever).
+hold memory and offsets forever), and the least recently touched trace finishes early when more
+than `max_open` are being assembled (spans whose roots never come, sent faster than the idle
+timeout ends them, must not grow memory without bound: `bench/consumer_limits.py` measures the
+consumer at this cap).
 
 Spans of a trace already finished (a late fragment) are never diagnosed as a new trace: the
 ids of finished traces are remembered for `late_window_s` and their late spans are counted
@@ -49,6 +52,8 @@ DEFAULT_LATE_WINDOW_S = 300.0
 LEAF_AFTER = 3
 _MAX_REMEMBERED = 1_000_000  # finished trace ids kept at most (~100 MB), whatever the window
 _MAX_CALL_KEYS = 100_000
+#: Traces being assembled at most (the consumer's `max_open_traces`).
+DEFAULT_MAX_OPEN = 50_000
 
 
 @dataclass
@@ -85,9 +90,14 @@ class Added:
 
 class TraceAssembler:
     def __init__(self, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, max_spans: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic, late_window_s: float = DEFAULT_LATE_WINDOW_S):
+                 clock: Callable[[], float] = time.monotonic, late_window_s: float = DEFAULT_LATE_WINDOW_S,
+                 max_open: int = DEFAULT_MAX_OPEN):
+        if max_open < 1:
+            raise ValueError(f"max_open={max_open}: at least one trace must be assembled at a time")
         self.idle_timeout_s = idle_timeout_s
         self.max_spans = max_spans
+        self.max_open = max_open
+        self.evicted = 0  # traces finished early because `max_open` were open
         self.clock = clock
         self.late_window_s = late_window_s
         self._pending: OrderedDict[str, PendingTrace] = OrderedDict()  # least recently touched first
@@ -114,6 +124,10 @@ class TraceAssembler:
                     late += piece.num_rows
                     continue
                 trace = self._pending[trace_id] = PendingTrace(trace_id, now)
+                if len(self._pending) > self.max_open:  # the least recently touched finishes early
+                    oldest_id, oldest = self._pending.popitem(last=False)
+                    self._ready[oldest_id] = oldest
+                    self.evicted += 1
             elif trace_id in self._pending:
                 self._pending.move_to_end(trace_id)
                 trace.last_seen = now

@@ -54,7 +54,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from bmeg.models.detector import Detector
 from bmeg.models.history import StreamHistory
-from bmeg.serving.assembler import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, PendingTrace, TraceAssembler
+from bmeg.serving.assembler import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, DEFAULT_MAX_OPEN, PendingTrace,
+                                    TraceAssembler)
 from bmeg.serving.model import freeze_heap
 from bmeg.serving.offsets import OffsetTracker, Source
 from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, Topics, diagnose_batch,
@@ -87,10 +88,14 @@ class ConsumerConfig:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     late_window_s: float = DEFAULT_LATE_WINDOW_S
     max_trace_spans: int = 10_000
+    max_open_traces: int = DEFAULT_MAX_OPEN  # traces assembled at once; beyond, the oldest finishes early
     batch_traces: int = 512
     commit_interval_s: float = 1.0
     poll_timeout_ms: int = 200
     max_poll_records: int = 2_000
+    # Raw bytes one fetch brings (kafka-python's defaults, stated: the memory figures rest on them)
+    fetch_max_bytes: int = 50 << 20
+    max_partition_fetch_bytes: int = 1 << 20
     max_message_bytes: int = 64 << 20  # a message's spans, inflated
     dead_letter_max_bytes: int = 256 << 10
     max_unsent_traces: int = 50_000  # fetching pauses beyond this many traces awaiting the broker
@@ -134,7 +139,7 @@ class StreamConsumer:
         self.config = config
         self.metrics = metrics or ConsumerMetrics()
         self.assembler = TraceAssembler(config.idle_timeout_s, config.max_trace_spans,
-                                        late_window_s=config.late_window_s)
+                                        late_window_s=config.late_window_s, max_open=config.max_open_traces)
         self.offsets = OffsetTracker()
         self.heartbeat = time.monotonic()
         self._committed: dict[TopicPartition, int] = {}
@@ -144,9 +149,11 @@ class StreamConsumer:
         self.consumer = KafkaConsumer(
             bootstrap_servers=config.bootstrap, group_id=config.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", max_poll_records=config.max_poll_records,
+            fetch_max_bytes=config.fetch_max_bytes, max_partition_fetch_bytes=config.max_partition_fetch_bytes,
             partition_assignment_strategy=[CooperativeStickyAssignor],
         )
-        self.consumer.subscribe([config.topic], listener=_Rebalance(self))
+        self._subscribed = False  # until the topic exists: see `_subscribe_once_the_topic_exists`
+        self._topic_checked = float("-inf")
         self._diagnoser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bmeg-diagnoser")
         self._in_flight: deque[Future[list[Delivery]]] = deque()  # oldest first
         self._unsent: list[Delivery] = []  # published, not yet all acknowledged
@@ -169,6 +176,9 @@ class StreamConsumer:
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
         self._beat()
+        if not self._subscribed and not self._subscribe_once_the_topic_exists():
+            time.sleep(self.config.poll_timeout_ms / 1e3)
+            return
         self._throttle()
         try:
             batches = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
@@ -183,6 +193,32 @@ class StreamConsumer:
         self._submit(self.assembler.finished())
         if time.monotonic() - self._last_commit >= self.config.commit_interval_s:
             self.commit()
+
+    def _subscribe_once_the_topic_exists(self) -> bool:
+        """Subscribe to the topic once the broker lists its partitions (checked once a second).
+
+        A consumer that subscribes before the topic exists (the Collector's first write creates
+        it) is assigned nothing, then rejoins when the topic appears; kafka-python 3.0.12 can
+        drop the result of that second join when it spans two polls (the join loop stops once
+        the leader's own snapshot matches, before the assignment is applied), and the member,
+        with its heartbeat off, sits unassigned until the broker evicts it: every message lost
+        to this consumer. Joining only when the partitions are known makes the first join the
+        one that assigns them."""
+        if time.monotonic() - self._topic_checked < 1.0:
+            return False
+        first_check, self._topic_checked = self._topic_checked == float("-inf"), time.monotonic()
+        try:
+            partitions = self.consumer.partitions_for_topic(self.config.topic)
+        except KafkaError as error:  # the broker is away: asked again in a second
+            log.warning("listing the partitions of %s failed (retrying): %s", self.config.topic, error)
+            return False
+        if not partitions:
+            if first_check:
+                log.info("waiting for the topic %s to exist", self.config.topic)
+            return False
+        self.consumer.subscribe([self.config.topic], listener=_Rebalance(self))
+        self._subscribed = True
+        return True
 
     def healthy(self) -> bool:
         """Liveness: the loop went round within `liveness_timeout_s`."""
@@ -210,7 +246,9 @@ class StreamConsumer:
         """Diagnose and publish every trace still being assembled, wait for the broker's
         acknowledgements at most `acks_timeout_s` (default `shutdown_timeout_s`), then commit."""
         deadline = time.monotonic() + (self.config.shutdown_timeout_s if acks_timeout_s is None else acks_timeout_s)
-        self._submit(self.assembler.drain())
+        # at max_open_traces a full drain took 72 s (bench/consumer_limits.py): past the deadline the
+        # rest stay unpublished, their messages uncommitted, read again by the next owner
+        self._submit(self.assembler.drain(), deadline)
         while (self._in_flight or self._unsent) and time.monotonic() < deadline:
             self._beat()
             if self._in_flight:
@@ -332,9 +370,14 @@ class StreamConsumer:
         return read_spans_bytes(data, ENCODINGS[encoding])
 
     # -- diagnoses out -----------------------------------------------------------------------
-    def _submit(self, traces: list[PendingTrace]) -> None:
-        """Hand finished traces to the diagnosing thread in batches, waiting while it is behind."""
+    def _submit(self, traces: list[PendingTrace], deadline: float | None = None) -> None:
+        """Hand finished traces to the diagnosing thread in batches, waiting while it is behind;
+        none after `deadline` (monotonic), if given."""
         for start in range(0, len(traces), self.config.batch_traces):
+            if deadline is not None and time.monotonic() >= deadline:
+                log.error("stopping: %d traces not diagnosed in time; their messages stay uncommitted and are read "
+                          "again", len(traces) - start)
+                break
             while len(self._in_flight) >= MAX_BATCHES_IN_FLIGHT:
                 self._unsent += self._in_flight.popleft().result()
             self._in_flight.append(self._diagnoser.submit(self._publish, traces[start:start + self.config.batch_traces]))

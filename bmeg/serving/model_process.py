@@ -98,6 +98,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _diagnose(spans: pa.Table, window: bool) -> Diagnosis:
+    assert _detector is not None, "the model process's initializer loads the model first"
     return _detector.diagnose(spans, window=window)
 
 

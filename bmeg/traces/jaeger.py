@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from typing import TypeGuard
 
 import pyarrow as pa
 from google.protobuf import duration_pb2, json_format, timestamp_pb2
@@ -196,7 +197,7 @@ def _text(value: object) -> str | None:
     return "true" if value is True else "false" if value is False else str(value)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

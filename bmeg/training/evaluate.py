@@ -12,11 +12,11 @@ import pyarrow as pa
 
 from bmeg.graphs import SpanForest, assemble
 from bmeg.models.router import Router
+from bmeg.training.labelled import Labelled
 from bmeg.training.metrics import accuracy_at_k, classification_table
 
 if TYPE_CHECKING:
     from bmeg.models.detector import Detector, Scores
-    from bmeg.training.pipeline import Labelled
 
 
 def evaluate(detector: Detector, data: Labelled, raw: Scores | None = None, cost: bool = False) -> dict:

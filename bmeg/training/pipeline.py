@@ -46,6 +46,7 @@ from bmeg.models.svm import (
     firm_features,
 )
 from bmeg.training.evaluate import evaluate, measure_cost, true_services
+from bmeg.training.labelled import Labelled
 from bmeg.training.metrics import threshold_for_precision
 from bmeg.training.plots import plot_run
 from bmeg.training.trainer import FitConfig, fit, process_group
@@ -87,19 +88,6 @@ def load_recipe(name_or_path: str | Path, **overrides) -> TrainConfig:
         return TrainConfig(**{**recipe, **overrides}, fit=FitConfig(**fit_options))
     except TypeError as error:
         raise ValueError(f"{path}: {error}") from None
-
-
-@dataclass
-class Labelled:
-    """A dataset assembled into a forest, with labels in forest order and the split."""
-
-    forest: SpanForest
-    y: np.ndarray  # [T]
-    node_y: np.ndarray  # [N]
-    train: np.ndarray
-    val: np.ndarray
-    test: np.ndarray
-    traces: pa.Table  # trace labels in forest order
 
 
 def run(config: TrainConfig, out: Path | None = None) -> tuple[Detector, dict]:

@@ -1,4 +1,5 @@
-"""`KubernetesExecutor`: mitigation actions on a real cluster, with the official client.
+"""`KubernetesExecutor`: changes to Deployments on a real cluster, and their undoing, with the
+official client (mitigation's actions; fault injection's saturation and misconfiguration).
 
 - scale out: the Deployment's scale subresource (`patch_namespaced_deployment_scale`), unless an
   autoscaler owns its replicas: then the autoscaler's bounds change instead (a KEDA ScaledObject's
@@ -14,7 +15,7 @@
 Every change annotates the Deployment with what changed and the previous value
 (`bmeg.io/last-action`), so an operator sees it with `kubectl describe`, and returns an
 `Applied` that `rollback` undoes. A 403 from RBAC becomes `ActionForbidden`. The calls made are
-exactly those the generated Role grants (`bmeg.mitigation.rbac`).
+exactly those the controller's generated Role grants (`bmeg.mitigation.rbac`).
 
 `api_client` connects from a kubeconfig, or, in a pod, with the pod's ServiceAccount
 (`config.load_incluster_config()`'s loader).
@@ -33,8 +34,8 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.incluster_config import SERVICE_CERT_FILENAME, SERVICE_TOKEN_FILENAME, InClusterConfigLoader
 
-from bmeg.mitigation.catalogue import Catalogue, Parameter
-from bmeg.mitigation.executor import ActionError, ActionForbidden, Applied, ServiceState
+from bmeg.cluster.catalogue import Catalogue, Parameter
+from bmeg.cluster.executor import ActionError, ActionForbidden, Applied, ServiceState
 
 STRATEGIC = "application/strategic-merge-patch+json"
 ANNOTATION = "bmeg.io/last-action"

@@ -1,27 +1,14 @@
-"""Call graphs, node features and PyG batches."""
+"""Call graphs, store nodes and the per-node columns the models start from."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from test_graphs_assemble import spans
-from torch_geometric.data import Batch
+from builders import spans
 
-from bmeg.graphs import (
-    SERVICE_TIME_ONLY,
-    FeatureSpec,
-    assemble,
-    base_columns,
-    call_graphs,
-    node_features,
-    node_services,
-    operation_baseline_ratio,
-    storage_service,
-)
-from bmeg.graphs.batch import ServiceVocabulary, to_batch
+from bmeg.graphs import assemble, base_columns, call_graphs, node_services, storage_service
 from bmeg.graphs.features import self_time_ns
-from bmeg.traces import empty_span_table, span_table
+from bmeg.traces import span_table
 
 
 def socialnet_store_post():
@@ -111,53 +98,3 @@ def test_self_time_counts_overlapping_children_once():
         spans([("a", None, 0, 100), ("b", "a", 10, 40), ("c", "a", 20, 10), ("d", "a", 30, 40)])
     )
     assert self_time_ns(forest).tolist() == [40, 40, 10, 40]  # union of children is [10, 70]
-
-
-def test_feature_spec_and_baseline_hook():
-    forest = assemble(socialnet_store_post())
-    ratio = operation_baseline_ratio({("post-storage-service", "store_post_server"): 300.0})
-    spec = FeatureSpec(("duration_us", "log_baseline_ratio"), extra=(ratio,))
-    matrix = node_features(forest, spec)
-    assert matrix.dtype == np.float32 and matrix.shape == (4, 2)
-    assert np.allclose(matrix[:, 1], [0, np.log(2), 0, 0])
-    assert node_features(forest, SERVICE_TIME_ONLY).shape == (4, 1)
-    with pytest.raises(KeyError, match="unknown feature columns"):
-        node_features(forest, FeatureSpec(("nope",)))
-
-
-def two_traces():
-    one = spans([("a", None, 0, 100), ("b", "a", 10, 50), ("c", "b", 20, 10)], trace_id="one")
-    two = spans([("x", None, 5, 7)], trace_id="two")
-    both = {name: one[name].to_pylist() + two[name].to_pylist() for name in one.column_names}
-    return assemble(span_table(both))
-
-
-def test_batch_equals_collating_its_graphs():
-    forest = two_traces()
-    batch = to_batch(forest, y=[1, 0], node_y=[0, 1, 0, 0])
-    graphs = batch.to_data_list()
-    assert [g.trace_id for g in graphs] == ["one", "two"]
-    assert graphs[0].edge_index.tolist() == [[0, 1], [1, 2]]
-    assert graphs[1].edge_index.shape == (2, 0)
-    assert graphs[0].node_y.tolist() == [0, 1, 0] and graphs[1].y.tolist() == [0]
-    again = Batch.from_data_list(graphs)
-    for key in ("x", "edge_index", "service", "y", "node_y", "batch", "ptr"):
-        assert torch.equal(batch[key], again[key]), key
-    assert batch.x.dtype == torch.float32 and batch.edge_index.dtype == torch.long
-    assert batch.num_graphs == 2
-
-
-def test_unknown_services_map_to_index_zero():
-    vocabulary = ServiceVocabulary.build(["svc-a", "svc-b"])
-    batch = to_batch(two_traces(), vocabulary=vocabulary)
-    assert batch.service.tolist() == [1, 2, 0, 0]
-
-
-def test_label_lengths_are_checked():
-    with pytest.raises(ValueError, match="one label per trace"):
-        to_batch(two_traces(), y=[1])
-
-
-def test_empty_table_gives_an_empty_batch():
-    batch = to_batch(assemble(empty_span_table()))
-    assert batch.num_graphs == 0 and batch.x.shape == (0, 7) and batch.edge_index.shape == (2, 0)

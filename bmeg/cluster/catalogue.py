@@ -1,4 +1,4 @@
-"""The catalogue of tunable parameters per kind of service (`bmeg/mitigation/parameters.yaml`).
+"""The catalogue of tunable parameters per kind of service (`bmeg/cluster/parameters.yaml`).
 
 Each parameter says its range or choices, its default, what a change costs (reload, restart
 with downtime, reboot) and how its value reaches the service on Kubernetes (an environment
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from bmeg.paths import shipped_folder
 
-DEFAULT_CATALOGUE = shipped_folder("bmeg.mitigation", ".") / "parameters.yaml"
+DEFAULT_CATALOGUE = shipped_folder("bmeg.cluster", ".") / "parameters.yaml"
 
 
 class CatalogueError(ValueError):

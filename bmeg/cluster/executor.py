@@ -1,7 +1,8 @@
-"""What a mitigation executor does, whatever it acts on (a Kubernetes cluster, the simulator).
+"""What an executor does to a service, whatever it acts on (a Kubernetes cluster, the simulator).
 
-Every change returns an `Applied` record with the values before and after: the controller
-audits it and hands it back to `rollback` when verification fails.
+Every change returns an `Applied` record with the values before and after: the mitigation
+controller audits it and hands it back to `rollback` when verification fails, and a fault-injection
+campaign hands it back when its fault ends.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from bmeg.mitigation.catalogue import Parameter
+from bmeg.cluster.catalogue import Parameter
 
 
 class ActionError(RuntimeError):

@@ -1,0 +1,172 @@
+"""What a root-cause ranker compares a window with, and the interface every ranker follows.
+
+`NormalStats.from_forest` summarises a fault-free period (in the RPC view, see
+`bmeg.graphs.rpc.rpc_view`); a `Ranker`'s `rank(window, normal)` returns a `Ranking`,
+`[(service, score), ...]`, most suspicious first (`bmeg.evaluation.rankers` holds bmeg's and the
+internal baselines, `bmeg.evaluation.rcaeval` the published ones).
+
+Shared definitions: a span is *anomalous* when its duration is above the normal period's p95
+of its (service, operation); a trace is anomalous when its root is. A span's *exclusive* time
+is its duration not covered by its children; a client span's exclusive time (network and the
+callee's queues) counts for the service it called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import pandas as pd
+import pyarrow.compute as pc
+
+from bmeg.graphs import SpanForest
+from bmeg.graphs.features import self_time_ns
+from bmeg.graphs.rpc import span_roles
+
+Ranking = list[tuple[str, float]]
+#: The quantile of the normal period above which a span is anomalous.
+ANOMALY_QUANTILE = 0.95
+#: Exclusive times below this (ns) count as this: keeps ratios of tiny times sane.
+MIN_EXCLUSIVE_NS = 10_000
+
+
+
+def span_keys(forest: SpanForest) -> np.ndarray:
+    """`service\\x1foperation` of each span."""
+    return pc.binary_join_element_wise(forest.spans["service"], forest.spans["operation"], "\x1f").to_numpy(
+        zero_copy_only=False)
+
+
+def exclusive_time(forest: SpanForest) -> tuple[np.ndarray, np.ndarray]:
+    """(service it counts for, exclusive ns) per span; a client span's time goes to its callee."""
+    service = forest.spans["service"].to_numpy(zero_copy_only=False).copy()
+    _, is_client = span_roles(forest)
+    parent = forest.parent
+    child = np.flatnonzero(parent >= 0)
+    called = child[is_client[parent[child]]]
+    service[parent[called]] = service[called]
+    return service, self_time_ns(forest).astype(np.float64)
+
+
+@dataclass
+class NormalStats:
+    """What the rankers compare a window with, from a fault-free period."""
+
+    forest: SpanForest  # the normal traces themselves (RPC view)
+    p95_ns: pd.Series  # by span key: duration quantile above which a span is anomalous
+    exclusive_ns: pd.Series  # by (counted service, span key): median exclusive ns
+    server_ns: pd.Series  # by span key of a non-client span: median self ns
+    gap_ns: pd.Series  # by client span key: median ns a call spent outside both processes
+    children: pd.Series  # by span key: mean number of children
+    errors: pd.Series  # by span key: share of spans where an error begins
+
+    @classmethod
+    def from_forest(cls, forest: SpanForest) -> NormalStats:
+        keys = span_keys(forest)
+        durations = pd.Series(forest.duration_ns, index=keys)
+        counted, exclusive = exclusive_time(forest)
+        frame = pd.DataFrame({"service": counted, "key": keys, "ns": np.maximum(exclusive, MIN_EXCLUSIVE_NS)})
+        own = _own_times(forest)
+        return cls(
+            forest=forest,
+            p95_ns=durations.groupby(level=0).quantile(ANOMALY_QUANTILE),
+            exclusive_ns=frame.groupby(["service", "key"])["ns"].median(),
+            server_ns=own[~own["client"]].groupby("key")["ns"].median(),
+            gap_ns=own[own["client"]].groupby("key")["ns"].median(),
+            children=pd.Series(_child_counts(forest), index=keys).groupby(level=0).mean(),
+            errors=pd.Series(_error_origins(forest), index=keys).groupby(level=0).mean(),
+        )
+
+    def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
+        limit = self.p95_ns.reindex(span_keys(forest)).to_numpy()
+        return forest.duration_ns > np.nan_to_num(limit, nan=np.inf)
+
+    def anomalous_traces(self, forest: SpanForest) -> np.ndarray:
+        return self.anomalous_spans(forest)[forest.root]
+
+    def exclusive_increase(self, forest: SpanForest) -> pd.Series:
+        """Per counted service: mean log2 of exclusive time over its normal median (0: unchanged)."""
+        counted, exclusive = exclusive_time(forest)
+        index = pd.MultiIndex.from_arrays([counted, span_keys(forest)])
+        normal = self.exclusive_ns.reindex(index).to_numpy()
+        known = ~np.isnan(normal)
+        ratio = np.log2(np.maximum(exclusive[known], MIN_EXCLUSIVE_NS) / normal[known])
+        return pd.Series(ratio).groupby(counted[known]).mean()
+
+    def service_shift(self, forest: SpanForest) -> pd.Series:
+        """Per service, how far (log2) its own time moved, with call gaps split between the ends.
+
+        A call's gap (network and queues) grows when the callee is slow to take or answer it,
+        and also when the *caller* is slow to send and receive: then every callee of that caller
+        shows it. So the median shift over a caller's outgoing calls (to two callees or more) is
+        the caller's, and what an edge shows beyond it is the callee's (median over its
+        callers). A service's shift is the largest of: its own spans' self time, its part as a
+        caller, its part as a callee.
+        """
+        own = _own_times(forest)
+        normal = np.where(own["client"], self.gap_ns.reindex(own["key"]).to_numpy(),
+                          self.server_ns.reindex(own["key"]).to_numpy())
+        own["shift"] = np.log2(own["ns"] / normal)
+        own = own[~np.isnan(normal)]
+        servers = own[~own["client"]].groupby("service")["shift"].mean()
+        edges = own[own["client"]].groupby(["service", "callee"])["shift"].mean()
+        by_caller = edges.groupby(level="service")
+        # with one callee, a caller-side and a callee-side slowdown look alike: the callee gets it
+        caller = by_caller.median().where(by_caller.size() >= 2, 0.0)
+        callee = (edges - caller.reindex(edges.index.get_level_values("service")).to_numpy()).groupby(level="callee").median()
+        return pd.concat([servers, caller, callee], axis=1).max(axis=1)
+
+
+    def structure_shift(self, forest: SpanForest) -> pd.Series:
+        """Per service, how far its operations' structure moved from the normal period: per
+        operation, |mean children - normal mean| / max(normal mean, 1) plus the rise of the
+        share of its spans where an error *begins* (an error span with no error child: callers
+        that record the failed call are not where it began); a service's shift is the mean
+        over its spans. Means against means, so an operation whose call count varies from
+        request to request is not a change. A code fault (an early return, an exception)
+        changes the calls a service makes and its status, not its time; the change counts for
+        the service that made (or skipped) the calls. Operations the normal period never saw
+        are not scored."""
+        keys = span_keys(forest)
+        frame = pd.DataFrame({"key": keys, "children": _child_counts(forest), "errors": _error_origins(forest)})
+        by_key = frame.groupby("key").agg(children=("children", "mean"), errors=("errors", "mean"),
+                                          spans=("children", "size"))
+        normal_children = self.children.reindex(by_key.index)
+        change = (by_key["children"] - normal_children).abs() / np.maximum(normal_children, 1.0)
+        change += (by_key["errors"] - self.errors.reindex(by_key.index)).clip(lower=0.0)
+        known = change.notna()
+        service = pd.Series(forest.spans["service"].to_numpy(zero_copy_only=False), index=keys).groupby(level=0).first()
+        weighted = (change[known] * by_key["spans"][known]).groupby(service.reindex(change[known].index)).sum()
+        return weighted / by_key["spans"][known].groupby(service.reindex(change[known].index)).sum()
+
+
+def _child_counts(forest: SpanForest) -> np.ndarray:
+    has_parent = forest.parent >= 0
+    return np.bincount(forest.parent[has_parent], minlength=forest.num_spans).astype(np.float64)
+
+
+def _error_origins(forest: SpanForest) -> np.ndarray:
+    """1.0 where a span has an error status and none of its children has."""
+    error = pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False)
+    has_parent = forest.parent >= 0
+    child_errors = np.bincount(forest.parent[has_parent], weights=error[has_parent], minlength=forest.num_spans)
+    return (error & (child_errors == 0)).astype(np.float64)
+
+
+def _own_times(forest: SpanForest) -> pd.DataFrame:
+    """Per span: service, key, own ns (self time; a client span's is its call's gap), client?, callee."""
+    service = forest.spans["service"].to_numpy(zero_copy_only=False)
+    _, is_client = span_roles(forest)
+    callee = np.full(forest.num_spans, None, dtype=object)
+    child = np.flatnonzero(forest.parent >= 0)
+    called = child[is_client[forest.parent[child]]]
+    callee[forest.parent[called]] = service[called]
+    return pd.DataFrame({"service": service, "key": span_keys(forest), "client": is_client & (callee != None),  # noqa: E711
+                         "callee": callee, "ns": np.maximum(self_time_ns(forest), MIN_EXCLUSIVE_NS).astype(float)})
+
+
+class Ranker(Protocol):
+    name: str
+
+    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking: ...

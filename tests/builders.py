@@ -1,0 +1,233 @@
+"""What several test modules build: span tables, topologies, a tiny detector, hypothesis strategies.
+
+Test modules import these from here (`from builders import ...`), never from each other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+from hypothesis import strategies as st
+
+from bmeg.cluster.executor import ServiceState
+from bmeg.diagnosis import Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
+from bmeg.faultinject import parse_topology
+from bmeg.graphs import assemble
+from bmeg.traces import SPAN_SCHEMA, span_table
+from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
+
+
+def spans(rows, trace_id: str = "t1"):
+    """A span table from (span_id, parent_id, start, duration[, kind]) rows of one trace."""
+    rows = [row if len(row) == 5 else (*row, "server") for row in rows]
+    return span_table(
+        {
+            "trace_id": [trace_id] * len(rows),
+            "span_id": [row[0] for row in rows],
+            "parent_id": [row[1] for row in rows],
+            "service": [f"svc-{row[0]}" for row in rows],
+            "operation": [f"op-{row[0]}" for row in rows],
+            "start_ns": [row[2] for row in rows],
+            "duration_ns": [row[3] for row in rows],
+            "kind": [row[4] for row in rows],
+        }
+    )
+
+
+def chain(trace_id: str, start_ns: list[int], duration_ns: list[int]):
+    """One trace whose spans form a single chain, span i the parent of span i + 1."""
+    n = len(start_ns)
+    return span_table({
+        "trace_id": [trace_id] * n, "span_id": [f"{i:x}" for i in range(n)],
+        "parent_id": [None] + [f"{i:x}" for i in range(n - 1)], "service": ["s"] * n, "operation": ["o"] * n,
+        "start_ns": start_ns, "duration_ns": duration_ns,
+    })
+
+
+def chain_spec(rate: float = 300, **overrides) -> dict:
+    """front -> mid -> leaf, mid also reads a cache that falls through to a database."""
+    spec = {
+        "name": "chain",
+        "workload": {"rate": rate},
+        "requests": {"get": {"entry": "front:get", "weight": 1}},
+        "services": {
+            "front": {"cores": 2, "workers": 32, "operations": {"get": {
+                "self_time": {"median_us": 200, "p99_us": 600},
+                "calls": [{"call": "mid:work_server", "timeout_ms": 2000}]}}},
+            "mid": {"cores": 1, "workers": 8, "operations": {"work_server": {
+                "self_time": {"median_us": 300, "p99_us": 900},
+                "calls": [
+                    {"call": "leaf:compute"},
+                    {"cache": "cache:get", "hit_ratio": 0.9, "on_miss": [{"call": "db:find"}]},
+                ]}}},
+            "leaf": {"cores": 1, "workers": 8, "operations": {"compute": {"self_time": {"median_us": 800, "p99_us": 2000}}}},
+            "cache": {"storage": "memcached", "workers": 4, "operations": {"get": {"self_time": {"median_us": 100, "p99_us": 300}}}},
+            "db": {"storage": "mongodb", "cores": 2, "workers": 16, "operations": {"find": {"self_time": {"median_us": 1500, "p99_us": 4000}}}},
+        },
+    }
+    spec.update(overrides)
+    return spec
+
+
+def chain_topology(rate: float = 300):
+    return parse_topology(chain_spec(rate))
+
+
+#: A short single-fault campaign for the chain topology (datasets' tests).
+SCENARIO = {
+    "name": "quick",
+    "kind": "single",
+    "duration_s": 6,
+    "warmup_s": 0.5,
+    "campaign": {"start_s": 1, "every_s": 2.5, "burst_s": 1.5,
+                 "sources": {"interference": {"factor": [3, 5]}, "saturation": {"capacity": [0.2, 0.4]}}},
+}
+
+
+def star_trace(trace_id: str, leaf_us: list[int], operation: str = "op") -> dict[str, list]:
+    """A root with one child per entry of `leaf_us`, run one after the other."""
+    spans = {"trace_id": [], "span_id": [], "parent_id": [], "service": [], "operation": [], "start_ns": [], "duration_ns": []}
+    total = sum(leaf_us) + 10
+    rows = [("r", None, "front", "GET /", 0, total * 1000)]
+    start = 5
+    for i, us in enumerate(leaf_us):
+        rows.append((f"c{i}", "r", f"svc{i}", operation, start * 1000, us * 1000))
+        start += us
+    for span_id, parent, service, op, begin, duration in rows:
+        for key, value in zip(spans, (trace_id, f"{trace_id}-{span_id}", parent and f"{trace_id}-{parent}", service, op, begin, duration)):
+            spans[key].append(value)
+    return spans
+
+
+def many_traces(n: int, slow: int | None = None) -> dict[str, list]:
+    merged: dict[str, list] = {}
+    for t in range(n):
+        leaf = [100 + t % 7, 200 + t % 5, 50]
+        if slow is not None and t == slow:
+            leaf[1] = 5000
+        for key, values in star_trace(f"t{t:04d}", leaf).items():
+            merged.setdefault(key, []).extend(values)
+    return merged
+
+
+def tiny_detector():
+    """An untrained detector over `many_traces`' services (imported here: torch only for its users)."""
+    from bmeg.models.detector import Detector
+    from bmeg.models.dgcnn import DGCNN
+    from bmeg.models.features import FeatureEncoder
+    from bmeg.models.gcn_node import GCNNodeClassifier
+    from bmeg.models.router import Router
+    from bmeg.models.svm import FirmSVM, TraceSVM, TraceVectorizer
+
+    forest = assemble(span_table(many_traces(20)))
+    encoder = FeatureEncoder().fit(forest)
+    rng = np.random.default_rng(0)
+    firm = FirmSVM().fit(rng.normal(size=(40, 2)), np.r_[np.zeros(30), np.ones(10)])
+    keys = np.char.add(np.char.add(forest.spans["service"].to_numpy(zero_copy_only=False).astype(str), "\x1f"),
+                       forest.spans["operation"].to_numpy(zero_copy_only=False).astype(str))
+    vectorizer = TraceVectorizer().fit(keys)
+    svm = TraceSVM().fit(rng.normal(size=(40, vectorizer.num_columns)), np.r_[np.zeros(30), np.ones(10)])
+    return Detector(
+        application="toy", encoder=encoder, dgcnn=DGCNN(encoder.num_features, k=10).eval(),
+        gcn=GCNNodeClassifier(encoder.num_features).eval(), vectorizer=vectorizer, svm=svm, firm=firm,
+        thresholds={"graph": 0.5, "node": 0.5, "svm": 0.5, "svm_node": 0.5}, router=Router(), firm_window=20,
+        services=["front", "svc0", "svc1", "svc2"], service_baseline_us={"svc1": 200.0},
+        hparams={"dgcnn": {"k": 10}, "gcn": {}}, metrics={},
+    )
+
+
+def sent_spans(run: str) -> pa.Table:
+    """Three traces of frontend -> cart (-> its redis, named by server.address), microsecond times."""
+    rows = []
+    for number in range(3):
+        trace_id = f"{run}{number:04x}".ljust(32, "0")[:32]
+        start = 1_700_000_000_000_000_000 + number * 10_000_000
+        rows += [
+            dict(trace_id=trace_id, span_id=f"{number:02x}" + "01" * 7, parent_id=None, service="frontend",
+                 operation="GET /cart", start_ns=start, duration_ns=9_000_000, kind="server", status="ok",
+                 peer_service=None, db_system=None, instance="frontend-0"),
+            dict(trace_id=trace_id, span_id=f"{number:02x}" + "02" * 7, parent_id=f"{number:02x}" + "01" * 7,
+                 service="frontend", operation="cart.Get", start_ns=start + 1_000_000, duration_ns=6_000_000,
+                 kind="client", status="unset", peer_service="cart", db_system=None, instance="frontend-0"),
+            dict(trace_id=trace_id, span_id=f"{number:02x}" + "03" * 7, parent_id=f"{number:02x}" + "02" * 7,
+                 service="cart", operation="cart.Get", start_ns=start + 2_000_000, duration_ns=4_000_000,
+                 kind="server", status="error", peer_service=None, db_system=None, instance="cart-1"),
+            dict(trace_id=trace_id, span_id=f"{number:02x}" + "04" * 7, parent_id=f"{number:02x}" + "03" * 7,
+                 service="cart", operation="HGET", start_ns=start + 3_000_000, duration_ns=1_000,
+                 kind="client", status="unset", peer_service="cart-redis", db_system="redis", instance="cart-1"),
+        ]  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=SPAN_SCHEMA)
+
+
+MAX_START = 2**62  # start + duration stays within int64
+
+
+def hex_ids(size: int):
+    return st.binary(min_size=size, max_size=size).map(bytes.hex)
+
+
+names = st.text(st.characters(codec="utf-8"), max_size=12)
+
+
+@st.composite
+def span_tables(draw, time_step: int = 1) -> pa.Table:
+    """Random span tables: a few traces, random hex ids, unicode names, optional nulls.
+    `time_step` makes times multiples of it (1000 for Jaeger's microseconds)."""
+    trace_ids = draw(st.lists(hex_ids(16), min_size=1, max_size=3))
+    rows = draw(
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "trace_id": st.sampled_from(trace_ids),
+                    "span_id": hex_ids(8),
+                    "parent_id": st.none() | hex_ids(8),
+                    "service": names,
+                    "operation": names,
+                    "start_ns": st.integers(1, MAX_START // time_step).map(lambda t: t * time_step),
+                    "duration_ns": st.integers(0, (MAX_START - 1) // time_step).map(lambda t: t * time_step),
+                    "kind": st.sampled_from(SPAN_KINDS),
+                    "status": st.sampled_from(STATUS_CODES),
+                    "peer_service": st.none() | names,
+                    "db_system": st.none() | names,
+                    "instance": st.none() | names,
+                }
+            ),
+            max_size=12,
+        )
+    )
+    return pa.Table.from_pylist(rows, schema=SPAN_SCHEMA)
+
+
+def in_order(table: pa.Table) -> pa.Table:
+    """Writers group spans (by service, by trace): compare tables as sets of rows."""
+    return table.sort_by([(name, "ascending") for name in SPAN_SCHEMA.names])
+
+
+class ReadOnlyDeployments:
+    """An executor that only reads: every service has 2 replicas, 1 core and 512 MB (dry-run tests)."""
+
+    def state(self, service: str) -> ServiceState:
+        return ServiceState(service, 2, 1.0, 512.0, {})
+
+
+def one_diagnosis() -> Diagnosis:
+    trace = TraceDiagnosis(trace_id="t", spans=5, total_us=40_000, anomalous=True, anomaly_score=0.9, threshold=0.5,
+                           model="gnn", bottlenecks=[ServiceScore(service="text-service", score=0.95, bottleneck=True)],
+                           latencies=[ServiceLatency(service="text-service", latency_us=30_000, baseline_us=2_000, ratio=15)])
+    return Diagnosis(model_version="t", application="socialnet", traces=[trace])
+
+
+def assert_restricted(spec: dict) -> None:
+    """The restricted Pod Security profile's rules, and resource limits, over a pod spec."""
+    pod = spec.get("securityContext", {})
+    assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) != 0
+    assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}
+    assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+    assert all("hostPath" not in volume for volume in spec.get("volumes", []))
+    for container in spec["containers"] + spec.get("initContainers", []):
+        context = container.get("securityContext", {})
+        assert context.get("allowPrivilegeEscalation") is False, container["name"]
+        assert context.get("readOnlyRootFilesystem") is True, container["name"]
+        assert context.get("capabilities") == {"drop": ["ALL"]}, container["name"]
+        assert not context.get("privileged"), container["name"]
+        assert {"cpu", "memory"} <= set(container["resources"]["limits"]), container["name"]
