@@ -58,11 +58,14 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--held-back", type=float, default=0.25, show_default=True,
               help="Later share of the normal traces held back to calibrate stage 1 on.")
 @click.option("--false-alarm-rate", type=float, default=0.01, show_default=True,
-              help="Share of held-back healthy traces stage 1 may flag.")
+              help="Share of healthy traces stage 1 may flag.")
+@click.option("--confidence", type=float, default=0.95, show_default=True,
+              help="How sure the calibration must be that healthy traffic is flagged at most that often "
+                   "(a binomial bound on the held-back traces; 0: their plain quantile).")
 @format_option
 @json_option
 def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,
-              false_alarm_rate: float, input_format: str | None, as_json: bool) -> None:
+              false_alarm_rate: float, confidence: float, input_format: str | None, as_json: bool) -> None:
     """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
     from bmeg.cli.models import metrics_rows
     from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
@@ -70,7 +73,8 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
     try:
         _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
                                    input_format=input_format, progress=not as_json, features=features,
-                                   held_back=held_back, false_alarm_rate=false_alarm_rate)
+                                   held_back=held_back, false_alarm_rate=false_alarm_rate,
+                                   confidence=confidence or None)
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     if as_json:
@@ -80,6 +84,9 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
     calibration = metrics["calibration"]
     click.echo(f"stage 1 on {calibration['healthy_traces']} held-back real healthy traces: "
                f"{calibration['flagged_before']:.1%} flagged before calibration, {calibration['flagged_after']:.1%} after")
+    if not calibration["bound_met"]:
+        click.echo(f"too few held-back traces to bound the false-alarm rate at {calibration['target_false_alarm_rate']:.1%} "
+                   f"with confidence {calibration['confidence']}: stage 1 flags none of them; hold back more")
     click.echo(f"run saved to {out} (twin.yaml, model, metrics.json)")
 
 
