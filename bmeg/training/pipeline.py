@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from bmeg.datasets.loader import Dataset, load_dataset, stratified_pick
@@ -46,6 +45,7 @@ from bmeg.training.metrics import threshold_for_precision
 from bmeg.training.plots import plot_run
 from bmeg.training.config import FitConfig, TrainConfig
 from bmeg.training.trainer import fit, process_group
+from bmeg.traces.schema import span_keys
 
 
 def load_recipe(name_or_path: str | Path, **overrides) -> TrainConfig:
@@ -104,11 +104,8 @@ def label(dataset: Dataset, seed: int) -> Labelled:
     positions = pd.Index(forest.trace_ids)
     traces = dataset.traces.take(pa.array(np.argsort(positions.get_indexer(dataset.traces["trace_id"].to_pylist()))))
     y = traces["anomalous"].to_numpy(zero_copy_only=False).astype(np.int64)
-    keys = pc.binary_join_element_wise(dataset.nodes["trace_id"], dataset.nodes["span_id"], "/")
-    bottleneck = pd.Series(dataset.nodes["bottleneck"].to_numpy(zero_copy_only=False),
-                           index=keys.to_numpy(zero_copy_only=False))
-    span_keys = pc.binary_join_element_wise(forest.spans["trace_id"], forest.spans["span_id"], "/")
-    node_y = bottleneck.reindex(span_keys.to_numpy(zero_copy_only=False)).fillna(False).to_numpy().astype(np.int64)
+    bottleneck = pd.Series(dataset.nodes["bottleneck"].to_numpy(zero_copy_only=False), index=span_keys(dataset.nodes))
+    node_y = bottleneck.reindex(span_keys(forest.spans)).fillna(False).to_numpy().astype(np.int64)
     split = dataset.split(seed)
     test = np.flatnonzero(positions.isin(list(split.test)))
     train_all = np.flatnonzero(positions.isin(list(split.train)))
