@@ -107,7 +107,10 @@ def split_by_time(dataset: Dataset, train_share: float, cap: int) -> tuple[Datas
 
 def _subset(dataset: Dataset, ids: np.ndarray) -> Dataset:
     keep = pa.array(ids.tolist())
-    take = lambda table: table.filter(pc.is_in(table["trace_id"], value_set=keep))  # noqa: E731
+
+    def take(table: pa.Table) -> pa.Table:
+        return table.filter(pc.is_in(table["trace_id"], value_set=keep))
+
     return Dataset(dataset.path, take(dataset.spans), take(dataset.traces), take(dataset.nodes), dataset.cards)
 
 
@@ -185,10 +188,9 @@ def _svm_fit_seconds(detector: Detector, data: Labelled, config: pipeline.TrainC
 
 def _trace_vectors(detector: Detector, forest) -> np.ndarray:
     """The trace SVM's input over a recorded forest, under the detector's vectorizer."""
-    from bmeg.graphs import node_services
-    from bmeg.models.detector import node_keys
+    from bmeg.graphs import node_services, operation_keys
 
-    keys = node_keys(node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False), forest)
+    keys = operation_keys(forest, node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
     return detector.trace_vectors(forest, detector.encoder.transform(forest), keys)
 
 

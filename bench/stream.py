@@ -18,11 +18,16 @@ as instrumented services write them: a call into another service is the caller's
 span and the callee's `server` span under it; a database call is a `client` span with
 `db.system`. Everything is produced first; then one consumer reads
 it all and a separate process (as a real reader of `bmeg.diagnoses` would be) counts the
-diagnoses. Prints traces/s from the consumer's start to the last diagnosis (and without the
-final idle timeout, the wait that ends traces the assembler cannot tell are complete), the
+diagnoses. Prints traces/s from the consumer's start to the last diagnosis (and from the first
+diagnosis to the last: start-up, the group's join and first fetch, left out; the longest wait
+between new diagnoses shows whether an idle timeout was waited out inside the run), the
 consumer's CPU time per trace (all its threads: steadier than traces/s on a shared machine),
 lost traces (no diagnosis) and split ones (more than one diagnosis, or one with fewer spans than
 sent, or marked partial). Target: >= 2,000 traces/s per consumer process, 0 lost, 0 split.
+
+With `--stages` it measures instead the CPU time per trace of the consumer's own stages without
+Kafka (reading, assembling, diagnosing), where the time of a change shows without the broker's
+and the shared machine's noise.
 
 With `--consumers 1,2` it measures instead, one after the other in the same run, that many
 consumer processes in one group (each its own interpreter, as replicas would run), each on a
@@ -73,7 +78,12 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, help="Another checkout: alternate runs with its bmeg, print medians.")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--consumers", help="Comma-separated consumer process counts to compare, e.g. 1,2.")
+    parser.add_argument("--stages", action="store_true",
+                        help="CPU per trace of the consumer's stages, without Kafka (read, assemble, diagnose).")
     args = parser.parse_args()
+    if args.stages and args.compare is None:
+        print(json.dumps(measure_stages(args)))
+        return
     if args.consumers:
         compare_consumer_processes(args, [int(n) for n in args.consumers.split(",")])
         return
@@ -86,8 +96,9 @@ def main() -> None:
         return
     print(f"{figures['traces']} traces of {figures['spans_per_trace']} spans, shape {args.shape}: "
           f"{figures['messages']} messages")
-    print(f"{figures['traces_per_s']:.0f} traces/s end to end, {figures['traces_per_s_without_idle']:.0f} without the "
-          f"final idle timeout; consumer CPU {figures['cpu_us_per_trace']:.0f} us per trace "
+    print(f"{figures['traces_per_s']:.0f} traces/s end to end, {figures['traces_per_s_after_start']:.0f} after the first "
+          f"diagnosis (start-up {figures['start_s']:.1f} s; longest wait between new diagnoses "
+          f"{figures['longest_gap_s']:.1f} s); consumer CPU {figures['cpu_us_per_trace']:.0f} us per trace "
           f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
     print(f"lost: {figures['lost']}, split: {figures['split']}")
     met = figures["traces_per_s"] >= 2000 and figures["lost"] == 0 and figures["split"] == 0
@@ -124,7 +135,7 @@ def measure(args) -> dict:
     started, cpu_started = time.monotonic(), time.process_time()
     thread = threading.Thread(target=consumer.run, args=(stop,))
     thread.start()
-    received, split, last_at = results.recv()
+    received, split, last_at, first_at, first_count, longest_gap_s = results.recv()
     counter.join()
     cpu_s = time.process_time() - cpu_started  # this process runs only the consumer now
     stop.set()
@@ -132,9 +143,67 @@ def measure(args) -> dict:
     elapsed = last_at - started
     return {"shape": args.shape, "traces": args.traces, "spans_per_trace": args.spans_per_trace,
             "messages": len(messages), "traces_per_s": received / elapsed,
-            "traces_per_s_without_idle": received / max(elapsed - args.idle_timeout, 1e-9),
+            "traces_per_s_after_start": (received - first_count) / max(last_at - first_at, 1e-9),
+            "start_s": first_at - started, "longest_gap_s": longest_gap_s,
             "cpu_us_per_trace": cpu_s * 1e6 / max(received, 1), "lost": args.traces - received, "split": split,
             "load_average": os.getloadavg()[0]}
+
+
+def measure_stages(args) -> dict:
+    """The consumer's stages on the same messages, one after the other in this process, CPU
+    time per trace (steady on a shared machine): reading runs of up to `MAX_RUN_MESSAGES`
+    messages as the loop does (with its per-message encoding check), assembling, diagnosing in
+    batches with a stream history. No Kafka: its client's fetching and sending are left out."""
+    import gc
+
+    import torch
+
+    from bmeg.models.detector import Detector
+    from bmeg.models.history import StreamHistory
+    from bmeg.serving.assembler import TraceAssembler
+    from bmeg.serving.consumer import MAX_RUN_MESSAGES
+    from bmeg.serving.publishing import diagnose_batch
+    from bmeg.traces.io import detect_encoding, read_spans_bytes
+
+    torch.set_num_threads(1)
+    detector = Detector.load(args.model, device="cpu")
+    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=0)
+    messages = [value for _, value in (trace_per_message(spans) if args.shape == "trace-per-message"
+                                       else batches(spans, args.window))]
+    gc.collect()
+    gc.freeze()  # as the consumer freezes its heap
+
+    def read() -> list:
+        runs = [messages[start:start + MAX_RUN_MESSAGES] for start in range(0, len(messages), MAX_RUN_MESSAGES)]
+        return [read_spans_bytes(b"".join(run), encoding="otlp_proto")
+                for run in runs if all(detect_encoding(value, "otlp_proto") for value in run)]
+
+    def assemble(tables: list) -> list:
+        assembler, done = TraceAssembler(args.idle_timeout), []
+        for source, table in enumerate(tables):
+            assembler.add(table, source)
+            done += assembler.finished()
+        return done + assembler.drain()
+
+    def diagnose(traces: list) -> None:
+        history = StreamHistory(visits=detector.encoder.history)
+        for start in range(0, len(traces), args.batch_traces):
+            diagnose_batch(detector, traces[start:start + args.batch_traces], history=history)
+
+    figures: dict[str, float] = {}
+    for repeat in range(2):  # the first pass warms up (imports, the model's first calls)
+        started = time.process_time()
+        tables = read()
+        read_at = time.process_time()
+        traces = assemble(tables)
+        assembled_at = time.process_time()
+        diagnose(traces)
+        ended = time.process_time()
+        figures = {"shape": args.shape, "traces": len(traces), "read_us": (read_at - started) * 1e6 / len(traces),
+                   "assemble_us": (assembled_at - read_at) * 1e6 / len(traces),
+                   "diagnose_us": (ended - assembled_at) * 1e6 / len(traces),
+                   "total_us": (ended - started) * 1e6 / len(traces)}
+    return figures
 
 
 def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> None:
@@ -167,7 +236,7 @@ def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> N
         results.recv()  # "ready"
         started = time.monotonic()
         go.set()
-        received, split, last_at = results.recv()
+        received, split, last_at, *_ = results.recv()
         counter.join()
         stop.set()
         for worker in workers:
@@ -276,7 +345,9 @@ def produce(bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes
 
 def count_diagnoses(bootstrap: str, topic: str, expected: dict[str, int], results, quiet_s: float = 30) -> None:
     """Send "ready", then (traces diagnosed, traces split, `time.monotonic()` when the last new
-    trace came); stops when every trace is in or after `quiet_s` without a new one."""
+    trace came, when the first came, how many came with it, the longest wait between new traces:
+    an idle timeout waited out inside the run shows there); stops when every trace is in or
+    after `quiet_s` without a new one."""
     from kafka import KafkaConsumer
 
     reader = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None)
@@ -285,6 +356,7 @@ def count_diagnoses(bootstrap: str, topic: str, expected: dict[str, int], result
     seen: Counter[str] = Counter()
     short: set[str] = set()
     last_at = waiting_since = time.monotonic()
+    first_at, first_count, longest_gap_s = 0.0, 0, 0.0
     while len(seen) < len(expected) and time.monotonic() - waiting_since < quiet_s:
         for batch in reader.poll(timeout_ms=200).values():
             before = len(seen)
@@ -294,13 +366,18 @@ def count_diagnoses(bootstrap: str, topic: str, expected: dict[str, int], result
                 if trace["spans"] != expected.get(trace["trace_id"]) or trace.get("partial"):
                     short.add(trace["trace_id"])
             if len(seen) > before:
-                last_at = waiting_since = time.monotonic()
+                now = time.monotonic()
+                if not first_at:
+                    first_at, first_count = now, len(seen)
+                else:
+                    longest_gap_s = max(longest_gap_s, now - last_at)
+                last_at = waiting_since = now
     time.sleep(1)  # a split trace's second diagnosis would come now
     for batch in reader.poll(timeout_ms=500).values():
         seen.update(json.loads(record.value)["traces"][0]["trace_id"] for record in batch)
     reader.close()
     split = short | {trace_id for trace_id, count in seen.items() if count > 1}
-    results.send((len(seen), len(split), last_at))
+    results.send((len(seen), len(split), last_at, first_at or last_at, first_count, longest_gap_s))
 
 
 def compare(args) -> None:
@@ -308,7 +385,8 @@ def compare(args) -> None:
     sides = {"this": HERE.parent, "other": args.compare.resolve()}
     passed = ["--model", str(args.model), "--bootstrap", args.bootstrap, "--traces", str(args.traces),
               "--spans-per-trace", str(args.spans_per_trace), "--shape", args.shape, "--window", str(args.window),
-              "--idle-timeout", str(args.idle_timeout), "--batch-traces", str(args.batch_traces)]
+              "--idle-timeout", str(args.idle_timeout), "--batch-traces", str(args.batch_traces),
+              *(["--stages"] if args.stages else [])]
     figures: dict[str, list[dict]] = {side: [] for side in sides}
     for run in range(args.runs):
         for side, checkout in (sides.items() if run % 2 == 0 else reversed(sides.items())):
@@ -318,9 +396,14 @@ def compare(args) -> None:
             print(f"run {run + 1} {side} ({checkout}): {figures[side][-1]}", flush=True)
     for side, runs in figures.items():
         median = {key: statistics.median(run[key] for run in runs)
-                  for key in ("traces_per_s", "traces_per_s_without_idle", "cpu_us_per_trace", "lost", "split")}
+                  for key, value in runs[0].items() if isinstance(value, (int, float))}
+        if args.stages:
+            print(f"{side} ({sides[side]}), median of {len(runs)}, CPU us per trace: read {median['read_us']:.0f}, "
+                  f"assemble {median['assemble_us']:.0f}, diagnose {median['diagnose_us']:.0f}, "
+                  f"total {median['total_us']:.0f}")
+            continue
         print(f"{side} ({sides[side]}), median of {len(runs)}: {median['traces_per_s']:.0f} traces/s "
-              f"({median['traces_per_s_without_idle']:.0f} without the final idle timeout), "
+              f"({median['traces_per_s_after_start']:.0f} after the first diagnosis), "
               f"{median['cpu_us_per_trace']:.0f} us CPU per trace, lost {median['lost']:.0f}, split {median['split']:.0f}")
 
 

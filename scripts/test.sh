@@ -34,7 +34,7 @@ export BMEG_OTELCOL_BINARY
 if [ "$(id -u)" -eq 0 ] || command -v sudo >/dev/null; then
     bash scripts/apt-install.sh redis-server memcached postgresql stress-ng iproute2 >/dev/null
 fi
-if [ -f testbed/build.sh ]; then bash testbed/build.sh >/dev/null; fi
+if [ -f testbed/build.sh ]; then bash testbed/build.sh --test >/dev/null; fi  # its Go tests, then the binary
 
 status=0
 python -m pytest -m "integration or not integration" -p no:cacheprovider || status=$?

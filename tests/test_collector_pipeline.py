@@ -26,7 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest_infra import Collector, free_port
-from kafka import KafkaConsumer
+from kafka import KafkaAdminClient, KafkaConsumer
+from kafka.admin import NewTopic
 
 from bmeg.diagnosis import Diagnosis
 from bmeg.serving.consumer import ConsumerConfig, StreamConsumer
@@ -189,6 +190,11 @@ def test_a_broker_outage_of_150_s_is_waited_out_and_sigterm_exits_promptly_durin
     collector = Collector(otelcol_binary, tmp_path, exporters)
     trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[600:900]
     spans = traces_of(hotel_dataset.spans, trace_ids)
+    # The topic exists before the consumers start (they join only once it does), so that both
+    # hold partitions before the stream and the outage begin.
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])
+    admin.close()
     metrics_port = free_port()
     consumer = _consume(trained_run_dir, broker.bootstrap, topic, "main", tmp_path / "consumer.log",
                         ["--metrics-port", str(metrics_port)])

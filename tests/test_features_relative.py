@@ -52,6 +52,8 @@ def test_relative_features_sit_at_zero_on_normal_traffic_and_move_at_the_slow_se
     encoder = FeatureEncoder("relative").fit(normal)
     assert encoder.num_features == len(encoder.names) == 13
     assert not any("log_duration_us" == name or name.startswith("log_") for name in encoder.names)  # no absolute time
+    # no raw share either: where time is usually spent is not what changed
+    assert not {"cp_share", "explained_share"} & set(encoder.names)
     healthy = frame(normal, encoder)
     assert np.isfinite(healthy[encoder.names].to_numpy()).all()
     assert abs(healthy["z_log_self_time_us"].median()) < 0.1 and healthy["z_log_self_time_us"].abs().median() < 1
@@ -85,6 +87,24 @@ def test_missing_repeated_children_and_errors_show_against_the_operations_patter
     assert (web["repeated_delta"] > 0).sum() == 1 and (web["children_delta"] > 0).sum() == 1
     # ...and its client span to pay none: a missing call
     assert (web["children_delta"] < 0).sum() == 1
+    assert web["error_origin"].iloc[0] == 1.0  # the root's error begins there: no child has one
+
+
+def test_an_error_begins_where_no_child_has_one(shop):
+    """An exception in cart, recorded by every caller above it: only cart's span is its origin."""
+    normal, _ = shop
+    encoder = FeatureEncoder("relative").fit(normal)
+    one = normal.spans.filter(pc.equal(normal.spans["trace_id"], normal.spans["trace_id"][0]))
+    forest = assemble(one)
+    failed = forest.spans["service"].to_numpy(zero_copy_only=False) == "cart"
+    for row in np.argsort(-forest.depth, kind="stable"):  # children before parents
+        if failed[row] and forest.parent[row] >= 0:
+            failed[forest.parent[row]] = True
+    status = pa.array(np.where(failed, "error", "unset").astype(object), pa.string())
+    table = forest.spans.set_column(forest.spans.schema.get_field_index("status"), "status", status)
+    features = frame(assemble(table), encoder)
+    assert features["error"].sum() >= 2  # cart and its callers
+    assert features.loc[features["error_origin"] == 1.0, "service"].tolist() == ["cart"]
 
 
 @settings(max_examples=10, deadline=None)

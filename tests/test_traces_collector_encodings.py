@@ -74,19 +74,23 @@ def test_every_encoding_the_collector_writes_reads_back(otelcol_binary, kafka_bo
 
 
 def read_topic(bootstrap: str, topic: str, spans: int, timeout_s: float = 45) -> list[bytes]:
-    """The topic's messages, once they hold `spans` spans (Jaeger: one span per message)."""
+    """The topic's distinct messages, once they hold `spans` spans (Jaeger: one span per
+    message). Each offset is read once; a message written twice (the exporter is at least once:
+    a send it retries under load can land twice, at another offset) counts once, since every
+    reader downstream drops a repeated span id."""
     reader = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None,
                            consumer_timeout_ms=1000)  # fmt: skip
-    messages: list[bytes] = []
+    by_offset: dict[tuple[int, int], bytes] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            messages += [record.value for record in reader]
+            by_offset.update({(record.partition, record.offset): record.value for record in reader})
+            messages = list(dict.fromkeys(by_offset.values()))
             if messages and sum(read_spans_bytes(m).num_rows for m in messages) >= spans:
                 break
     finally:
         reader.close()
-    return messages
+    return list(dict.fromkeys(by_offset.values()))
 
 
 def ordered(table: pa.Table) -> pa.Table:

@@ -1,6 +1,7 @@
 """`bmeg mitigate`: the mitigation controller.
 
   bmeg mitigate --sim socialnet --scenario FILE [--json]     closed loop on the simulator
+  bmeg mitigate --testbed socialnet --scenario NAME [--json] closed loop on the real testbed (root)
   bmeg mitigate --kubeconfig PATH --bootstrap HOST:PORT      on a cluster, fed by Kafka diagnoses
   bmeg mitigate --in-cluster --bootstrap HOST:PORT           the same from a pod (mitigation/controller.yaml)
                 [--leader-elect]                             ... by the replica holding the Lease only
@@ -22,12 +23,22 @@ from bmeg.cli.output import json_option, print_json, print_table
 
 @click.group(invoke_without_command=True)
 @click.option("--sim", "application", help="Run the closed loop on this simulated application (e.g. socialnet).")
-@click.option("--scenario", help="Scenario file, or the name of one shipped in bmeg/mitigation/scenarios/, for --sim.")
+@click.option("--testbed", "testbed_app", type=click.Choice(["socialnet"]),
+              help="Run the closed loop on the real testbed (started if it does not run, stopped after).")
+@click.option("--scenario", help="--sim: a scenario file, or the name of one shipped in bmeg/mitigation/scenarios/; "
+                                 "--testbed: saturation, interference or misconfiguration.")
+@click.option("--arms", default="none,bmeg,hpa", show_default=True,
+              help="--testbed: the runs, in order: none (no mitigation), bmeg (the controller), hpa (CPU scaler).")
+@click.option("--fault-s", default=45.0, show_default=True, help="--testbed: seconds each run's fault lasts.")
+@click.option("--normal-s", default=15.0, show_default=True, help="--testbed: seconds of normal load before each fault.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True),
+              help="--testbed: load in requests/s when the testbed is started here (default 50).")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Trained detector run directory for --sim (default: the slowest-leaf rule); "
                    "train one with `bmeg train --recipe socialnet-mitigation --out RUN`.")
-@click.option("--window", "window_s", default=2.5, show_default=True,
-              help="Seconds per control window (--sim): shorter reacts sooner, on fewer traces per diagnosis.")
+@click.option("--window", "window_s", type=float,
+              help="Seconds per control window (default 2.5 with --sim, 4 with --testbed): shorter reacts "
+                   "sooner, on fewer traces per diagnosis.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Act on the cluster of this kubeconfig, fed by diagnoses from Kafka.")
@@ -48,9 +59,9 @@ from bmeg.cli.output import json_option, print_json, print_table
 @click.option("--audit", "audit_path", type=click.Path(dir_okay=False, path_type=Path), help="Audit log SQLite file.")
 @json_option
 @click.pass_context
-def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, seed, kubeconfig, in_cluster, topology_name,
-             namespace, bootstrap, topic, max_messages, apply_changes, leader_elect, lease_namespace, identity, policy_path,
-             audit_path, as_json) -> None:
+def mitigate(ctx: click.Context, application, testbed_app, scenario, arms, fault_s, normal_s, rate, model_dir, window_s,
+             seed, kubeconfig, in_cluster, topology_name, namespace, bootstrap, topic, max_messages, apply_changes,
+             leader_elect, lease_namespace, identity, policy_path, audit_path, as_json) -> None:
     """Scale or retune the services a diagnosis names, safely (dry run unless --apply).
 
     \b
@@ -63,13 +74,22 @@ def mitigate(ctx: click.Context, application, scenario, model_dir, window_s, see
       p95_fault_period_mitigated_ms / p95_fault_period_hpa_ms   every fault window,
                        the ones before any action included
       recovery_s       seconds from the fault until the p95 stays within 1.5x of normal
+
+    \b
+    With --testbed, each run (no mitigation, bmeg, HPA) goes through the same real fault in
+    turn; per run (ms, end-to-end from the traces' root spans): p95 normal, p95 over the fault,
+    p95/p99 late (its second half), SLO-violation seconds (1-s p95 above 1.5x normal),
+    recovery s (until every later window's p95 is within that SLO).
     """
     if ctx.invoked_subcommand is not None:
         return
-    if sum(map(bool, (application, kubeconfig, in_cluster))) > 1:
-        raise click.UsageError("give one of --sim, --kubeconfig and --in-cluster")
+    if sum(map(bool, (application, testbed_app, kubeconfig, in_cluster))) > 1:
+        raise click.UsageError("give one of --sim, --testbed, --kubeconfig and --in-cluster")
     if application:
-        _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, as_json)
+        _closed_loop(application, scenario, model_dir, window_s or 2.5, seed, policy_path, as_json)
+    elif testbed_app:
+        _testbed_loop(testbed_app, scenario, arms, fault_s, normal_s, rate, model_dir, window_s or 4.0, seed,
+                      policy_path, as_json)
     elif kubeconfig or in_cluster:
         election = _election(identity, lease_namespace) if leader_elect else None
         _on_cluster(kubeconfig, topology_name, namespace, bootstrap, topic, max_messages, apply_changes, policy_path,
@@ -130,6 +150,54 @@ def _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, 
                 title="controller actions")
     print_table([{k: a.get(k) for k in ("time_s", "service", "action", "detail")} for a in report.hpa_actions],
                 title="HPA actions")
+
+
+def _testbed_loop(application, scenario, arms, fault_s, normal_s, rate, model_dir, window_s, seed, policy_path,
+                  as_json) -> None:
+    from dataclasses import asdict
+
+    from bmeg.faultinject.testbed.supervisor import DEFAULT_RATE, Testbed, down, up
+    from bmeg.faultinject.testbed.system import TestbedError
+    from bmeg.mitigation import load_catalogue
+    from bmeg.mitigation.testbed import SCENARIOS, TestbedLoopSettings, report_rows, run_testbed_loop
+
+    if scenario not in SCENARIOS:
+        raise click.UsageError(f"--testbed needs --scenario, one of {', '.join(SCENARIOS)}")
+    try:
+        settings = TestbedLoopSettings(window_s=window_s, normal_s=normal_s, fault_s=fault_s,
+                                       arms=tuple(a.strip() for a in arms.split(",") if a.strip()), seed=seed)
+        bed = Testbed.default()
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    detector = None
+    if model_dir:
+        from bmeg.models.detector import Detector
+
+        detector = Detector.load(model_dir, application=application)
+    say = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))
+    running = bed.state()
+    started_here = running is None or not all(r.alive() for r in running.processes.values() if r.role == "service")
+    try:
+        if started_here:
+            say(f"starting the testbed at {rate or DEFAULT_RATE:g} req/s")
+            up(bed, rate=rate or DEFAULT_RATE, seed=seed)
+        report = run_testbed_loop(bed, scenario, load_catalogue(), _policy(policy_path), settings, detector, say)
+    except TestbedError as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        if started_here:
+            down(bed)
+    if as_json:
+        print_json(asdict(report))
+        return
+    fault = report.fault
+    print_table(report_rows(report), title=f"testbed {application} / {scenario}: {fault['source']} on {fault['service']} "
+                f"{fault['parameters']} at {report.rate:g} req/s, SLO p95 {report.slo_ms:g} ms (detector: {report.detector})")
+    for arm in report.arms:
+        acted = [a for a in arm.actions if a["status"] not in ("refused", "advice")]
+        if acted:
+            print_table([{k: a.get(k) for k in ("time_s", "service", "action", "status", "detail")} for a in acted],
+                        title=f"{arm.arm} actions (time_s: seconds from the fault's start)")
 
 
 def _topology(name: str):

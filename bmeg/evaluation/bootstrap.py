@@ -3,7 +3,7 @@
 
 No real fault label is used anywhere: the twin is fitted from fault-free traces, the
 fault-injection toolkit injects faults into the twin's services (single and multiple
-campaigns), and the detector learns from the simulator's labels. Then the model is made to
+campaigns, and code faults applied to its spans), and the detector learns from the simulator's labels. Then the model is made to
 read the real application: its per-operation baselines are refitted on the real normal
 traces the twin came from, and its stage-1 thresholds are raised until at most
 `false_alarm_rate` of the later, held-back real normal traces are flagged
@@ -13,18 +13,23 @@ with a `calibration` entry in its metrics), `twin.yaml`, and the generated data 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 from bmeg.datasets.generate import generate_dataset
+from bmeg.faultinject.codefaults import code_fault_dataset
 from bmeg.evaluation.rankers import with_normal_baselines
 from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
-from bmeg.training.calibration import DEFAULT_FALSE_ALARM_RATE
+from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RATE
 from bmeg.traces.io import read_spans
 
-#: Scenarios the dataset is generated from, one shard each, sharing the traces equally.
+#: Scenarios the dataset is generated from, one shard each, sharing the traces equally with a
+#: third shard of code faults (`bmeg.faultinject.codefaults`): without it the model never sees
+#: a fault that changes structure and not time, and reads an error or a missing call as noise.
 SCENARIOS = ("single", "multiple")
 #: A twin is never the real application: train on features that mean the same in both.
 BOOTSTRAP_FEATURES = "relative"
@@ -35,7 +40,7 @@ HELD_BACK = 0.25
 def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, imbalance: float = 0.3,
               epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True,
               features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
-              false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE):
+              false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics)."""
     from bmeg.training import train
@@ -47,12 +52,34 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     spec = fit_twin(fitting, name="twin", description=f"twin fitted from {normal_traces}")
     twin_file = out / "twin.yaml"
     twin_file.write_text(spec.to_yaml())
+    shard_traces = traces // (len(SCENARIOS) + 1)
     for index, scenario in enumerate(SCENARIOS):  # a seed each: the shards' trace ids must differ
-        generate_dataset(out / "data" / scenario, topology=twin_file, traces=traces // len(SCENARIOS),
+        generate_dataset(out / "data" / scenario, topology=twin_file, traces=shard_traces,
                          imbalance=imbalance, seed=seed * len(SCENARIOS) + index, scenario=scenario, progress=progress)
+    code_fault_dataset(spec, out / "data" / "code", traces=shard_traces, seed=seed)
     detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features)
     detector = with_normal_baselines(detector, rpc_view(fitting))
-    metrics["calibration"] = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate).to_dict()
+    detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate, confidence)
+    metrics["calibration"] = calibration.to_dict()
     detector = replace(detector, metrics=metrics).save(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return detector, metrics
+
+
+def cached_run_dir(normal_traces: str | Path) -> Path:
+    """Where `cached_bootstrap` keeps the run bootstrapped from these normal traces."""
+    from bmeg.paths import cache_dir
+
+    key = hashlib.sha256(str(Path(normal_traces).resolve()).encode()).hexdigest()[:10]
+    return cache_dir() / "runs" / f"bootstrap-{key}"
+
+
+def cached_bootstrap(normal_traces: str | Path, input_format: str | None = None, progress: bool = True) -> Path:
+    """The run directory of a model bootstrapped from `normal_traces` with the defaults: from the
+    cache when a finished run is there (its metrics.json, written last), else trained now."""
+    run_dir = cached_run_dir(normal_traces)
+    if not (run_dir / "metrics.json").is_file():
+        if progress:
+            print(f"no model given: bootstrapping one from {normal_traces} into {run_dir}", file=sys.stderr)
+        bootstrap(normal_traces, run_dir, input_format=input_format, progress=progress)
+    return run_dir

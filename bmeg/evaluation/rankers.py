@@ -108,13 +108,18 @@ class _DetectorScores:
 
     def __init__(self, detector):
         self.detector = detector
-        self._last: tuple[int, object] | None = None
+        # the two forests used last: a window and the normal period, which every window is
+        # compared with (keeping only the last one re-scored the normal period twice per window)
+        self._held: dict[int, tuple[SpanForest, object]] = {}
 
     def __call__(self, window: SpanForest):
-        if self._last is None or self._last[0] != id(window):
+        held = self._held.pop(id(window), None)
+        if held is None or held[0] is not window:
             # the window is a recorded slice of a stream: each trace reads the window's earlier traces
-            self._last = (id(window), self.detector.score(window, replay=True))
-        return self._last[1]
+            held = (window, self.detector.score(window, replay=True))
+        # the two used last stay, the latest at the end
+        self._held = {**dict(list(self._held.items())[-1:]), id(window): held}
+        return held[1]
 
 
 def _mean_over(scores, weights: np.ndarray, values: np.ndarray) -> pd.Series:

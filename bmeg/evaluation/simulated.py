@@ -12,13 +12,9 @@ Fault types are named as the real fault lists name them where the mechanics matc
 message the service sends) is `network_delay`.
 
 Code faults change what a service does, not how fast: the simulator has no such source, so
-they are applied to a fault-free episode's spans (`code_fault`). In a `return` fault the
-service returns early from a share of its requests: those server spans make none of their
-calls (the calls' spans and everything under them vanish) and end after their own work; the
-time saved comes off every span above them, and what started after them starts that much
-earlier, as if the request had run that way. An
-`exception` fault does the same and sets the error status on the service's span and, as
-instrumented callers record a failed call, on every span above it.
+they are applied to a fault-free episode's spans (`code_fault`, the mechanics in
+`bmeg.faultinject.codefaults`: an early return or an exception in a share of the service's
+requests; its calls vanish, the error status goes up the callers).
 """
 
 from __future__ import annotations
@@ -31,15 +27,12 @@ import numpy as np
 import pyarrow as pa
 
 from bmeg.faultinject import Fault, TopologySpec, simulate, spans_of
+from bmeg.faultinject.codefaults import CODE_FAULTS, apply_code_fault
 from bmeg.faultinject.scenario import SOURCE_PARAMETERS
-from bmeg.graphs.rpc import span_roles
-from bmeg.graphs import assemble
-from bmeg.graphs.features import self_time_ns
 from bmeg.traces.io import write_spans
 
 #: Simulated fault sources and the real fault types they stand for.
 SOURCES = {"interference": "cpu_contention", "saturation": "cpu_consumed", "network": "network_delay"}
-CODE_FAULTS = ("return", "exception")
 #: Share of the faulty service's requests a code fault hits.
 CODE_FAULT_SHARE = 0.5
 #: Simulated time between episodes, so that windows never overlap.
@@ -89,44 +82,6 @@ def simulated_faults(spec: TopologySpec, out: Path, normal_s: float = 60.0, wind
 
 
 def code_fault(spans: pa.Table, service: str, kind: str, share: float, rng: np.random.Generator) -> pa.Table:
-    """`spans` with a `return` or `exception` fault in `service` (see the module docstring).
+    """`spans` with a `return` or `exception` fault in `service` (`bmeg.faultinject.codefaults`).
     Only traces that visit the service are kept: the others cannot show the fault."""
-    if kind not in CODE_FAULTS:
-        raise ValueError(f"unknown code fault {kind!r}; choose from {CODE_FAULTS}")
-    forest = assemble(spans, on_bad_trace="drop")
-    is_server, _ = span_roles(forest)
-    names = forest.spans["service"].to_numpy(zero_copy_only=False)
-    hit = is_server & (names == service) & (rng.random(forest.num_spans) < share)
-    visited = np.zeros(forest.num_traces, dtype=bool)
-    visited[forest.trace_index[names == service]] = True
-    gone = np.zeros(forest.num_spans, dtype=bool)  # below a hit span
-    for row in np.argsort(forest.depth, kind="stable"):  # parents before children
-        parent = forest.parent[row]
-        gone[row] = parent >= 0 and (gone[parent] or hit[parent])
-    duration = forest.duration_ns.copy()
-    start = forest.start_ns.copy()
-    short = np.maximum(self_time_ns(forest), 1000)
-    for row in np.flatnonzero(hit & ~gone)[::-1]:  # latest first in each trace: earlier ends stay valid
-        saved = duration[row] - short[row]
-        end = start[row] + duration[row]
-        rows = np.arange(forest.trace_offsets[forest.trace_index[row]], forest.trace_offsets[forest.trace_index[row] + 1])
-        start[rows[start[rows] >= end]] -= saved
-        ancestor = forest.parent[row]
-        while ancestor >= 0:
-            duration[ancestor] -= saved
-            ancestor = forest.parent[ancestor]
-        duration[row] = short[row]
-    status = forest.spans["status"].to_numpy(zero_copy_only=False).copy()
-    if kind == "exception":
-        failed = hit.copy()
-        for row in np.argsort(-forest.depth, kind="stable"):  # children before parents
-            if failed[row] and forest.parent[row] >= 0:
-                failed[forest.parent[row]] = True
-        status[failed] = "error"
-    keep = ~gone & visited[forest.trace_index]
-    table = forest.spans
-    for name, values in (("start_ns", start), ("duration_ns", duration)):
-        table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), pa.array(values))
-    table = table.set_column(table.schema.get_field_index("status"), table.schema.field("status"),
-                             pa.array(status, pa.string()))
-    return table.filter(pa.array(keep))
+    return apply_code_fault(spans, service, kind, share, rng).spans

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import numpy as np
@@ -40,6 +41,7 @@ from bmeg.graphs import assemble, node_services
 from bmeg.mitigation.audit import AuditLog
 from bmeg.cluster.catalogue import Catalogue
 from bmeg.mitigation.controller import Controller
+from bmeg.cluster.executor import Executor
 from bmeg.mitigation.planner import descendants
 from bmeg.mitigation.safety import SafetyPolicy
 from bmeg.mitigation.simulated import SimulatedApp, Window
@@ -51,24 +53,40 @@ class TraceDetector(Protocol):
 
 @dataclass
 class SlowestLeafDetector:
-    """The fallback detector (see the module's words); `baseline_p95_us` per service."""
+    """The fallback detector (see the module's words); `baseline_p95_us` per service.
+
+    On a real machine (`by_excess`, `min_samples`): scheduling noise doubles a 0.2-ms span's
+    time without hurting anyone, so the causes are scored by their excess time (p95 over its
+    normal, in µs) rather than the log of their slowdown, and a service seen in fewer than
+    `min_samples` traces of the window (whose p95 is the largest of a handful) is left out.
+    `candidates`, when given, are the only services that can be causes (the ones a controller
+    can act on): a slower store elsewhere then does not shrink their scores."""
 
     application: str
     baseline_p95_us: dict[str, float]
     slow_ratio: float = 2.0
     min_excess_us: float = 1000.0  # ignore services slower by less than a millisecond
     explains: float = 0.25  # share of a caller's slowdown (p95 / normal p95) a slow callee must have to explain it
+    by_excess: bool = False
+    min_samples: int = 1
+    candidates: frozenset[str] | None = None
 
     def diagnose_window(self, window: Window, edges: set[tuple[str, str]]) -> Diagnosis:
-        p95 = window.service_latency.groupby("service")["us"].quantile(0.95)
-        ratio = {s: us / self.baseline_p95_us[s] for s, us in p95.items() if self.baseline_p95_us.get(s, 0) > 0}
+        grouped = window.service_latency.groupby("service")["us"]
+        counts = grouped.size()
+        p95 = grouped.quantile(0.95)
+        ratio = {s: us / self.baseline_p95_us[s] for s, us in p95.items()
+                 if self.baseline_p95_us.get(s, 0) > 0 and counts[s] >= self.min_samples}
         slow = {s for s, r in ratio.items() if r >= self.slow_ratio and p95[s] - self.baseline_p95_us[s] >= self.min_excess_us}
         below = descendants(edges)
         # back-pressure amplifies: a caller's queue can grow far beyond its slow callee's
         # latency, so a callee explains a caller once its slowdown is of the same order
         causes = {s for s in slow if not any(ratio[d] >= self.explains * ratio[s] for d in below.get(s, set()) & slow)}
-        top = max((math.log(ratio[s]) for s in causes), default=1.0)
-        ranking = [ServiceScore(service=s, score=round(math.log(ratio[s]) / top, 4) if s in causes else 0.0,
+        if self.candidates is not None:
+            causes &= self.candidates
+        weight = {s: (p95[s] - self.baseline_p95_us[s]) if self.by_excess else math.log(ratio[s]) for s in causes}
+        top = max(weight.values(), default=1.0)
+        ranking = [ServiceScore(service=s, score=round(weight[s] / top, 4) if s in causes else 0.0,
                                 bottleneck=s in causes)
                    for s in sorted(ratio, key=lambda s: -ratio[s])]
         return Diagnosis(model_version="slowest-leaf-rule", application=self.application, traces=[], ranking=ranking)
@@ -135,11 +153,14 @@ def run_closed_loop(topology: TopologySpec, scenario: Scenario, catalogue: Catal
     baseline = pd.concat([w.service_latency for w in normal]).groupby("service")["us"].quantile(0.95).to_dict()
     fallback = SlowestLeafDetector(topology.name, baseline)
     controlled_app, hpa_app = app(), app()
-    controlled = _run(controlled_app, starts, settings, bar, _controller_step(controlled_app, catalogue, policy, detector, fallback))
-    hpa = _run(hpa_app, starts, settings, bar, _hpa_step(hpa_app, settings, policy))
+    controlled = _run(controlled_app, starts, settings, bar, controller_step(controlled_app, catalogue, policy, detector, fallback))
+    hpa = _run(hpa_app, starts, settings, bar, hpa_step(hpa_app, policy, settings.hpa_target_utilization, settings.hpa_tolerance))
     bar.close()
 
-    fault_windows = lambda run: [w for w in run.windows_raw if _overlaps(w, faults)]  # noqa: E731
+
+    def fault_windows(run: _Run) -> list[Window]:
+        return [w for w in run.windows_raw if _overlaps(w, faults)]
+
     p95_normal, p99_normal = _quantiles(normal)
     p95_fault, p99_fault = _quantiles(fault_windows(unmitigated))
     mitigated_from, hpa_from = _last_kept_action_s(controlled.actions), _last_kept_action_s(hpa.actions)
@@ -182,9 +203,13 @@ def _run(app: SimulatedApp, starts: np.ndarray, settings: LoopSettings, bar, act
     return run
 
 
-def _controller_step(app: SimulatedApp, catalogue: Catalogue, policy: SafetyPolicy, detector: TraceDetector | None,
-                     fallback: SlowestLeafDetector):
-    controller = Controller(app, catalogue, policy, AuditLog())
+def controller_step(executor: Executor, catalogue: Catalogue, policy: SafetyPolicy, detector: TraceDetector | None,
+                    fallback: SlowestLeafDetector, audit: AuditLog | None = None,
+                    services: Collection[str] | None = None) -> Callable[[Window], list[dict]]:
+    """One control step per window: verify the actions due (rolling back those that did not
+    help), diagnose the window (the detector, else the fallback rule), act on the plan (on
+    `services` only, when given). Returns what was done, as records for the report."""
+    controller = Controller(executor, catalogue, policy, audit or AuditLog(), services=services)
     records: dict[int, dict] = {}  # id(Applied) -> its action's record, marked when rolled back
 
     def step(window: Window) -> list[dict]:
@@ -211,16 +236,21 @@ def _controller_step(app: SimulatedApp, catalogue: Catalogue, policy: SafetyPoli
     return step
 
 
-def _hpa_step(app: SimulatedApp, settings: LoopSettings, policy: SafetyPolicy):
+def hpa_step(executor: Executor, policy: SafetyPolicy, target_utilization: float,
+             tolerance: float) -> Callable[[Window], list[dict]]:
+    """The HPA baseline's step: desired = ceil(replicas * utilization / target) per service,
+    acted on when the ratio is beyond the tolerance; CPU utilization is all it looks at."""
     def step(window: Window) -> list[dict]:
         done = []
         for service, telemetry in window.telemetry.items():
-            ratio = telemetry.cpu_utilization / settings.hpa_target_utilization
-            if ratio <= 1 + settings.hpa_tolerance:  # the HPA's scale-down waits 5 minutes: never here
+            if telemetry.cpu_utilization is None or telemetry.replicas is None:
+                continue
+            ratio = telemetry.cpu_utilization / target_utilization
+            if ratio <= 1 + tolerance:  # the HPA's scale-down waits 5 minutes: never here
                 continue
             desired = min(policy.max_replicas, math.ceil(telemetry.replicas * ratio))
             if desired > telemetry.replicas:
-                app.scale(service, desired)
+                executor.scale(service, desired)
                 done.append({"time_s": window.end_s, "service": service, "action": "scale_out",
                              "status": "applied", "detail": f"{telemetry.replicas} -> {desired} replicas "
                              f"(CPU {telemetry.cpu_utilization:.0%} of the limit)"})

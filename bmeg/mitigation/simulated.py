@@ -51,6 +51,34 @@ class Window:
         return float(np.quantile(self.trace_latency_ms, 0.95)) if len(self.trace_latency_ms) else float("nan")
 
 
+def span_frame(spans: pa.Table) -> pd.DataFrame:
+    """Exclusive time per span, by service and replica. The gap between a client span and
+    its server span (queueing at the callee, and the network) counts as the callee's: a
+    pool too small makes its callers wait, and the wait is the callee's fault."""
+    forest = assemble(spans, on_bad_trace="drop")
+    service = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False).copy()
+    instance = forest.spans["instance"].to_numpy(zero_copy_only=False).copy()
+    kind = forest.spans["kind"].to_numpy(zero_copy_only=False)
+    parent = forest.parent
+    served = np.flatnonzero((parent >= 0) & (kind == "server"))
+    served = served[kind[parent[served]] == "client"]
+    service[parent[served]] = service[served]
+    instance[parent[served]] = instance[served]
+    return pd.DataFrame({"trace": forest.trace_index, "service": service, "instance": instance,
+                         "us": self_time_ns(forest) / 1e3})
+
+
+def per_trace_service(per_span: pd.DataFrame) -> pd.DataFrame:
+    """Per (trace, service): the service's exclusive time in the trace (µs)."""
+    return per_span.groupby(["trace", "service"], sort=False)["us"].sum().rename("us").reset_index()
+
+
+def window_latencies(trace_latency_ms: np.ndarray, service_latency: pd.DataFrame) -> Latencies:
+    """The application's p95 and each service's p95 exclusive time (ms) over a window."""
+    p95 = service_latency.groupby("service")["us"].quantile(0.95) / 1e3
+    return Latencies(float(np.quantile(trace_latency_ms, 0.95)) if len(trace_latency_ms) else 0.0, p95.to_dict())
+
+
 @dataclass
 class Setting:
     replicas: int
@@ -88,10 +116,9 @@ class SimulatedApp:
         tables = episode_tables(result, labels, keep, episode=0, epoch_ns=int((start_s - WARMUP_S) * 1e9),
                                 rng=np.random.default_rng(seed.spawn(1)[0]))
         latency_ms = (result.trace_end[keep] - result.trace_start[keep]) / 1e6
-        per_span = self._span_frame(tables.spans)
-        service_latency = per_span.groupby(["trace", "service"], sort=False)["us"].sum().rename("us").reset_index()
-        p95 = service_latency.groupby("service")["us"].quantile(0.95) / 1e3
-        latencies = Latencies(float(np.quantile(latency_ms, 0.95)) if len(latency_ms) else 0.0, p95.to_dict())
+        per_span = span_frame(tables.spans)
+        service_latency = per_trace_service(per_span)
+        latencies = window_latencies(latency_ms, service_latency)
         self.now = end_s
         return Window(start_s, end_s, tables.spans, latency_ms, labels.trace_anomalous[keep], latencies,
                       self._telemetry(result, keep, per_span, length, faults), service_latency)
@@ -114,22 +141,6 @@ class SimulatedApp:
             if end > begin:
                 shifted.append(Fault(fault.service, fault.source, fault.kind, begin, end, dict(fault.parameters)))
         return shifted
-
-    def _span_frame(self, spans: pa.Table) -> pd.DataFrame:
-        """Exclusive time per span, by service and replica. The gap between a client span and
-        its server span (queueing at the callee, and the network) counts as the callee's: a
-        pool too small makes its callers wait, and the wait is the callee's fault."""
-        forest = assemble(spans, on_bad_trace="drop")
-        service = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False).copy()
-        instance = forest.spans["instance"].to_numpy(zero_copy_only=False).copy()
-        kind = forest.spans["kind"].to_numpy(zero_copy_only=False)
-        parent = forest.parent
-        served = np.flatnonzero((parent >= 0) & (kind == "server"))
-        served = served[kind[parent[served]] == "client"]
-        service[parent[served]] = service[served]
-        instance[parent[served]] = instance[served]
-        return pd.DataFrame({"trace": forest.trace_index, "service": service, "instance": instance,
-                             "us": self_time_ns(forest) / 1e3})
 
     def _telemetry(self, result, keep: np.ndarray, per_span: pd.DataFrame, length_s: float,
                    faults: list[Fault]) -> dict[str, ServiceTelemetry]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import pandas as pd
 
 from bmeg.graphs import SpanForest
 
@@ -29,7 +30,8 @@ _MODULUS = np.int64((1 << 61) - 1)
 
 def distinct_paths(forest: SpanForest, keys: np.ndarray) -> np.ndarray:
     """int64 [T]: distinct root-to-leaf sequences of node keys in each trace."""
-    _, codes = np.unique(np.asarray(keys, dtype=object), return_inverse=True)
+    # any consistent numbering will do (only equal paths are counted): hashing, not np.unique's sort of strings
+    codes, _ = pd.factorize(np.asarray(keys, dtype=object))
     path = np.zeros(forest.num_spans, dtype=np.int64)
     for depth in range(int(forest.depth.max(initial=0)) + 1):
         level = np.flatnonzero(forest.depth == depth)
@@ -39,8 +41,12 @@ def distinct_paths(forest: SpanForest, keys: np.ndarray) -> np.ndarray:
     has_child = np.zeros(forest.num_spans, dtype=bool)
     has_child[forest.parent[forest.parent >= 0]] = True
     leaves = np.flatnonzero(~has_child)
-    pairs = np.unique(np.stack([forest.trace_index[leaves], path[leaves]], axis=1), axis=0)
-    return np.bincount(pairs[:, 0], minlength=forest.num_traces).astype(np.int64)
+    trace, leaf_path = forest.trace_index[leaves], path[leaves]
+    order = np.lexsort((leaf_path, trace))  # (trace, path) pairs sorted: a pair differing from the one before is new
+    trace, leaf_path = trace[order], leaf_path[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (trace[1:] != trace[:-1]) | (leaf_path[1:] != leaf_path[:-1])
+    return np.bincount(trace[new], minlength=forest.num_traces).astype(np.int64)
 
 
 @dataclass(frozen=True)

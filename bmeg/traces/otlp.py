@@ -30,6 +30,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from bmeg.traces.build import table_from_arrays
@@ -67,12 +68,19 @@ def read_otlp_proto(data: bytes, source: str = "<bytes>") -> pa.Table:
     statuses: list[bytes] = []
     services: list[str] = []
     instances: list[str | None] = []
+    # A run of messages repeats the same few resources: each distinct one is decoded once.
+    identities: dict[bytes, tuple[str, str | None]] = {}
     for resource_spans in request.resource_spans:
-        service, instance = _resource_identity(resource_spans.resource.attributes)
+        raw_resource = resource_spans.resource
+        identity = identities.get(raw_resource)
+        if identity is None:
+            identity = identities[raw_resource] = _resource_identity(_decode(Resource, raw_resource, source).attributes)
+        service, instance = identity
         for scope_spans in resource_spans.scope_spans:
             spans = scope_spans.spans
             services += [service] * len(spans)
             instances += [instance] * len(spans)
+            # plain appends of untracked values (bytes, ints): per-span tuples would wake the GC
             for span in spans:
                 trace_ids.append(span.trace_id)
                 span_ids.append(span.span_id)

@@ -3,7 +3,8 @@
 `SpansView` reads the bytes of an `ExportTraceServiceRequest` or `TracesData` (same layout)
 but declares only what a span table needs. Undeclared fields (attributes, events, links,
 trace state, the scope) are skipped by the parser without building Python objects; the status
-stays raw bytes (empty for the usual unset status). `RawSpansView` reads the same bytes with
+stays raw bytes (empty for the usual unset status), and so does the resource (a run of
+messages repeats the same few resources: each distinct one is decoded once). `RawSpansView` reads the same bytes with
 each span left whole as bytes, so one byte search finds the spans whose attributes may hold a
 key, and `SpanAttributesView` decodes just those spans' attributes as a map (a repeated
 KeyValue is wire-compatible with `map<string, AnyValue>`), so a key is looked up in C rather
@@ -24,7 +25,7 @@ _views = message_classes(
     {
         "Request": [("resource_spans", 1, F.TYPE_MESSAGE, "ResourceSpans", "repeated")],
         "ResourceSpans": [
-            ("resource", 1, F.TYPE_MESSAGE, "." + Resource.DESCRIPTOR.full_name, "optional"),
+            ("resource", 1, F.TYPE_BYTES, "", "optional"),  # a serialized Resource, decoded once per distinct one
             ("scope_spans", 2, F.TYPE_MESSAGE, "ScopeSpans", "repeated"),
         ],
         "ScopeSpans": [("spans", 2, F.TYPE_MESSAGE, "Span", "repeated")],

@@ -4,9 +4,19 @@ A detector trained on synthetic traces (a twin) chooses its stage-1 threshold fo
 *synthetic* validation traces; on the real application the healthy traces score differently,
 and a threshold that flags 1% of synthetic normal traces can flag 10-40% of real ones. So, for
 a target false-alarm rate α, each stage-1 threshold (the DGCNN's and the SVM's, each on the
-traces the router sends it) is raised to the (1 - α) quantile of the scores of held-back
-real healthy traces, where it is below that: the synthetic operating point is kept where it
-already meets the target, so recall is lost only where it must be.
+traces the router sends it) is raised, in a new detector, until few enough of the held-back
+real healthy traces score above it, where it is below that: the synthetic operating point is
+kept where it already meets the target, so recall is lost only where it must be.
+
+How few: with `confidence` c (default 0.95), at most j of the n held-back traces may stay
+above the threshold, j the largest count for which the one-sided Clopper-Pearson bound of the
+false-alarm rate is still at most α (equivalently: Binomial(n, α) gives j or fewer with
+probability at most 1 - c). The plain (1 - α) quantile lets about α·n through, so fresh healthy
+traffic is flagged above α about half the time (measured on the testbed: README, issue 12);
+with n = 488 and α = 1% the bound allows 1 where the quantile allowed 4. Where n is too small
+for any (n < 299 at α = 1%), the threshold goes above every held-back score and the
+calibration says the target is not guaranteed (`bound_met`). `confidence=None` is the plain
+quantile.
 
 `split_by_time` cuts a normal period into the part the twin and the baselines are fitted
 from and the later part held back for calibration (later, not random: the calibration traces
@@ -15,16 +25,19 @@ then come from minutes the model has not seen, as the live traffic will).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from scipy.special import gammaln
 
 from bmeg.graphs import SpanForest
 
 #: The share of healthy traces stage 1 may flag.
 DEFAULT_FALSE_ALARM_RATE = 0.01
+#: How sure the calibration must be that fresh healthy traffic is flagged at most that often.
+DEFAULT_CONFIDENCE = 0.95
 
 
 def split_by_time(spans: pa.Table, held_back: float) -> tuple[pa.Table, pa.Table]:
@@ -51,30 +64,65 @@ class Calibration:
     after: dict[str, float]
     flagged_before: float  # share of the held-back traces flagged before
     flagged_after: float
+    confidence: float | None = DEFAULT_CONFIDENCE  # None: the plain quantile
+    bound_met: bool = True  # the held-back traces were enough to bound the rate at `confidence`
 
     def to_dict(self) -> dict:
         return {"target_false_alarm_rate": self.rate, "healthy_traces": self.traces, "thresholds_before": self.before,
                 "thresholds_after": self.after, "flagged_before": self.flagged_before,
-                "flagged_after": self.flagged_after}
+                "flagged_after": self.flagged_after, "confidence": self.confidence, "bound_met": self.bound_met}
 
 
-def calibrate_on_healthy(detector, healthy: SpanForest, rate: float = DEFAULT_FALSE_ALARM_RATE) -> Calibration:
-    """Raise the detector's stage-1 thresholds (in place) so that at most about `rate` of the
-    `healthy` traces are flagged; returns what changed."""
+def allowed_exceedances(n: int, rate: float, confidence: float) -> int | None:
+    """The most of `n` healthy traces that may score above the threshold while the one-sided
+    Clopper-Pearson bound (at `confidence`) of the false-alarm rate stays at most `rate`:
+    the largest j with P(Binomial(n, rate) <= j) <= 1 - confidence; None when not even 0 is."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"the confidence must be between 0 and 1, not {confidence}")
+    j = np.arange(n + 1)
+    log_pmf = (gammaln(n + 1) - gammaln(j + 1) - gammaln(n - j + 1)
+               + j * np.log(rate) + (n - j) * np.log1p(-rate))
+    cdf = np.cumsum(np.exp(log_pmf))
+    fine = np.flatnonzero(cdf <= 1.0 - confidence)
+    return int(fine[-1]) if len(fine) else None
+
+
+def _threshold(scores: np.ndarray, rate: float, confidence: float | None) -> tuple[float, bool]:
+    """(the lowest threshold the rule allows for these healthy scores, whether the bound holds)."""
+    if confidence is None:
+        above = float(np.quantile(scores, 1.0 - rate, method="higher"))
+        bound_met = True
+    else:
+        allowed = allowed_exceedances(len(scores), rate, confidence)
+        ordered = np.sort(scores)[::-1]
+        above, bound_met = (float(ordered[0]), False) if allowed is None else (float(ordered[allowed]), True)
+    # strictly above that score: `anomalous` is score >= threshold
+    return float(np.nextafter(above, np.inf)), bound_met
+
+
+def calibrate_on_healthy(detector, healthy: SpanForest, rate: float = DEFAULT_FALSE_ALARM_RATE,
+                         confidence: float | None = DEFAULT_CONFIDENCE):
+    """(the detector with its stage-1 thresholds raised so that fresh healthy traffic like
+    `healthy` is flagged at most `rate` of the time, at `confidence`; what changed). The detector given is left as it was: a
+    `Detector` is immutable (a served model may be read by another thread meanwhile)."""
     if not 0.0 < rate < 1.0:
         raise ValueError(f"the false-alarm rate must be between 0 and 1, not {rate}")
     if healthy.num_traces == 0:
         raise ValueError("no healthy traces to calibrate stage 1 on")
     scores = detector.score(healthy, all_models=True)
     before = dict(detector.thresholds)
-    flagged_before = float(scores.anomalous.mean())
+    after = dict(before)
+    bound_met = True
     for key, to_model in (("graph", ~scores.to_svm), ("svm", scores.to_svm)):
         if to_model.any():
-            quantile = float(np.quantile(scores.anomaly[to_model], 1.0 - rate, method="higher"))
-            # strictly above the quantile's score: `anomalous` is score >= threshold
-            detector.thresholds[key] = max(before[key], float(np.nextafter(quantile, np.inf)))
-    flagged_after = float(detector.route(scores).anomalous.mean())
-    return Calibration(rate, healthy.num_traces, before, dict(detector.thresholds), flagged_before, flagged_after)
+            threshold, met = _threshold(scores.anomaly[to_model], rate, confidence)
+            after[key] = max(before[key], threshold)
+            bound_met &= met
+    calibrated = replace(detector, thresholds=after)
+    flagged_after = float(calibrated.route(scores).anomalous.mean())
+    calibration = Calibration(rate, healthy.num_traces, before, dict(after), float(scores.anomalous.mean()),
+                              flagged_after, confidence, bound_met)
+    return calibrated, calibration
 
 
 def flagged_share(detector, healthy: SpanForest) -> float:

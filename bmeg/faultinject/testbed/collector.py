@@ -89,7 +89,29 @@ def read_collector_spans(path: Path) -> pa.Table:
     """The spans in the file exporter's `proto` file. `TracesData` messages concatenated are one
     `TracesData` (its one field is repeated), so the messages are joined and decoded at once; a
     message the Collector is still writing (the file's last, cut short) is left out."""
-    data = path.read_bytes()
+    parts, _ = _messages(path.read_bytes())
+    return conform(read_otlp_proto(b"".join(parts), str(path)))
+
+
+class SpanTail:
+    """Reads the spans the Collector appended to its file since the last call (a live loop
+    reads as the spans come, without decoding the whole file again)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> pa.Table:
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read()
+        parts, used = _messages(data)
+        self.offset += used
+        return conform(read_otlp_proto(b"".join(parts), str(self.path)))
+
+
+def _messages(data: bytes) -> tuple[list[bytes], int]:
+    """The whole length-prefixed messages in `data`, and how many bytes they take."""
     parts, at = [], 0
     while at + 4 <= len(data):
         size = int.from_bytes(data[at:at + 4], "big")
@@ -97,4 +119,4 @@ def read_collector_spans(path: Path) -> pa.Table:
             break
         parts.append(data[at + 4:at + 4 + size])
         at += 4 + size
-    return conform(read_otlp_proto(b"".join(parts), str(path)))
+    return parts, at

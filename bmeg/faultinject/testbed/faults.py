@@ -39,7 +39,7 @@ from bmeg.faultinject.testbed.deployment import (
     STORE_USERS,
     service_cpu,
 )
-from bmeg.faultinject.testbed.state import TestbedState, netns_prefix, record_process, service_cgroup
+from bmeg.faultinject.testbed.state import TestbedState, netns_prefix, record_process, service_cgroup, write_config
 from bmeg.faultinject.testbed.stores import wait_port
 from bmeg.faultinject.testbed.system import ProcessRecord, TestbedError, spawn
 
@@ -262,18 +262,22 @@ def misconfiguration_overrides(service: str, parameters: dict[str, float]) -> di
 
 
 def reload_service(testbed, state: TestbedState, service: str) -> None:
-    """Rewrite the service's config with its overrides in force and SIGHUP it (it re-reads
-    workers, db_pool and cache_items without dropping requests)."""
-    from bmeg.faultinject.testbed.deployment import service_config
-
-    record = state.processes.get(service)
-    config = service_config(service, testbed.ports, state.otlp_endpoint).to_json()
-    config.update(state.overrides.get(service, {}))
-    path = testbed.config_path(service)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=1))
-    if record is not None:
+    """Rewrite the configuration of each instance of the service (its replicas too) with its
+    overrides in force and SIGHUP it (it re-reads workers, db_pool and cache_items without
+    dropping requests)."""
+    for instance, record in service_instances(state, service):
+        write_config(testbed, state, service, instance)
         system.signal_process(record, signal.SIGHUP)
+
+
+def service_instances(state: TestbedState, service: str) -> list[tuple[int, ProcessRecord]]:
+    """The running instances of a service, (instance number, process), the first one first."""
+    found = []
+    for name, record in state.processes.items():
+        number = "0" if name == service else name.removeprefix(f"{service}-")
+        if number.isdigit() and record.role in ("service", "replica") and record.alive():
+            found.append((int(number), record))
+    return sorted(found, key=lambda pair: pair[0])
 
 
 def _misconfiguration(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:

@@ -5,7 +5,7 @@ The simulator's rule (`bmeg.faultinject.labels`), measured instead of simulated:
   *local time* is its exclusive time, plus, for a server span called through a client span,
   that client span's exclusive time: the gap between a call and its server span (network,
   the proxy's delay, waiting for a worker before the server span starts) is the callee's,
-  as in the closed loop's `SimulatedApp._span_frame`.
+  as in the closed loop's `bmeg.mitigation.simulated.span_frame`.
 - A node is **exposed** when its service ran it while a fault was applied on that service (its
   span starts between the fault's applied and undone times). For a store's client span the
   service is its caller: a connection pool of 1 or a cache too small slows the store calls

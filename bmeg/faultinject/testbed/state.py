@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bmeg.faultinject.testbed import system
-from bmeg.faultinject.testbed.deployment import CFS_PERIOD_US, DEFAULT_MIX, Ports, port_base
+from bmeg.faultinject.testbed.deployment import CFS_PERIOD_US, DEFAULT_MIX, Ports, port_base, service_config
 from bmeg.faultinject.testbed.system import ProcessRecord
 
 STATE_FILE = "state.json"
@@ -134,4 +134,22 @@ def service_cgroup(testbed: Testbed, name: str, quota_cores: float | None = None
     """The cgroup `name` in the testbed's tree, made if missing, with that CPU quota (None: no limit)."""
     path = testbed.cgroup(name)
     system.make_cgroup(path, quota_cores, CFS_PERIOD_US)
+    return path
+
+
+def instance_name(service: str, instance: int = 0) -> str:
+    """A service instance's process name: the service's own for the first, `<service>-<n>` for replicas."""
+    return service if instance == 0 else f"{service}-{instance}"
+
+
+def write_config(testbed: Testbed, state: TestbedState, service: str, instance: int = 0) -> Path:
+    """Write the configuration instance `instance` of `service` runs with: its normal one with the
+    overrides in force (faults, retunes) on top, as a Deployment's pods share one pod template."""
+    config = service_config(service, testbed.ports, state.otlp_endpoint, instance).to_json()
+    config.update(state.overrides.get(service, {}))
+    if instance:
+        config["instance"] = instance_name(service, instance)
+    path = testbed.config_path(service, instance)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=1))
     return path

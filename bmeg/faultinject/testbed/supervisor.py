@@ -28,11 +28,18 @@ from bmeg.faultinject.testbed.deployment import (
     DEFAULT_QUOTA_CORES,
     ENTRY,
     SERVICES,
-    service_config,
     service_cpu,
 )
 from bmeg.faultinject.testbed.faults import undo_all
-from bmeg.faultinject.testbed.state import Testbed, TestbedState, netns_prefix, record_process, service_cgroup
+from bmeg.faultinject.testbed.state import (
+    Testbed,
+    TestbedState,
+    instance_name,
+    netns_prefix,
+    record_process,
+    service_cgroup,
+    write_config,
+)
 from bmeg.faultinject.testbed.stores import start_stores, wait_port
 from bmeg.faultinject.testbed.system import SOURCE_ROOT, ProcessRecord, TestbedError, spawn
 
@@ -185,14 +192,8 @@ def start_load(testbed: Testbed, state: TestbedState) -> ProcessRecord:
 
 def start_service(testbed: Testbed, state: TestbedState, service: str, instance: int = 0) -> ProcessRecord:
     """Write the service's configuration (with the overrides in force) and start it in its cgroup."""
-    config = service_config(service, testbed.ports, state.otlp_endpoint, instance).to_json()
-    config.update(state.overrides.get(service, {}))
-    if instance:
-        config["instance"] = f"{service}-{instance}"
-    path = testbed.config_path(service, instance)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=1))
-    name = service if instance == 0 else f"{service}-{instance}"
+    path = write_config(testbed, state, service, instance)
+    name = instance_name(service, instance)
     cgroup = service_cgroup(testbed, name, DEFAULT_QUOTA_CORES)
     return record_process(state, spawn(name, "service" if instance == 0 else "replica",
                                 [state.binary, "service", "--config", str(path)],

@@ -154,6 +154,14 @@ def stop(record: ProcessRecord, timeout_s: float = 5.0) -> None:
         time.sleep(0.05)
 
 
+def pin(record: ProcessRecord, cpu: int) -> None:
+    """Move every thread of a running process to `cpu` (`taskset -a`: Go's threads all go)."""
+    if not record.alive():
+        raise TestbedError(f"{record.name} (pid {record.pid}) is not running")
+    run(["taskset", "-a", "-p", "-c", str(cpu), str(record.pid)])
+    record.cpu = cpu
+
+
 # --- cgroup v1 cpu ----------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 // Command socialnet is the testbed application: one binary, one role per process.
 //
 //	socialnet service --config FILE
-//	socialnet proxy --listen ADDR --upstream ADDR [--admin ADDR]
+//	socialnet proxy --listen ADDR --upstream ADDR[,ADDR...] [--admin ADDR]
 //	socialnet load --target URL --rate R --duration D [--mix compose=0.1,user=0.3,home=0.6] [--seed S] ...
 //
 // Exit status: 0 on success, 2 on bad usage or configuration, 1 on a failure while running.
@@ -28,7 +28,7 @@ import (
 
 const usage = `usage:
   socialnet service --config FILE
-  socialnet proxy --listen ADDR --upstream ADDR [--admin ADDR]
+  socialnet proxy --listen ADDR --upstream ADDR[,ADDR...] [--admin ADDR]
   socialnet load --target URL --rate R --duration D [--mix SPEC] [--seed S] [--users N]
                  [--init] [--follows K] [--arrivals constant|poisson] [--timeout D] [--max-in-flight N]
 services: %v
@@ -101,7 +101,7 @@ func runService(args []string, log *slog.Logger) error {
 func runProxy(args []string, log *slog.Logger) error {
 	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
 	listen := fs.String("listen", "", "address to accept connections on")
-	upstream := fs.String("upstream", "", "address to forward them to")
+	upstream := fs.String("upstream", "", "address(es) to forward them to: host:port[,host:port...], requests balanced over them")
 	admin := fs.String("admin", "", "address of the admin API (POST /_admin/delay)")
 	if err := parse(fs, args); err != nil {
 		return err

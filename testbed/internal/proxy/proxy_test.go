@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -38,7 +39,7 @@ func echo(t *testing.T) string {
 
 func startProxy(t *testing.T, upstream string) (*Proxy, string) {
 	t.Helper()
-	p := New(upstream, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	p := New([]string{upstream}, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -165,5 +166,105 @@ func TestRunStopsWithContext(t *testing.T) {
 		}
 	case <-time.After(2 * time.Second):
 		t.Fatal("Run did not return after its context ended")
+	}
+}
+
+// instance serves HTTP and counts the requests it answered.
+func instance(t *testing.T, hold time.Duration) (string, *atomic.Int64) {
+	t.Helper()
+	var served atomic.Int64
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		time.Sleep(hold)
+		served.Add(1)
+		_, _ = w.Write([]byte("ok"))
+	}))
+	t.Cleanup(ts.Close)
+	return strings.TrimPrefix(ts.URL, "http://"), &served
+}
+
+// post sends n sequential POSTs over one keep-alive connection of client.
+func post(t *testing.T, client *http.Client, addr string, n int) {
+	t.Helper()
+	for range n {
+		resp, err := client.Post("http://"+addr+"/op", "application/json", strings.NewReader(`{"x": 1}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(body) != "ok" {
+			t.Fatalf("answer %q", body)
+		}
+	}
+}
+
+func TestRequestsOfOneConnectionAreBalanced(t *testing.T) {
+	first, firstServed := instance(t, 0)
+	second, secondServed := instance(t, 0)
+	p, addr := startProxy(t, first)
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}
+	defer client.CloseIdleConnections()
+	post(t, client, addr, 10)
+	if firstServed.Load() != 10 {
+		t.Fatalf("one upstream served %d of 10", firstServed.Load())
+	}
+	// a replica added later gets its share of the requests of the connection opened before it
+	p.SetUpstreams([]string{first, second})
+	post(t, client, addr, 20)
+	if got := secondServed.Load(); got < 8 || got > 12 {
+		t.Fatalf("the added upstream served %d of 20 requests (want about half)", got)
+	}
+	if _, pending := p.Upstreams(); pending[first]+pending[second] != 0 {
+		t.Fatalf("requests left pending: %v", pending)
+	}
+	// and a removed one gets none, while the connection stays usable
+	p.SetUpstreams([]string{second})
+	before := firstServed.Load()
+	post(t, client, addr, 5)
+	if firstServed.Load() != before {
+		t.Fatal("a removed upstream still got requests")
+	}
+}
+
+func TestLeastPendingUpstreamGetsTheRequest(t *testing.T) {
+	slow, slowServed := instance(t, 300*time.Millisecond)
+	fast, fastServed := instance(t, 0)
+	p, addr := startProxy(t, slow)
+	p.SetUpstreams([]string{slow, fast})
+	done := make(chan struct{})
+	go func() { // one request holds the slow instance
+		defer close(done)
+		post(t, &http.Client{}, addr, 1)
+	}()
+	time.Sleep(50 * time.Millisecond)
+	post(t, &http.Client{}, addr, 5)
+	<-done
+	if slowServed.Load() != 1 || fastServed.Load() != 5 {
+		t.Fatalf("slow %d, fast %d: requests must go where none is pending", slowServed.Load(), fastServed.Load())
+	}
+}
+
+func TestAdminUpstreams(t *testing.T) {
+	p, _ := startProxy(t, echo(t))
+	ts := httptest.NewServer(p.AdminHandler())
+	defer ts.Close()
+	for _, bad := range []string{`{"upstreams": []}`, `{"upstreams": ["nohost"]}`, `{"upstreams": ["a:1", "a:1"]}`, `{"x": 1}`} {
+		resp, err := http.Post(ts.URL+"/_admin/upstreams", "application/json", strings.NewReader(bad))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Fatalf("%s: status %d, want 400", bad, resp.StatusCode)
+		}
+	}
+	resp, err := http.Post(ts.URL+"/_admin/upstreams", "application/json", strings.NewReader(`{"upstreams": ["127.0.0.1:1", "127.0.0.1:2"]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if addrs, _ := p.Upstreams(); resp.StatusCode != 200 || len(addrs) != 2 {
+		t.Fatalf("status %d, upstreams %v", resp.StatusCode, addrs)
 	}
 }
