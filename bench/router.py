@@ -105,7 +105,10 @@ def split_by_time(dataset: Dataset, train_share: float, cap: int) -> tuple[Datas
 
 def _subset(dataset: Dataset, ids: np.ndarray) -> Dataset:
     keep = pa.array(ids.tolist())
-    take = lambda table: table.filter(pc.is_in(table["trace_id"], value_set=keep))  # noqa: E731
+
+    def take(table: pa.Table) -> pa.Table:
+        return table.filter(pc.is_in(table["trace_id"], value_set=keep))
+
     return Dataset(dataset.path, take(dataset.spans), take(dataset.traces), take(dataset.nodes), dataset.cards)
 
 
@@ -174,12 +177,11 @@ class _timed_gnn_fit:
 def _svm_fit_seconds(detector: Detector, data: Labelled, config: pipeline.TrainConfig) -> float:
     """CPU seconds of the trace SVM's `fit` on the training traces (their vectors built beforehand,
     as the GNN's graphs are built before its `fit`)."""
-    from bmeg.graphs import node_services
-    from bmeg.models.detector import node_keys
+    from bmeg.graphs import node_services, operation_keys
 
     forest = data.forest
     x = detector.encoder.transform(forest)
-    keys = node_keys(node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False), forest)
+    keys = operation_keys(forest, node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
     vectors = detector.trace_vectors(forest, x, keys)[data.train]
     began = time.process_time()
     TraceSVM(C=config.svm_C, random_state=config.seed).fit(vectors, data.y[data.train])

@@ -132,7 +132,10 @@ async def load(base: str, bodies: list[bytes], rate: float, seconds: float, conc
     async with aiohttp.ClientSession(base, connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as client:
         slots = asyncio.Semaphore(concurrency)
         await open_loop(client, slots, bodies, rate, warmup_s)
-        cpu = lambda: np.array([server_cpu_s(server_pid), own_cpu_s(server_pid), own_cpu_s()])  # noqa: E731
+
+        def cpu() -> np.ndarray:
+            return np.array([server_cpu_s(server_pid), own_cpu_s(server_pid), own_cpu_s()])
+
         before = cpu()
         latencies, errors, elapsed = await open_loop(client, slots, bodies, rate, seconds)
         return latencies, errors, elapsed, cpu() - before

@@ -5,6 +5,11 @@ Test modules import these from here (`from builders import ...`), never from eac
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 from hypothesis import strategies as st
@@ -12,6 +17,9 @@ from hypothesis import strategies as st
 from bmeg.cluster.executor import ServiceState
 from bmeg.diagnosis import Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
 from bmeg.faultinject import parse_topology
+from bmeg.faultinject.testbed import system
+from bmeg.faultinject.testbed.state import netns_prefix
+from bmeg.faultinject.testbed.supervisor import Testbed, down, up
 from bmeg.graphs import assemble
 from bmeg.traces import SPAN_SCHEMA, span_table
 from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
@@ -231,3 +239,24 @@ def assert_restricted(spec: dict) -> None:
         assert context.get("capabilities") == {"drop": ["ALL"]}, container["name"]
         assert not context.get("privileged"), container["name"]
         assert {"cpu", "memory"} <= set(container["resources"]["limits"]), container["name"]
+
+
+@contextlib.contextmanager
+def running_testbed(base_port: int, prefix: str, rate: float):
+    """The testbed up on ports from `base_port`, in a run dir the stores (user nobody) can reach
+    (pytest's are 0700); afterwards everything it started is checked gone."""
+    run = Path(tempfile.mkdtemp(prefix=prefix))
+    testbed = Testbed(base_port, run)
+    started: list[system.ProcessRecord] = []
+    try:
+        started = list(up(testbed, rate=rate).processes.values())
+        yield testbed
+    finally:
+        final = testbed.state()
+        started += list(final.processes.values()) if final else []
+        down(testbed)
+    assert not testbed.group.exists()
+    assert not system.list_netns(netns_prefix(testbed.base))
+    assert testbed.state() is None
+    assert not [r.name for r in started if r.alive()]
+    shutil.rmtree(run)

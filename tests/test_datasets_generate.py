@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -68,6 +69,18 @@ def test_split_is_stratified_80_20(specs, tmp_path):
     assert not split.train & split.test and len(split.train | split.test) == 1100
     assert len(split.test) == 220 and len(split.test & anomalous) == 20
     assert dataset.split(seed=1) == split and dataset.split(seed=2) != split
+
+
+def test_sample_holds_the_spans_of_the_first_traces_of_each_class(specs, tmp_path):
+    topology, scenario = specs
+    generate_dataset(tmp_path / "d", topology, 200, 0.3, 0, scenario, progress=False)
+    dataset = read_dataset(tmp_path / "d")
+    sample = dataset.sample(anomalous=5, normal=3)
+    flags = dict(zip(dataset.traces["trace_id"].to_pylist(), dataset.traces["anomalous"].to_pylist()))
+    anomalous = [t for t, flag in flags.items() if flag][:5]
+    normal = [t for t, flag in flags.items() if not flag][:3]
+    assert set(sample["trace_id"].to_pylist()) == set(anomalous + normal)
+    assert sample.num_rows == pc.sum(pc.is_in(dataset.spans["trace_id"], value_set=pa.array(anomalous + normal))).as_py()
 
 
 def test_load_dataset_by_name_generates_once_into_the_cache(specs, tmp_path, monkeypatch):

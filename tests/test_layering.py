@@ -10,6 +10,8 @@ left out, since they never run.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -159,3 +161,15 @@ def test_no_test_module_imports_another() -> None:
                 continue
             offenders += [f"{path.name}: {name}" for name in names if name.split(".")[-1].startswith("test_")]
     assert not offenders, f"test modules importing test modules: {offenders}"
+
+
+def test_the_command_and_its_help_load_without_torch():
+    # the options' defaults and choices come from the library's torch-free modules
+    # (bmeg.training.config, bmeg.datasets.generate), so listing them never loads the models
+    script = ("import sys\nfrom click.testing import CliRunner\nfrom bmeg.cli import COMMANDS, main\n"
+              "for name in ['', *COMMANDS]:\n"
+              "    result = CliRunner().invoke(main, [name, '--help'] if name else ['--help'])\n"
+              "    assert result.exit_code == 0, (name, result.output)\n"
+              "print(sorted(m for m in ('torch', 'torch_geometric') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -318,7 +318,10 @@ def test_one_slow_replica_of_two_is_moved() -> None:
 def test_online_search_moves_a_bad_pool_size_to_a_good_one() -> None:
     pool = CATALOGUE.parameter("home-timeline-service", "io_threadpool_size")
     rng = np.random.default_rng(0)
-    measure = lambda value: list(8 + 40 / value + rng.normal(0, 0.2, 3))  # noqa: E731  (three replicas)
+
+    def measure(value: float) -> list[float]:  # three replicas
+        return list(8 + 40 / value + rng.normal(0, 0.2, 3))
+
     best = search_around(pool, 1, measure)
     assert best is not None and best.values["io_threadpool_size"] >= 8
     assert best.judgement.worst < 14 and not best.judgement.unstable

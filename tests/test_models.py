@@ -48,6 +48,36 @@ def test_dgcnn_and_gcn_shapes():
         DGCNN(6, k=4)
 
 
+@pytest.mark.parametrize("make", [lambda: DGCNN(6, k=10), lambda: GCNNodeClassifier(6)], ids=["dgcnn", "gcn"])
+def test_reset_parameters_resets_every_weight_reproducibly(make):
+    model = make()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(7.0)
+    torch.manual_seed(3)
+    model.reset_parameters()
+    # every learnable tensor was reset (none still holds the 7s), not only some layers
+    assert all(not torch.all(parameter == 7.0) for parameter in model.parameters())
+    again = make()
+    torch.manual_seed(3)
+    again.reset_parameters()
+
+    def same_weights() -> bool:
+        return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+    assert same_weights()
+    torch.manual_seed(4)
+    again.reset_parameters()
+    assert not same_weights()
+
+
+def test_repr_names_the_sizes():
+    assert repr(DGCNN(6, hidden_channels=16, k=12, dense_channels=64, dropout=0.5)) == (
+        "DGCNN(6, hidden_channels=16, k=12, dense_channels=64, dropout=0.5)")
+    assert repr(GCNNodeClassifier(6, hidden_channels=32, dropout=0.1)) == (
+        "GCNNodeClassifier(6, hidden_channels=32, dropout=0.1)")
+
+
 def test_minibatch_matches_the_forest_graphs():
     forest = assemble(span_table(many_traces(5)))
     x = np.arange(forest.num_spans, dtype=np.float32)[:, None]

@@ -363,8 +363,10 @@ def test_poison_of_every_kind_is_dead_lettered_truncated_and_the_partition_moves
     flagged_id = flagged_spans["trace_id"][0].as_py()
 
     consumer = StreamConsumer(detector, config)
-    dead_lettered = lambda: sum(s.value for s in consumer.metrics.dead_letters.collect()[0].samples  # noqa: E731
-                                if s.name.endswith("_total"))
+
+    def dead_lettered() -> float:
+        return sum(s.value for s in consumer.metrics.dead_letters.collect()[0].samples if s.name.endswith("_total"))
+
     run_until(consumer, lambda: diagnosed(consumer) >= len(plain_ids) + 1 and dead_lettered() >= 3)
 
     by_trace = {r.key.decode(): Diagnosis.model_validate_json(r.value)

@@ -6,23 +6,20 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
 import pytest
+from builders import running_testbed
 
-
-from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.collector import read_collector_spans
 from bmeg.faultinject.testbed.deployment import SERVICES, service_cpu
 from bmeg.faultinject.testbed.faults import apply_fault, undo_fault
 from bmeg.faultinject.testbed.labels import AppliedFault, calibrate, label, node_frame
-from bmeg.faultinject.testbed.state import netns_prefix
 from bmeg.faultinject.testbed.system import SOURCE_ROOT
-from bmeg.faultinject.testbed.supervisor import Testbed, down, status, up
+from bmeg.faultinject.testbed.supervisor import status
 from bmeg.graphs.features import self_time_ns
 
 pytestmark = [
@@ -48,21 +45,9 @@ FAULT_S, GAP_S, CALIBRATION_S = 8.0, 4.0, 15.0
 
 @pytest.fixture(scope="module")
 def bed():
-    # own ports per process; a run dir that the stores (user nobody) can reach: pytest's are 0700
-    run = Path(tempfile.mkdtemp(prefix="bmeg-testbed-test-"))
-    testbed = Testbed(26000 + os.getpid() % 10 * 200, run)
-    started: list[system.ProcessRecord] = []
-    try:
-        state = up(testbed, rate=RATE)
-        started = list(state.processes.values())
+    # ports of its own per process
+    with running_testbed(26000 + os.getpid() % 10 * 200, "bmeg-testbed-test-", rate=RATE) as testbed:
         yield testbed
-    finally:
-        down(testbed)
-    assert not testbed.group.exists()
-    assert not system.list_netns(netns_prefix(testbed.base))
-    assert testbed.state() is None
-    assert not [r.name for r in started if r.alive()]
-    shutil.rmtree(run)
 
 
 def _p95(values: np.ndarray) -> float:

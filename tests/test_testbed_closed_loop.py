@@ -7,16 +7,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import urllib.request
 from pathlib import Path
 
 import pytest
+from builders import running_testbed
 
 from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.deployment import DEFAULT_QUOTA_CORES
-from bmeg.faultinject.testbed.state import netns_prefix
-from bmeg.faultinject.testbed.supervisor import Testbed, down, up
+from bmeg.faultinject.testbed.supervisor import Testbed
 from bmeg.faultinject.testbed.system import SOURCE_ROOT
 from bmeg.mitigation import load_catalogue, load_policy
 from bmeg.mitigation.safety import DEFAULT_POLICY
@@ -34,23 +33,9 @@ RATE = 50.0
 
 @pytest.fixture(scope="module")
 def bed():
-    # ports of its own (replicas take base + 100 + 12 n + i), a run dir the stores (nobody) can reach
-    run = Path(tempfile.mkdtemp(prefix="bmeg-testbed-loop-"))
-    testbed = Testbed(23000 + os.getpid() % 8 * 250, run)
-    started: list[system.ProcessRecord] = []
-    try:
-        state = up(testbed, rate=RATE)
-        started = list(state.processes.values())
+    # ports of its own per process (the loop's replicas take base + 100 + 12 n + i)
+    with running_testbed(23000 + os.getpid() % 8 * 250, "bmeg-testbed-loop-", rate=RATE) as testbed:
         yield testbed
-    finally:
-        final = testbed.state()
-        started += list(final.processes.values()) if final else []
-        down(testbed)
-    assert not testbed.group.exists()
-    assert not system.list_netns(netns_prefix(testbed.base))
-    assert testbed.state() is None
-    assert not [r.name for r in started if r.alive()]
-    shutil.rmtree(run)
 
 
 def _upstreams(testbed: Testbed, service: str) -> list[str]:

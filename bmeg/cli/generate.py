@@ -7,16 +7,17 @@ from pathlib import Path
 import click
 
 from bmeg.cli.output import json_option, print_json, print_table
+from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_SCENARIO, DEFAULT_TRACES, Shard, generate_dataset
 
 
 @click.command()
 @click.argument("topology")
-@click.option("--traces", type=click.IntRange(min=1), default=20_000, show_default=True, help="Traces to keep.")
-@click.option("--imbalance", type=click.FloatRange(min=0), default=0.1, show_default=True,
+@click.option("--traces", type=click.IntRange(min=1), default=DEFAULT_TRACES, show_default=True, help="Traces to keep.")
+@click.option("--imbalance", type=click.FloatRange(min=0), default=DEFAULT_IMBALANCE, show_default=True,
               help="Ratio of bottlenecked to normal traces (0.3, 0.1, 0.01, 0.001).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder.")
-@click.option("--scenario", default="single", show_default=True,
+@click.option("--scenario", default=DEFAULT_SCENARIO, show_default=True,
               help="Scenario file, or the name of a shipped campaign (single, multiple, cascading, hot-paths).")
 @click.option("--shard", default="0/1", show_default=True,
               help="i/n: generate the i-th of n shares of the traces, with its own seeds. Give each shard "
@@ -34,7 +35,6 @@ def generate(topology, traces, imbalance, seed, out, scenario, shard, workers, b
              as_json) -> None:
     """Simulate TOPOLOGY (socialnet, hotelreservation, trainticket, or a spec file) under faults,
     or (--backend testbed) inject real faults into the socialnet testbed."""
-    from bmeg.datasets.generate import Shard, generate_dataset
     from bmeg.faultinject.errors import SpecError
 
     if backend == "testbed":

@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 
 from bmeg.cli.output import json_option, print_json, print_table
+from bmeg.training.config import LOSSES, VARIANTS, FitConfig, TrainConfig
+from bmeg.training.experiment import DEFAULT_RATIOS, DEFAULT_TRACES, imbalance_experiment
 
 TABLE_COLUMNS = ("accuracy", "nbp", "bp", "nbr", "br", "ac1", "ac3")
 
@@ -21,18 +23,20 @@ def metrics_rows(metrics: dict, models=("bmeg", "gnn", "svm")) -> list[dict]:
 @click.option("--recipe", default=None,
               help="Training recipe: a YAML file, or a shipped name (socialnet, socialnet-mitigation, ...); "
                    "options given here override it.")
-@click.option("--dataset", default=None, help="Topology name or dataset folder [default: socialnet].")
-@click.option("--traces", type=int, default=None, help="Traces to generate [default: 20000].")
-@click.option("--imbalance", type=float, default=None, help="Bottlenecked : normal traces [default: 0.1].")
-@click.option("--scenario", default=None, help="Scenario name or YAML file [default: single].")
-@click.option("--epochs", type=int, default=None, help="[default: 15]")
-@click.option("--features", type=click.Choice(["full", "thesis"]), default=None, help="[default: full]")
-@click.option("--loss", type=click.Choice(["weighted", "focal", "sampling", "plain"]), default=None, help="[default: weighted]")
-@click.option("--device", default=None, help="auto, cpu, cuda, cuda:1, ... [default: auto]")
+# The options default to None, "not given": the recipe's value, else the library's default (shown).
+@click.option("--dataset", default=None, help=f"Topology name or dataset folder [default: {TrainConfig.dataset}].")
+@click.option("--traces", type=int, default=None, help=f"Traces to generate [default: {TrainConfig.traces}].")
+@click.option("--imbalance", type=float, default=None,
+              help=f"Bottlenecked : normal traces [default: {TrainConfig.imbalance}].")
+@click.option("--scenario", default=None, help=f"Scenario name or YAML file [default: {TrainConfig.scenario}].")
+@click.option("--epochs", type=int, default=None, help=f"[default: {FitConfig.epochs}]")
+@click.option("--features", type=click.Choice(VARIANTS), default=None, help=f"[default: {TrainConfig.features}]")
+@click.option("--loss", type=click.Choice(LOSSES), default=None, help=f"[default: {FitConfig.loss}]")
+@click.option("--device", default=None, help=f"auto, cpu, cuda, cuda:1, ... [default: {FitConfig.device}]")
 @click.option("--nproc", type=int, default=None,
-              help="Processes for distributed training on this machine [default: 1]; across machines, "
-                   "start `bmeg train` with torchrun instead (python -m torch.distributed.run ... -m bmeg train).")
-@click.option("--seed", type=int, default=None, help="[default: 0]")
+              help=f"Processes for distributed training on this machine [default: {FitConfig.nproc}]; across "
+                   "machines, start `bmeg train` with torchrun instead (python -m torch.distributed.run ... -m bmeg train).")
+@click.option("--seed", type=int, default=None, help=f"[default: {TrainConfig.seed}]")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory (default: the cache).")
 @json_option
 def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, device, nproc, seed, out, as_json) -> None:
@@ -40,12 +44,11 @@ def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, 
 
     Started by torchrun, the processes train together (DDP) and only rank 0 saves and prints."""
     from bmeg.models.detector import default_run_dir
-    from bmeg.training.pipeline import TrainConfig, load_recipe, run
-    from bmeg.training.trainer import FitConfig, is_main_process, torchrun_group
+    from bmeg.training.pipeline import load_recipe, run
+    from bmeg.training.trainer import is_main_process, torchrun_group
 
-    given = lambda **options: {k: v for k, v in options.items() if v is not None}  # noqa: E731
-    overrides = given(dataset=dataset, traces=traces, imbalance=imbalance, scenario=scenario, features=features, seed=seed)
-    fit = given(epochs=epochs, loss=loss, device=device, nproc=nproc) | {"progress": not as_json}
+    overrides = _given(dataset=dataset, traces=traces, imbalance=imbalance, scenario=scenario, features=features, seed=seed)
+    fit = _given(epochs=epochs, loss=loss, device=device, nproc=nproc) | {"progress": not as_json}
     try:
         config = load_recipe(recipe, **overrides, fit=fit) if recipe else TrainConfig(**overrides, fit=FitConfig(**fit))
     except ValueError as error:
@@ -64,6 +67,11 @@ def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, 
     click.echo(f"run saved to {out} (model.pt, metrics.json, plots)")
 
 
+def _given(**options) -> dict:
+    """The options given on the command line (not None)."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
 @click.command("diagnose")
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.option("--model", "run_dir", type=click.Path(path_type=Path), default=None, help="Run directory of `bmeg train`.")
@@ -72,16 +80,13 @@ def train(recipe, dataset, traces, imbalance, scenario, epochs, features, loss, 
 @json_option
 def diagnose(source: Path, run_dir: Path | None, input_format: str | None, window: bool, as_json: bool) -> None:
     """Diagnose the traces in SOURCE (a file or a folder of trace files)."""
-    from bmeg.mitigation.planner import suggest
+    import bmeg
     from bmeg.models.checkpoint import CheckpointError
-    from bmeg.models.detector import Detector, default_run_dir
     from bmeg.traces import TraceInputError
     from bmeg.traces.io import read_spans
 
     try:
-        detector = Detector.load(run_dir or default_run_dir())
-        # a file is a recorded stream: each trace reads the file's earlier traces, as it would live
-        diagnosis = suggest(detector.diagnose(read_spans(source, format=input_format), window=window, replay=True))
+        diagnosis = bmeg.diagnose(read_spans(source, format=input_format), model=run_dir, window=window)
     except (CheckpointError, TraceInputError) as error:
         raise click.ClickException(str(error)) from error
     if as_json:
@@ -111,18 +116,17 @@ def experiment() -> None:
 
 
 @experiment.command("imbalance")
-@click.option("--dataset", "datasets", multiple=True, default=["socialnet"], show_default=True)
-@click.option("--ratios", default="0.3,0.1,0.01", show_default=True, help="Comma-separated imbalance ratios.")
-@click.option("--traces", type=int, default=40_000, show_default=True, help="Traces per dataset.")
-@click.option("--epochs", type=int, default=15, show_default=True)
-@click.option("--scenario", default="single", show_default=True)
-@click.option("--loss", type=click.Choice(["weighted", "focal", "sampling", "plain"]), default="weighted", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dataset", "datasets", multiple=True, default=[TrainConfig.dataset], show_default=True)
+@click.option("--ratios", default=",".join(map(str, DEFAULT_RATIOS)), show_default=True,
+              help="Comma-separated imbalance ratios.")
+@click.option("--traces", type=int, default=DEFAULT_TRACES, show_default=True, help="Traces per dataset.")
+@click.option("--epochs", type=int, default=FitConfig.epochs, show_default=True)
+@click.option("--scenario", default=TrainConfig.scenario, show_default=True)
+@click.option("--loss", type=click.Choice(LOSSES), default=FitConfig.loss, show_default=True)
+@click.option("--seed", type=int, default=TrainConfig.seed, show_default=True)
 @json_option
 def imbalance(datasets, ratios: str, traces: int, epochs: int, scenario: str, loss: str, seed: int, as_json: bool) -> None:
     """B-MEG vs the SVM at each imbalance ratio, next to the thesis's figures."""
-    from bmeg.training.experiment import imbalance_experiment
-
     values = [float(value) for value in ratios.split(",")]
     rows = imbalance_experiment(datasets, values, traces, epochs, seed=seed, progress=not as_json,
                                 scenario=scenario, loss=loss)
@@ -134,14 +138,11 @@ def imbalance(datasets, ratios: str, traces: int, epochs: int, scenario: str, lo
 
 @click.command("demo")
 @click.option("--traces", type=int, default=None, help="Training traces (default: the dataset default).")
-@click.option("--epochs", type=int, default=15, show_default=True)
+@click.option("--epochs", type=int, default=FitConfig.epochs, show_default=True)
 def demo(traces: int | None, epochs: int) -> None:
     """The main job: simulate socialnet, train, evaluate, and diagnose fresh faulty traces."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
+    import bmeg
     from bmeg.datasets.loader import load_dataset
-    from bmeg.mitigation.planner import suggest
     from bmeg.models.detector import default_run_dir
     from bmeg.training import train as run_training
 
@@ -151,9 +152,5 @@ def demo(traces: int | None, epochs: int) -> None:
     print_table(metrics_rows(metrics), title="socialnet: held-out test")
     click.echo(f"run saved to {out}")
     fresh = load_dataset("socialnet", traces=400, imbalance=0.3, seed=12345)
-    anomalous = fresh.traces.filter(fresh.traces["anomalous"])["trace_id"][:5]
-    normal = fresh.traces.filter(pc.invert(fresh.traces["anomalous"]))["trace_id"][:3]
-    sample_ids = pa.concat_arrays([anomalous.combine_chunks(), normal.combine_chunks()])
-    sample = fresh.spans.filter(pc.is_in(fresh.spans["trace_id"], value_set=sample_ids))
-    click.echo(f"diagnosing {len(anomalous)} freshly simulated faulty and {len(normal)} normal traces:")
-    print_diagnosis(suggest(detector.diagnose(sample, window=True, replay=True)))
+    click.echo("diagnosing 5 freshly simulated faulty and 3 normal traces:")
+    print_diagnosis(bmeg.diagnose(fresh.sample(anomalous=5, normal=3), model=detector, window=True))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import click
@@ -117,6 +116,7 @@ def evaluate() -> None:
 def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path | None, window_minutes: float,
         pod_suffix_parts: int, offset_hours: int, published: bool, input_format: str | None, as_json: bool) -> None:
     """Rank root-cause services after each injected fault; AC@k for bmeg and the baselines."""
+    from bmeg.evaluation.bootstrap import cached_bootstrap
     from bmeg.evaluation.faults import read_fault_list
     from bmeg.evaluation.rankers import default_rankers
     from bmeg.evaluation.rca import hour_offset, report, run_rca
@@ -129,7 +129,7 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
     try:
         faults = read_fault_list(faults_path, pod_suffix_parts)
         normal = rpc_view(read_spans(normal_path, format=input_format))
-        detector = Detector.load(run_dir or _bootstrapped(normal_path, input_format, as_json))
+        detector = Detector.load(run_dir or cached_bootstrap(normal_path, input_format, progress=not as_json))
         rankers = default_rankers(detector, normal, published)
         files = TraceFiles(traces_path, input_format, progress=not as_json)
         slip = hour_offset(files, faults, window_minutes)
@@ -143,9 +143,7 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
     if as_json:
         print_json(summary)
         return
-    for group in ("latency_faults", "overall"):
-        rows = [{"ranker": name, **values} for name, values in summary[group].items()]
-        print_table(rows, title=f"{group.replace('_', ' ')} (window {window_minutes:g} min)")
+    _print_scores(summary, f"(window {window_minutes:g} min)")
     rows = [{"type": kind, "ranker": name, **values}
             for kind, groups in summary["by_type"].items() for name, values in groups.items()]
     print_table(rows, title="by fault type")
@@ -214,20 +212,12 @@ def rca_sim(topology: Path, run_dir: Path, out: Path, window_seconds: float, see
     if as_json:
         print_json(summary)
         return
+    _print_scores(summary, "(simulated)")
+
+
+def _print_scores(summary: dict, note: str) -> None:
+    """The rankers' scores on the latency faults and on all faults, a table each."""
     for group in ("latency_faults", "overall"):
         rows = [{"ranker": name, **values} for name, values in summary[group].items()]
-        print_table(rows, title=f"simulated: {group.replace('_', ' ')}")
+        print_table(rows, title=f"{group.replace('_', ' ')} {note}")
 
-
-def _bootstrapped(normal_path: Path, input_format: str | None, quiet: bool) -> Path:
-    """A bootstrapped run for these normal traces, from the cache or trained now."""
-    from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
-    from bmeg.paths import cache_dir
-
-    key = hashlib.sha256(str(normal_path.resolve()).encode()).hexdigest()[:10]
-    run_dir = cache_dir() / "runs" / f"bootstrap-{key}"
-    if not (run_dir / "metrics.json").is_file():
-        if not quiet:
-            click.echo(f"no --model: bootstrapping one from {normal_path} into {run_dir}")
-        run_bootstrap(normal_path, run_dir, input_format=input_format, progress=not quiet)
-    return run_dir

@@ -18,12 +18,11 @@ device_option = click.option("--device", default="auto", show_default=True, help
 
 
 def _limit_torch_threads() -> None:
-    """Small graphs run fastest single-threaded; BMEG_TORCH_THREADS overrides."""
-    import torch
-
+    """Small graphs run fastest single-threaded; BMEG_TORCH_THREADS overrides (validated here)."""
+    from bmeg.models.inference import limit_cpu_threads
     from bmeg.serving.settings import TorchSettings
 
-    torch.set_num_threads(TorchSettings().torch_threads)
+    limit_cpu_threads(TorchSettings().torch_threads)
 
 
 @click.command("serve")

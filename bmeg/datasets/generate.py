@@ -125,13 +125,19 @@ def _trim(tables: EpisodeTables, anomalous: int, normal: int, seed: np.random.Se
     )
 
 
+#: What a dataset is generated with when nothing else is said (`bmeg generate`, `bmeg train`).
+DEFAULT_TRACES = 20_000
+DEFAULT_IMBALANCE = 0.1
+DEFAULT_SCENARIO = "single"
+
+
 def generate_dataset(
     out: str | Path,
     topology: str | Path = "socialnet",
-    traces: int = 20_000,
-    imbalance: float = 0.1,
+    traces: int = DEFAULT_TRACES,
+    imbalance: float = DEFAULT_IMBALANCE,
     seed: int = 0,
-    scenario: str | Path = "single",
+    scenario: str | Path = DEFAULT_SCENARIO,
     shard: Shard = Shard(),
     workers: int = 1,
     progress: bool = True,

@@ -20,15 +20,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from bmeg.datasets.generate import generate_dataset
+from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_TRACES, generate_dataset
 from bmeg.faultinject.errors import SpecError
 from bmeg.faultinject.scenario import scenario_path
 from bmeg.faultinject.spec import topology_path
 from bmeg.paths import cache_dir
 from bmeg.traces.schema import conform
 
-DEFAULT_TRACES = 20_000
-DEFAULT_IMBALANCE = 0.1
 TEST_FRACTION = 0.2
 
 
@@ -54,13 +52,21 @@ class Dataset:
         """Stratified train/test trace ids: `test_fraction` of each class (anomalous, normal) to test."""
         ids = np.array(self.traces["trace_id"].to_pylist(), dtype=object)
         flags = self.traces["anomalous"].to_numpy(zero_copy_only=False)
-        rng = np.random.default_rng(seed)
-        test: list[str] = []
-        for members in (ids[flags], ids[~flags]):
-            shuffled = rng.permutation(members)
-            test.extend(shuffled[: round(len(members) * test_fraction)].tolist())
-        test_set = frozenset(test)
+        test_set = frozenset(stratified_pick(ids, flags, test_fraction, np.random.default_rng(seed)).tolist())
         return Split(frozenset(ids.tolist()) - test_set, test_set)
+
+    def sample(self, anomalous: int, normal: int) -> pa.Table:
+        """The spans of the first `anomalous` anomalous traces and the first `normal` normal ones (or all there are)."""
+        flags = self.traces["anomalous"]
+        ids = pa.concat_arrays([self.traces.filter(flags)["trace_id"][:anomalous].combine_chunks(),
+                                self.traces.filter(pc.invert(flags))["trace_id"][:normal].combine_chunks()])
+        return self.spans.filter(pc.is_in(self.spans["trace_id"], value_set=ids))
+
+
+def stratified_pick(items: np.ndarray, positive: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """`fraction` of the positive items and `fraction` of the others (rounded), drawn by `rng`:
+    the per-class draw of the thesis's splits. The positives' picks come first."""
+    return np.concatenate([rng.permutation(part)[: round(len(part) * fraction)] for part in (items[positive], items[~positive])])
 
 
 def _dataset_dirs(path: Path) -> list[Path]:

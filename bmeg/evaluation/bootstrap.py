@@ -13,7 +13,9 @@ with a `calibration` entry in its metrics), `twin.yaml`, and the generated data 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,3 +64,22 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     detector = replace(detector, metrics=metrics).save(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return detector, metrics
+
+
+def cached_run_dir(normal_traces: str | Path) -> Path:
+    """Where `cached_bootstrap` keeps the run bootstrapped from these normal traces."""
+    from bmeg.paths import cache_dir
+
+    key = hashlib.sha256(str(Path(normal_traces).resolve()).encode()).hexdigest()[:10]
+    return cache_dir() / "runs" / f"bootstrap-{key}"
+
+
+def cached_bootstrap(normal_traces: str | Path, input_format: str | None = None, progress: bool = True) -> Path:
+    """The run directory of a model bootstrapped from `normal_traces` with the defaults: from the
+    cache when a finished run is there (its metrics.json, written last), else trained now."""
+    run_dir = cached_run_dir(normal_traces)
+    if not (run_dir / "metrics.json").is_file():
+        if progress:
+            print(f"no model given: bootstrapping one from {normal_traces} into {run_dir}", file=sys.stderr)
+        bootstrap(normal_traces, run_dir, input_format=input_format, progress=progress)
+    return run_dir

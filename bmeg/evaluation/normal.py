@@ -20,9 +20,9 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 
-from bmeg.graphs import SpanForest
+from bmeg.graphs import SpanForest, operation_keys
 from bmeg.graphs.features import self_time_ns
-from bmeg.graphs.rpc import span_roles
+from bmeg.graphs.rpc import called_spans, span_roles
 
 Ranking = list[tuple[str, float]]
 #: The quantile of the normal period above which a span is anomalous.
@@ -36,20 +36,11 @@ NOISE_MIN_TRACES = 50
 
 
 
-def span_keys(forest: SpanForest) -> np.ndarray:
-    """`service\\x1foperation` of each span."""
-    return pc.binary_join_element_wise(forest.spans["service"], forest.spans["operation"], "\x1f").to_numpy(
-        zero_copy_only=False)
-
-
 def exclusive_time(forest: SpanForest) -> tuple[np.ndarray, np.ndarray]:
     """(service it counts for, exclusive ns) per span; a client span's time goes to its callee."""
     service = forest.spans["service"].to_numpy(zero_copy_only=False).copy()
-    _, is_client = span_roles(forest)
-    parent = forest.parent
-    child = np.flatnonzero(parent >= 0)
-    called = child[is_client[parent[child]]]
-    service[parent[called]] = service[called]
+    called = called_spans(forest, span_roles(forest)[1])
+    service[forest.parent[called]] = service[called]
     return service, self_time_ns(forest).astype(np.float64)
 
 
@@ -68,7 +59,7 @@ class NormalStats:
 
     @classmethod
     def from_forest(cls, forest: SpanForest) -> NormalStats:
-        keys = span_keys(forest)
+        keys = operation_keys(forest)
         durations = pd.Series(forest.duration_ns, index=keys)
         counted, exclusive = exclusive_time(forest)
         frame = pd.DataFrame({"service": counted, "key": keys, "ns": np.maximum(exclusive, MIN_EXCLUSIVE_NS)})
@@ -88,7 +79,7 @@ class NormalStats:
         )
 
     def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
-        limit = self.p95_ns.reindex(span_keys(forest)).to_numpy()
+        limit = self.p95_ns.reindex(operation_keys(forest)).to_numpy()
         return forest.duration_ns > np.nan_to_num(limit, nan=np.inf)
 
     def anomalous_traces(self, forest: SpanForest) -> np.ndarray:
@@ -97,7 +88,7 @@ class NormalStats:
     def exclusive_increase(self, forest: SpanForest) -> pd.Series:
         """Per counted service: mean log2 of exclusive time over its normal median (0: unchanged)."""
         counted, exclusive = exclusive_time(forest)
-        index = pd.MultiIndex.from_arrays([counted, span_keys(forest)])
+        index = pd.MultiIndex.from_arrays([counted, operation_keys(forest)])
         normal = self.exclusive_ns.reindex(index).to_numpy()
         known = ~np.isnan(normal)
         ratio = np.log2(np.maximum(exclusive[known], MIN_EXCLUSIVE_NS) / normal[known])
@@ -140,9 +131,10 @@ class NormalStats:
         `structure_noise`."""
         return _structure_shift(_structure_frame(forest), self.children, self.errors)
 
+
 def _structure_frame(forest: SpanForest) -> pd.DataFrame:
     """Per span: key, service, number of children, 1.0 where an error begins."""
-    return pd.DataFrame({"key": span_keys(forest), "service": forest.spans["service"].to_numpy(zero_copy_only=False),
+    return pd.DataFrame({"key": operation_keys(forest), "service": forest.spans["service"].to_numpy(zero_copy_only=False),
                          "children": _child_counts(forest), "errors": _error_origins(forest)})
 
 
@@ -200,10 +192,11 @@ def _own_times(forest: SpanForest) -> pd.DataFrame:
     service = forest.spans["service"].to_numpy(zero_copy_only=False)
     _, is_client = span_roles(forest)
     callee = np.full(forest.num_spans, None, dtype=object)
-    child = np.flatnonzero(forest.parent >= 0)
-    called = child[is_client[forest.parent[child]]]
+    called = called_spans(forest, is_client)
     callee[forest.parent[called]] = service[called]
-    return pd.DataFrame({"service": service, "key": span_keys(forest), "client": is_client & (callee != None),  # noqa: E711
+    calls = np.zeros(forest.num_spans, dtype=bool)  # a client span with a child: its callee is known
+    calls[forest.parent[called]] = True
+    return pd.DataFrame({"service": service, "key": operation_keys(forest), "client": is_client & calls,
                          "callee": callee, "ns": np.maximum(self_time_ns(forest), MIN_EXCLUSIVE_NS).astype(float)})
 
 

@@ -36,7 +36,7 @@ from bmeg.faultinject.tables import NODES_SCHEMA, TRACES_SCHEMA, spans_of
 from bmeg.graphs import assemble, node_services
 from bmeg.graphs.features import self_time_ns
 from bmeg.graphs.rpc import span_roles
-from bmeg.traces.schema import SPAN_SCHEMA
+from bmeg.traces.schema import SPAN_SCHEMA, span_keys
 
 CODE_FAULTS = ("return", "exception")
 #: Shares of the faulty service's requests a training episode's fault hits (drawn uniformly).
@@ -153,7 +153,7 @@ def _episode_tables(fault: CodeFault, service: str, episode: int) -> tuple[pa.Ta
     """(spans, traces, nodes) of one episode in the dataset layout."""
     forest = assemble(fault.spans, on_bad_trace="drop")
     # the forest orders spans by trace: the labels follow the rows of `fault.spans`
-    row = pd.Index(_span_keys(fault.spans)).get_indexer(_span_keys(forest.spans))
+    row = pd.Index(span_keys(fault.spans)).get_indexer(span_keys(forest.spans))
     bottleneck = fault.bottleneck[row]
     anomalous = np.zeros(forest.num_traces, dtype=bool)
     anomalous[forest.trace_index[bottleneck]] = True
@@ -172,7 +172,3 @@ def _episode_tables(fault: CodeFault, service: str, episode: int) -> tuple[pa.Ta
         schema=TRACES_SCHEMA)
     spans = forest.spans.select(SPAN_SCHEMA.names).cast(SPAN_SCHEMA)
     return spans, traces, nodes
-
-
-def _span_keys(spans: pa.Table) -> np.ndarray:
-    return pc.binary_join_element_wise(spans["trace_id"], spans["span_id"], "/").to_numpy(zero_copy_only=False)

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush, heapreplace
 from itertools import count
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,8 +38,6 @@ from bmeg.faultinject.spec import (
 )
 
 SERVER, CLIENT = 0, 1
-# step codes of the compiled call trees
-CALL, CACHE, PAR, SEQ, BRANCH = range(5)
 SAMPLE_BLOCK = 4096
 
 
@@ -104,6 +103,36 @@ class Op:
         self.response_bytes = response_bytes
 
 
+# The compiled call trees: a spec's steps with names resolved to ids and times in ns.
+class _Call(NamedTuple):
+    op: Op
+    client: int  # name id of the client span
+    timeout_ns: float  # 0: none
+
+
+class _Cache(NamedTuple):
+    op: Op
+    client: int
+    hit_ratio: float
+    on_miss: tuple  # steps run after a miss
+
+
+class _Parallel(NamedTuple):
+    steps: tuple
+
+
+class _Sequence(NamedTuple):
+    steps: tuple
+
+
+class _Branch(NamedTuple):
+    cumulative: list[float]  # running sums of the options' probabilities
+    options: tuple  # the steps of each option
+
+
+_Step = _Call | _Cache | _Parallel | _Sequence | _Branch
+
+
 class Frame:
     """A running sequence or parallel group inside one visit."""
 
@@ -138,6 +167,17 @@ class Visit:
         self.error = False
         self.done = False
         self.fault = -1
+
+
+#: The columns of `SimulationResult` the event loop appends to, and their dtypes.
+OUTPUT_COLUMNS: dict[str, type] = {
+    "span_trace": np.int64, "span_parent": np.int64, "span_service": np.int32, "span_operation": np.int32,
+    "span_start": np.float64, "span_end": np.float64, "span_kind": np.int8, "span_error": np.bool_,
+    "span_instance": np.int32, "span_peer": np.int32,
+    "visit_span": np.int64, "visit_key": np.int32, "visit_local": np.float64, "visit_fault": np.int32,
+    "visit_cache_fault": np.bool_,
+    "trace_request": np.int32, "trace_start": np.float64, "trace_end": np.float64,
+}
 
 
 @dataclass
@@ -222,43 +262,27 @@ class Simulator:
     def _compile_steps(self, steps) -> tuple:
         return tuple(self._compile_step(step) for step in steps)
 
-    def _compile_step(self, step) -> tuple:
+    def _compile_step(self, step) -> _Step:
         if isinstance(step, CallStep):
             op = self.ops[step.call]
             client = self._name(step.client) if step.client else op.client_id
             timeout = step.timeout_ms * 1e6 if step.timeout_ms else 0.0
-            return (CALL, op, client, timeout)
+            return _Call(op, client, timeout)
         if isinstance(step, CacheStep):
             op = self.ops[step.cache]
             client = self._name(step.client) if step.client else op.client_id
-            return (CACHE, op, client, step.hit_ratio, self._compile_steps(step.on_miss))
+            return _Cache(op, client, step.hit_ratio, self._compile_steps(step.on_miss))
         if isinstance(step, ParallelStep):
-            return (PAR, self._compile_steps(step.parallel))
+            return _Parallel(self._compile_steps(step.parallel))
         if isinstance(step, SequenceStep):
-            return (SEQ, self._compile_steps(step.sequence))
+            return _Sequence(self._compile_steps(step.sequence))
         assert isinstance(step, BranchStep)
         cumulative = np.cumsum([option.p for option in step.branch]).tolist()
-        return (BRANCH, cumulative, tuple(self._compile_steps(option.steps) for option in step.branch))
+        return _Branch(cumulative, tuple(self._compile_steps(option.steps) for option in step.branch))
 
     def _reset_output(self) -> None:
-        self.s_trace: list[int] = []
-        self.s_parent: list[int] = []
-        self.s_service: list[int] = []
-        self.s_op: list[int] = []
-        self.s_start: list[float] = []
-        self.s_end: list[float] = []
-        self.s_kind: list[int] = []
-        self.s_error: list[bool] = []
-        self.s_instance: list[int] = []
-        self.s_peer: list[int] = []
-        self.v_span: list[int] = []
-        self.v_key: list[int] = []
-        self.v_local: list[float] = []
-        self.v_fault: list[int] = []
-        self.v_cache_fault: list[bool] = []
-        self.t_request: list[int] = []
-        self.t_start: list[float] = []
-        self.t_end: list[float] = []
+        for name in OUTPUT_COLUMNS:  # a list per column of SimulationResult, appended to as events run
+            setattr(self, name, [])
 
     # ---- the event loop -----------------------------------------------------------------
     def _at(self, t: float, handler, subject) -> None:
@@ -295,11 +319,11 @@ class Simulator:
     def _arrival(self, index: int, t: float) -> None:
         if index + 1 < len(self._arrival_times):
             self._at(self._arrival_times[index + 1], self._arrival, index + 1)
-        trace = len(self.t_start)
+        trace = len(self.trace_start)
         kind = self._arrival_kinds[index]
-        self.t_request.append(kind)
-        self.t_start.append(t)
-        self.t_end.append(-1.0)
+        self.trace_request.append(kind)
+        self.trace_start.append(t)
+        self.trace_end.append(-1.0)
         self._visit_arrives(Visit(self.entries[kind], trace, -1, None), t)
 
     # ---- a visit's life: arrive, queue, pre-burst, steps, post-burst, respond ------------
@@ -317,7 +341,7 @@ class Simulator:
         else:  # rejected: the caller gets an error after the network round trip
             visit.error = True
             if visit.frame is None:
-                self.t_end[visit.trace] = t
+                self.trace_end[visit.trace] = t
             else:
                 self._at(t + next(self.network), self._returned, visit)
 
@@ -365,20 +389,20 @@ class Simulator:
             self._start(replica.queue.popleft(), t)
         service = visit.op.service
         if visit.span >= 0:
-            self.s_end[visit.span] = t
-            self.s_error[visit.span] = visit.error
+            self.span_end[visit.span] = t
+            self.span_error[visit.span] = visit.error
         if visit.frame is None:
-            self.t_end[visit.trace] = t
+            self.trace_end[visit.trace] = t
             arrive = t
         else:
             arrive = self._send(service, replica, t, visit.op.response_bytes, visit)
             self._at(arrive, self._returned, visit)
         fault = visit.fault if visit.fault >= 0 else replica.fault
-        self.v_span.append(visit.span if visit.span >= 0 else visit.client_span)
-        self.v_key.append(visit.op.key)
-        self.v_local.append(t - visit.t_arrive - visit.steps_wait + visit.extra)
-        self.v_fault.append(fault)
-        self.v_cache_fault.append(visit.cache_fault)
+        self.visit_span.append(visit.span if visit.span >= 0 else visit.client_span)
+        self.visit_key.append(visit.op.key)
+        self.visit_local.append(t - visit.t_arrive - visit.steps_wait + visit.extra)
+        self.visit_fault.append(fault)
+        self.visit_cache_fault.append(visit.cache_fault)
 
     def _send(self, service: ServiceState, replica: Replica, t: float, size: int, visit: Visit) -> float:
         """When a message sent at t arrives; delay added by a network fault counts as the sender's."""
@@ -397,8 +421,8 @@ class Simulator:
         if visit.done:  # the caller already gave up (timeout)
             return
         visit.done = True
-        self.s_end[visit.client_span] = t
-        self.s_error[visit.client_span] = visit.error
+        self.span_end[visit.client_span] = t
+        self.span_error[visit.client_span] = visit.error
         if visit.on_miss is not None and not visit.error:
             self._advance(Frame(visit.frame.visit, visit.frame, visit.on_miss), t)
         else:
@@ -408,8 +432,8 @@ class Simulator:
         if visit.done:
             return
         visit.done = True
-        self.s_end[visit.client_span] = t
-        self.s_error[visit.client_span] = True
+        self.span_end[visit.client_span] = t
+        self.span_error[visit.client_span] = True
         self._child_done(visit.frame, t, True)
 
     # ---- steps --------------------------------------------------------------------------
@@ -437,56 +461,56 @@ class Simulator:
         else:
             self._advance(frame, t)
 
-    def _begin(self, step: tuple, frame: Frame, t: float) -> None:
-        code = step[0]
-        if code == CALL or code == CACHE:
+    def _begin(self, step: _Step, frame: Frame, t: float) -> None:
+        kind = type(step)
+        if kind is _Call or kind is _Cache:
             self._call(step, frame, t)
-        elif code == PAR:
+        elif kind is _Parallel:
             group = Frame(frame.visit, frame, ())
-            group.pending = len(step[1])
-            for child in step[1]:
+            group.pending = len(step.steps)
+            for child in step.steps:
                 self._begin(child, group, t)
-        elif code == SEQ:
-            self._advance(Frame(frame.visit, frame, step[1]), t)
+        elif kind is _Sequence:
+            self._advance(Frame(frame.visit, frame, step.steps), t)
         else:
             draw = next(self.uniform)
-            cumulative = step[1]
+            cumulative = step.cumulative
             choice = 0
             while choice < len(cumulative) - 1 and draw >= cumulative[choice]:
                 choice += 1
-            self._advance(Frame(frame.visit, frame, step[2][choice]), t)
+            self._advance(Frame(frame.visit, frame, step.options[choice]), t)
 
-    def _call(self, step: tuple, frame: Frame, t: float) -> None:
+    def _call(self, step: _Call | _Cache, frame: Frame, t: float) -> None:
         caller = frame.visit
-        op = step[1]
+        op = step.op
         callee = op.service
         source = caller.op.service
-        client = self._open_span(caller.trace, caller.span, source.index, step[2], t, CLIENT,
+        client = self._open_span(caller.trace, caller.span, source.index, step.client, t, CLIENT,
                                  caller.replica.index, callee.index if callee.storage else -1)
         visit = Visit(op, caller.trace, client, frame)
-        if step[0] == CACHE:
+        if type(step) is _Cache:
             draw = next(self.uniform)
-            normal_hit = draw < step[3]
+            normal_hit = draw < step.hit_ratio
             hit = normal_hit if callee.hit_override is None else draw < callee.hit_override
             visit.cache_fault = normal_hit and not hit
-            if not hit and step[4]:
-                visit.on_miss = step[4]
-        elif step[3]:
-            self._at(t + step[3], self._timeout, visit)
+            if not hit and step.on_miss:
+                visit.on_miss = step.on_miss
+        elif step.timeout_ns:
+            self._at(t + step.timeout_ns, self._timeout, visit)
         self._at(self._send(source, caller.replica, t, self.request_bytes, caller), self._visit_arrives, visit)
 
     def _open_span(self, trace, parent, service, operation, start, kind, instance, peer) -> int:
-        self.s_trace.append(trace)
-        self.s_parent.append(parent)
-        self.s_service.append(service)
-        self.s_op.append(operation)
-        self.s_start.append(start)
-        self.s_end.append(start)
-        self.s_kind.append(kind)
-        self.s_error.append(False)
-        self.s_instance.append(instance)
-        self.s_peer.append(peer)
-        return len(self.s_trace) - 1
+        self.span_trace.append(trace)
+        self.span_parent.append(parent)
+        self.span_service.append(service)
+        self.span_operation.append(operation)
+        self.span_start.append(start)
+        self.span_end.append(start)
+        self.span_kind.append(kind)
+        self.span_error.append(False)
+        self.span_instance.append(instance)
+        self.span_peer.append(peer)
+        return len(self.span_trace) - 1
 
     # ---- faults -------------------------------------------------------------------------
     def _targets(self, fault: Fault) -> list[Replica]:
@@ -499,60 +523,69 @@ class Simulator:
     def _fault_start(self, index: int, t: float) -> None:
         fault = self.faults[index]
         service = self.services[fault.service]
-        source = fault.source
-        if source == "interference":
-            for replica in self._targets(fault):
-                _interfere(replica, fault.parameter("factor"))
-        elif source == "saturation":
-            if fault.parameter("capacity") is not None:
-                for replica in service.replicas:
-                    _resize_cores(replica, service.spec.cores * fault.parameter("capacity"), t)
-            if fault.parameter("replicas") is not None:
-                service.active = max(1, min(int(fault.parameter("replicas")), len(service.replicas)))
-        elif source == "network":
-            service.net_delay = (fault.parameter("delay_ms") or 0.0) * 1e6
-            service.net_jitter = fault.parameter("jitter_ms") * 1e6
-            kbit = fault.parameter("bandwidth_kbit")
-            service.bytes_per_ns = kbit * 1e3 / 8 / 1e9 if kbit else 0.0
-        elif source == "misconfiguration":
-            if fault.parameter("pool_size") is not None:
-                for replica in service.replicas:
-                    replica.pool = int(fault.parameter("pool_size"))
-            if fault.parameter("hit_ratio") is not None:
-                service.hit_override = fault.parameter("hit_ratio")
-        else:  # background: stop-the-world pauses on the target replicas until the fault ends
-            for replica in self._targets(fault):
-                replica.pause_starts, replica.pause_ends = self._pauses(fault)
+        self._effect(fault)(fault, service, t, True)
         for replica in self._targets(fault)[: service.active]:
             replica.fault = index
 
     def _fault_end(self, index: int, t: float) -> None:
         fault = self.faults[index]
         service = self.services[fault.service]
-        spec = service.spec
-        source = fault.source
-        if source == "interference":
-            for replica in self._targets(fault):
-                _interfere(replica, 1.0)
-        elif source == "saturation":
-            for replica in service.replicas:
-                _resize_cores(replica, spec.cores, t)
-            service.active = len(service.replicas)
-        elif source == "network":
-            service.net_delay = service.net_jitter = service.bytes_per_ns = 0.0
-        elif source == "misconfiguration":
-            service.hit_override = None
-            for replica in service.replicas:
-                replica.pool = spec.workers
-                while replica.queue and replica.busy < replica.pool:
-                    replica.busy += 1
-                    self._start(replica.queue.popleft(), t)
-        else:
-            for replica in self._targets(fault):
-                replica.pause_starts, replica.pause_ends = [], []
+        self._effect(fault)(fault, service, t, False)
         for replica in service.replicas:
             if replica.fault == index:
                 replica.fault = -1
+
+    def _effect(self, fault: Fault):
+        """What a fault's source does to its service: `(fault, service, t, on)`, on at its start,
+        off (back to the spec) at its end; each source's two halves side by side."""
+        effects = {"interference": self._interference, "saturation": self._saturation,
+                   "network": self._network, "misconfiguration": self._misconfiguration}
+        return effects.get(fault.source, self._background)
+
+    def _interference(self, fault: Fault, service: ServiceState, t: float, on: bool) -> None:
+        for replica in self._targets(fault):
+            _interfere(replica, fault.parameter("factor") if on else 1.0)
+
+    def _saturation(self, fault: Fault, service: ServiceState, t: float, on: bool) -> None:
+        if not on:
+            for replica in service.replicas:
+                _resize_cores(replica, service.spec.cores, t)
+            service.active = len(service.replicas)
+            return
+        if fault.parameter("capacity") is not None:
+            for replica in service.replicas:
+                _resize_cores(replica, service.spec.cores * fault.parameter("capacity"), t)
+        if fault.parameter("replicas") is not None:
+            service.active = max(1, min(int(fault.parameter("replicas")), len(service.replicas)))
+
+    def _network(self, fault: Fault, service: ServiceState, t: float, on: bool) -> None:
+        if not on:
+            service.net_delay = service.net_jitter = service.bytes_per_ns = 0.0
+            return
+        service.net_delay = (fault.parameter("delay_ms") or 0.0) * 1e6
+        service.net_jitter = fault.parameter("jitter_ms") * 1e6
+        kbit = fault.parameter("bandwidth_kbit")
+        service.bytes_per_ns = kbit * 1e3 / 8 / 1e9 if kbit else 0.0
+
+    def _misconfiguration(self, fault: Fault, service: ServiceState, t: float, on: bool) -> None:
+        if not on:
+            service.hit_override = None
+            for replica in service.replicas:
+                replica.pool = service.spec.workers
+                while replica.queue and replica.busy < replica.pool:  # the larger pool takes the queue
+                    replica.busy += 1
+                    self._start(replica.queue.popleft(), t)
+            return
+        if fault.parameter("pool_size") is not None:
+            for replica in service.replicas:
+                replica.pool = int(fault.parameter("pool_size"))
+        if fault.parameter("hit_ratio") is not None:
+            service.hit_override = fault.parameter("hit_ratio")
+
+    def _background(self, fault: Fault, service: ServiceState, t: float, on: bool) -> None:
+        """Stop-the-world pauses on the target replicas while the fault lasts."""
+        for replica in self._targets(fault):
+            replica.pause_starts, replica.pause_ends = self._pauses(fault) if on else ([], [])
 
     def _pauses(self, fault: Fault) -> tuple[list[float], list[float]]:
         starts, ends = [], []
@@ -568,24 +601,7 @@ class Simulator:
 
     def _result(self) -> SimulationResult:
         return SimulationResult(
-            span_trace=np.array(self.s_trace, dtype=np.int64),
-            span_parent=np.array(self.s_parent, dtype=np.int64),
-            span_service=np.array(self.s_service, dtype=np.int32),
-            span_operation=np.array(self.s_op, dtype=np.int32),
-            span_start=np.array(self.s_start, dtype=np.float64),
-            span_end=np.array(self.s_end, dtype=np.float64),
-            span_kind=np.array(self.s_kind, dtype=np.int8),
-            span_error=np.array(self.s_error, dtype=bool),
-            span_instance=np.array(self.s_instance, dtype=np.int32),
-            span_peer=np.array(self.s_peer, dtype=np.int32),
-            visit_span=np.array(self.v_span, dtype=np.int64),
-            visit_key=np.array(self.v_key, dtype=np.int32),
-            visit_local=np.array(self.v_local, dtype=np.float64),
-            visit_fault=np.array(self.v_fault, dtype=np.int32),
-            visit_cache_fault=np.array(self.v_cache_fault, dtype=bool),
-            trace_request=np.array(self.t_request, dtype=np.int32),
-            trace_start=np.array(self.t_start, dtype=np.float64),
-            trace_end=np.array(self.t_end, dtype=np.float64),
+            **{name: np.array(getattr(self, name), dtype=dtype) for name, dtype in OUTPUT_COLUMNS.items()},
             services=list(self.services),
             storage=[s.storage for s in self.services.values()],
             operations=self.names,

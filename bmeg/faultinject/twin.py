@@ -23,6 +23,7 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from bmeg.faultinject.simulator import simulate
 from bmeg.faultinject.spec import (
@@ -42,7 +43,7 @@ from bmeg.faultinject.spec import (
 from bmeg.faultinject.tables import spans_of
 from bmeg.graphs import SpanForest
 from bmeg.graphs.features import self_time_ns
-from bmeg.graphs.rpc import rpc_view, span_roles
+from bmeg.graphs.rpc import called_spans, rpc_view, span_roles
 from bmeg.traces.errors import TraceInputError
 
 #: Quantile that sets a self time's sigma (with the median): the tail the percentiles are judged on.
@@ -84,14 +85,15 @@ def fit_twin(spans: pa.Table, name: str = "twin", description: str | None = None
     operation = table["operation"].to_numpy(zero_copy_only=False)
     store = _store_of(table)
     target = np.array([f"{s}:{o}" for s, o in zip(service, operation)], dtype=object)
-    callee = np.array([t if s is None else f"{s}:{o}" for t, s, o in zip(target, store, operation)], dtype=object)
+    callee = np.array([t if s is None else f"{s}:{o}" for t, s, o in zip(target, store.to_pylist(), operation)],
+                      dtype=object)
     self_us = self_time_ns(forest) / 1e3
 
     calls_of = _calls_by_server(forest, is_server, is_client, callee, operation)
     patterns: dict[str, Counter] = defaultdict(Counter)
     for row in np.flatnonzero(is_server):
         patterns[target[row]][_pattern(calls_of.get(row, []))] += 1
-    store_rows = np.flatnonzero(is_client & (store != None))  # noqa: E711
+    store_rows = np.flatnonzero(is_client & np.asarray(pc.is_valid(store)))
     timed = {**_group_rows(target, np.flatnonzero(is_server)), **_group_rows(callee, store_rows)}
     rate, mix = _workload(forest, target)
     seconds_of_work = {key: len(rows) * float(np.mean(self_us[rows])) / 1e6 for key, rows in timed.items()}
@@ -125,12 +127,9 @@ def fit_twin(spans: pa.Table, name: str = "twin", description: str | None = None
     )
 
 
-def _store_of(table: pa.Table) -> np.ndarray:
-    """The store a childless client span calls (its peer_service, else its db_system), or None."""
-    peer = table["peer_service"].to_numpy(zero_copy_only=False)
-    db = table["db_system"].to_numpy(zero_copy_only=False)
-    return np.array([None if pd.isna(p) and pd.isna(d) else (d if pd.isna(p) else p) for p, d in zip(peer, db)],
-                    dtype=object)
+def _store_of(table: pa.Table) -> pa.ChunkedArray:
+    """The store a childless client span calls: its peer_service, else its db_system; null when neither."""
+    return pc.coalesce(table["peer_service"], table["db_system"])
 
 
 def _db_system(table: pa.Table, service: str) -> str | None:
@@ -236,12 +235,10 @@ def _instances(table: pa.Table) -> dict[str, int]:
 
 def _network(forest: SpanForest, is_client: np.ndarray) -> Network:
     """One-way delay: half of what a client span adds around its server span."""
-    parent = forest.parent
-    child = np.flatnonzero(parent >= 0)
-    pairs = child[is_client[parent[child]]]
-    if len(pairs) == 0:
+    called = called_spans(forest, is_client)
+    if len(called) == 0:
         return Network()
-    gap_us = (forest.duration_ns[parent[pairs]] - forest.duration_ns[pairs]) / 2e3
+    gap_us = (forest.duration_ns[forest.parent[called]] - forest.duration_ns[called]) / 2e3
     return Network(latency=_lognormal(gap_us, NETWORK_QUANTILE))
 
 

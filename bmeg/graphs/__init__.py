@@ -4,7 +4,14 @@ Free of torch: the models' features and batches are in `bmeg.models`.
 """
 
 from bmeg.graphs.assemble import DroppedSpan, SpanForest, assemble
-from bmeg.graphs.callgraph import CallGraph, call_graph, call_graphs, node_services, storage_service
+from bmeg.graphs.callgraph import (
+    CallGraph,
+    call_graph,
+    call_graphs,
+    node_services,
+    operation_keys,
+    storage_service,
+)
 from bmeg.graphs.critical_path import CriticalPaths, TracePath, critical_paths, trace_paths
 from bmeg.graphs.features import DEFAULT_FEATURES, SERVICE_TIME_ONLY, base_columns
 
@@ -22,6 +29,7 @@ __all__ = [
     "call_graphs",
     "critical_paths",
     "node_services",
+    "operation_keys",
     "storage_service",
     "trace_paths",
 ]

@@ -62,6 +62,17 @@ def storage_service(
     return f"{owner}-{store}"
 
 
+def operation_keys(forest: SpanForest, services: np.ndarray | None = None) -> np.ndarray:
+    """`service\x1foperation` of each span: the key of per-operation baselines and history.
+
+    `services` (one per span, e.g. `node_services(..., storage_nodes=True)`) replaces each span's
+    own service: a store's client span is then keyed by the store. The separator is refused in
+    names at the door (`bmeg.serving.payloads`), so keys never collide.
+    """
+    service = forest.spans["service"] if services is None else pa.array(services, pa.string())
+    return pc.binary_join_element_wise(service, forest.spans["operation"], "\x1f").to_numpy(zero_copy_only=False)
+
+
 def node_services(
     forest: SpanForest, *, storage_nodes: bool = False, store_owners: Mapping[str, str] | None = None
 ) -> pa.Array:

@@ -41,6 +41,14 @@ def span_roles(forest: SpanForest) -> tuple[np.ndarray, np.ndarray]:
     return is_server, is_client
 
 
+def called_spans(forest: SpanForest, is_client: np.ndarray) -> np.ndarray:
+    """The spans a client span called (each child of a client span, `span_roles`'s `is_client`),
+    ascending; `forest.parent` of them is their client spans. What a client span adds around its
+    callee (network, queues) is the callee's."""
+    child = np.flatnonzero(forest.parent >= 0)
+    return child[is_client[forest.parent[child]]]
+
+
 def rpc_view(spans: pa.Table | SpanForest) -> SpanForest:
     """The forest without internal spans: each kept span's parent is its nearest kept ancestor."""
     forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="drop")

@@ -157,7 +157,10 @@ def run_closed_loop(topology: TopologySpec, scenario: Scenario, catalogue: Catal
     hpa = _run(hpa_app, starts, settings, bar, hpa_step(hpa_app, policy, settings.hpa_target_utilization, settings.hpa_tolerance))
     bar.close()
 
-    fault_windows = lambda run: [w for w in run.windows_raw if _overlaps(w, faults)]  # noqa: E731
+
+    def fault_windows(run: _Run) -> list[Window]:
+        return [w for w in run.windows_raw if _overlaps(w, faults)]
+
     p95_normal, p99_normal = _quantiles(normal)
     p95_fault, p99_fault = _quantiles(fault_windows(unmitigated))
     mitigated_from, hpa_from = _last_kept_action_s(controlled.actions), _last_kept_action_s(hpa.actions)

@@ -20,11 +20,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from bmeg.diagnosis import Diagnosis
-from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
+from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
 from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import self_time_ns
 from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -121,7 +120,7 @@ class Detector:
         codes, names = pd.factorize(services)
         present = np.zeros((forest.num_traces, len(names)), dtype=bool)
         present[forest.trace_index, codes] = True
-        keys = node_keys(services, forest)
+        keys = operation_keys(forest, services)
         num_paths = distinct_paths(forest, keys)
         to_svm = self.router.to_svm(present.sum(axis=1), num_paths)
         everything = np.arange(forest.num_traces)
@@ -347,12 +346,6 @@ class Detector:
             service_baseline_us=state["service_baseline_us"], hparams=hparams, metrics=state["metrics"],
             device=target, run_dir=Path(run_dir),
         )
-
-
-def node_keys(services: np.ndarray, forest: SpanForest) -> np.ndarray:
-    """`service\x1foperation` of each node, with the node's service (a store's client span is the store's)."""
-    return pc.binary_join_element_wise(pa.array(services, pa.string()), forest.spans["operation"], "\x1f").to_numpy(
-        zero_copy_only=False)
 
 
 def _ranked_columns(values: np.ndarray, present: np.ndarray, limit: int | None = None) -> np.ndarray:

@@ -16,6 +16,27 @@ from bmeg.models.adjacency import as_gcn_adjacency
 
 
 class DGCNN(nn.Module):
+    r"""A graph classifier over whole traces: normal or anomalous.
+
+    With :math:`\mathbf{Z}^{(0)} = \mathbf{X}` and :math:`\hat{\mathbf{A}}` the GCN-normalised
+    adjacency with self loops, each GCN layer is
+    :math:`\mathbf{Z}^{(l+1)} = \tanh(\hat{\mathbf{A}} \mathbf{Z}^{(l)} \mathbf{W}^{(l)})`; the
+    concatenation :math:`[\mathbf{Z}^{(1)}, \dots, \mathbf{Z}^{(4)}]` is sorted by the one channel
+    of :math:`\mathbf{Z}^{(4)}` and cut or padded to :math:`k` nodes.
+
+    Args:
+        in_channels (int): Width of a node's feature vector.
+        hidden_channels (int): Width of the first three GCN layers.
+        k (int): Nodes kept by SortPooling per graph; at least 10, for the Conv1D stack.
+        dense_channels (int): Width of the dense layer before the output.
+        dropout (float): Dropout before the output layer.
+
+    Shapes:
+        - **input:** node features :math:`(|\mathcal{V}|, F_{in})`, edge indices
+          :math:`(2, |\mathcal{E}|)` or their GCN adjacency, batch vector :math:`(|\mathcal{V}|)`
+        - **output:** logits :math:`(B, 2)`, one row per graph
+    """
+
     def __init__(
         self,
         in_channels: int,
@@ -43,7 +64,16 @@ class DGCNN(nn.Module):
         self.dense = nn.Linear(32 * conv2_len, dense_channels)
         self.dropout = nn.Dropout(dropout)
         self.out = nn.Linear(dense_channels, 2)
+        self.in_channels = in_channels
+        self.hidden_channels = hidden_channels
         self.k = k
+        self.dense_channels = dense_channels
+
+    def reset_parameters(self) -> None:
+        """Resets all learnable parameters of the module."""
+        for layer in self.modules():
+            if isinstance(layer, (GCNConv, nn.Linear, nn.Conv1d)):
+                layer.reset_parameters()
 
     def forward(self, x: Tensor, edges: Tensor, batch: Tensor) -> Tensor:
         """x [num_nodes, in_channels], edges: edge_index [2, num_edges] or its `gcn_adjacency`
@@ -62,3 +92,7 @@ class DGCNN(nn.Module):
         h = torch.relu(self.conv2(h))  # [num_graphs, 32, k // 2 - 4]
         h = self.dropout(torch.relu(self.dense(h.flatten(1))))
         return self.out(h)
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}({self.in_channels}, hidden_channels={self.hidden_channels}, "
+                f"k={self.k}, dense_channels={self.dense_channels}, dropout={self.dropout.p})")

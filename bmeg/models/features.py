@@ -43,6 +43,7 @@ import pandas as pd
 import pyarrow.compute as pc
 
 from bmeg.graphs import DEFAULT_FEATURES, SERVICE_TIME_ONLY, SpanForest, base_columns, node_services
+from bmeg.graphs import operation_keys as _operation_keys
 from bmeg.graphs.critical_path import CriticalPaths
 
 VARIANTS = ("thesis", "full", "relative")
@@ -254,11 +255,6 @@ def _relative_columns(forest: SpanForest, columns: dict[str, np.ndarray], z: np.
     out["error"] = error
     out["error_origin"] = error * (child_errors == 0)
     return out
-
-
-def _operation_keys(forest: SpanForest) -> np.ndarray:
-    keys = pc.binary_join_element_wise(forest.spans["service"], forest.spans["operation"], "\x1f")
-    return keys.to_numpy(zero_copy_only=False)
 
 
 def _stack(columns: dict[str, np.ndarray], names) -> np.ndarray:

@@ -14,6 +14,23 @@ from bmeg.models.adjacency import as_gcn_adjacency
 
 
 class GCNNodeClassifier(nn.Module):
+    r"""A node classifier inside one anomalous trace: bottleneck or not.
+
+    Three GCN layers :math:`\mathbf{H}^{(l+1)} = \mathrm{ReLU}(\hat{\mathbf{A}} \mathbf{H}^{(l)}
+    \mathbf{W}^{(l)})` from :math:`\mathbf{H}^{(0)} = \mathbf{X}`, then a two-layer feed-forward
+    network over :math:`[\mathbf{H}^{(3)}, \mathbf{X}]`.
+
+    Args:
+        in_channels (int): Width of a node's feature vector.
+        hidden_channels (int): Width of the GCN layers and of the feed-forward layer.
+        dropout (float): Dropout inside the feed-forward network.
+
+    Shapes:
+        - **input:** node features :math:`(|\mathcal{V}|, F_{in})`, edge indices
+          :math:`(2, |\mathcal{E}|)` or their GCN adjacency
+        - **output:** logits :math:`(|\mathcal{V}|, 2)`, one row per node
+    """
+
     def __init__(self, in_channels: int, hidden_channels: int = 64, dropout: float = 0.2):
         super().__init__()
         self.convs = nn.ModuleList(
@@ -31,6 +48,15 @@ class GCNNodeClassifier(nn.Module):
             nn.Dropout(dropout),
             nn.Linear(hidden_channels, 2),
         )
+        self.in_channels = in_channels
+        self.hidden_channels = hidden_channels
+        self.dropout = dropout
+
+    def reset_parameters(self) -> None:
+        """Resets all learnable parameters of the module."""
+        for layer in self.modules():
+            if isinstance(layer, (GCNConv, nn.Linear)):
+                layer.reset_parameters()
 
     def forward(self, x: Tensor, edges: Tensor) -> Tensor:
         """x [num_nodes, in_channels], edges: edge_index [2, num_edges] or its `gcn_adjacency`
@@ -40,3 +66,7 @@ class GCNNodeClassifier(nn.Module):
         for conv in self.convs:
             h = torch.relu(conv(h, adj_t))
         return self.feed_forward(torch.cat([h, x], dim=-1))
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}({self.in_channels}, hidden_channels={self.hidden_channels}, "
+                f"dropout={self.dropout})")

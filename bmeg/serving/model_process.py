@@ -79,12 +79,11 @@ class ModelProcess:
 def _load(run_dir: Path, device: str, torch_threads: int, parent_pid: int) -> tuple[str, str, str, list[str]]:
     global _detector
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    import torch
-
     from bmeg.models.detector import Detector
     from bmeg.models.history import StreamedDetector
+    from bmeg.models.inference import limit_cpu_threads
 
-    torch.set_num_threads(torch_threads)
+    limit_cpu_threads(torch_threads)
     _detector = StreamedDetector(Detector.load(run_dir, device=device))  # the child owns the stream's history
     freeze_heap()
     return _detector.application, _detector.version, str(_detector.run_dir), list(_detector.services)

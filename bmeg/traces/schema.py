@@ -7,7 +7,9 @@ hex strings; `parent_id` is null for a root span.
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 SPAN_KINDS = ("unspecified", "internal", "server", "client", "producer", "consumer")
 STATUS_CODES = ("unset", "ok", "error")
@@ -55,3 +57,9 @@ def conform(table: pa.Table) -> pa.Table:
     if missing:
         raise ValueError(f"span table lacks columns {missing}; expected {list(COLUMNS)}")
     return table.select(list(COLUMNS)).cast(SPAN_SCHEMA)
+
+
+def span_keys(table: pa.Table) -> np.ndarray:
+    """`trace_id/span_id` of each row of a table with both columns (spans, node labels): a span's
+    key across tables whose rows are in different orders."""
+    return pc.binary_join_element_wise(table["trace_id"], table["span_id"], "/").to_numpy(zero_copy_only=False)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bmeg.training.trainer import FitConfig
+from bmeg.training.config import FitConfig
 
 
 def train(dataset: str = "socialnet", *, out: str | Path | None = None, epochs: int = FitConfig.epochs,
-          device: str = "auto", nproc: int = 1, loss: str = "weighted", progress: bool = True, **options):
+          device: str = FitConfig.device, nproc: int = FitConfig.nproc, loss: str = FitConfig.loss, progress: bool = True, **options):
     """Train on a dataset (name or folder); returns (Detector, metrics). `options` are `TrainConfig` fields."""
     from bmeg.training.pipeline import TrainConfig, run
 

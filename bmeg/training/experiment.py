@@ -19,6 +19,8 @@ THESIS = {
 #: metrics key -> row name
 MODELS = {"gnn": "B-MEG (GNN)", "svm": "SVM", "bmeg": "routed"}
 DEFAULT_RATIOS = (0.3, 0.1, 0.01)
+#: Traces per dataset and ratio, as in the thesis (the socialnet-thesis recipe's size).
+DEFAULT_TRACES = 40_000
 
 
 def imbalance_experiment(datasets: Iterable[str], ratios: Iterable[float], traces: int, epochs: int,

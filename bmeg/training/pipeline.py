@@ -13,24 +13,18 @@ writes the run directory. Each machine's local rank 0 loads (or generates) the d
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
-from bmeg.datasets.loader import (
-    DEFAULT_IMBALANCE,
-    DEFAULT_TRACES,
-    Dataset,
-    load_dataset,
-)
-from bmeg.graphs import SpanForest, assemble, critical_paths, node_services
+from bmeg.datasets.loader import Dataset, load_dataset, stratified_pick
+from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
 from bmeg.graphs.features import self_time_ns
-from bmeg.models.detector import Detector, Scores, node_keys
+from bmeg.models.detector import Detector, Scores
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
@@ -49,24 +43,9 @@ from bmeg.training.evaluate import evaluate, measure_cost, true_services
 from bmeg.training.labelled import Labelled
 from bmeg.training.metrics import threshold_for_precision
 from bmeg.training.plots import plot_run
-from bmeg.training.trainer import FitConfig, fit, process_group
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    dataset: str = "socialnet"
-    traces: int = DEFAULT_TRACES
-    imbalance: float = DEFAULT_IMBALANCE
-    scenario: str = "single"
-    seed: int = 0
-    features: str = "full"  # or "thesis": service time only
-    min_precision: float = 0.8  # stage-1 threshold: best recall at this precision
-    firm_window: int = 100  # traces over which FIRM's RI and CI are computed
-    svm_C: float = 0.1  # the trace SVM's regularisation
-    svm_max_services: int | None = None  # the router's cuts; None: chosen on validation
-    svm_max_paths: int | None = None
-    router_tolerance: float = 0.01  # validation quality (F1 x AC@1) the router may give up for a cheaper model
-    fit: FitConfig = field(default_factory=FitConfig)
+from bmeg.training.config import FitConfig, TrainConfig
+from bmeg.training.trainer import fit, process_group
+from bmeg.traces.schema import span_keys
 
 
 def load_recipe(name_or_path: str | Path, **overrides) -> TrainConfig:
@@ -125,17 +104,12 @@ def label(dataset: Dataset, seed: int) -> Labelled:
     positions = pd.Index(forest.trace_ids)
     traces = dataset.traces.take(pa.array(np.argsort(positions.get_indexer(dataset.traces["trace_id"].to_pylist()))))
     y = traces["anomalous"].to_numpy(zero_copy_only=False).astype(np.int64)
-    keys = pc.binary_join_element_wise(dataset.nodes["trace_id"], dataset.nodes["span_id"], "/")
-    bottleneck = pd.Series(dataset.nodes["bottleneck"].to_numpy(zero_copy_only=False),
-                           index=keys.to_numpy(zero_copy_only=False))
-    span_keys = pc.binary_join_element_wise(forest.spans["trace_id"], forest.spans["span_id"], "/")
-    node_y = bottleneck.reindex(span_keys.to_numpy(zero_copy_only=False)).fillna(False).to_numpy().astype(np.int64)
+    bottleneck = pd.Series(dataset.nodes["bottleneck"].to_numpy(zero_copy_only=False), index=span_keys(dataset.nodes))
+    node_y = bottleneck.reindex(span_keys(forest.spans)).fillna(False).to_numpy().astype(np.int64)
     split = dataset.split(seed)
     test = np.flatnonzero(positions.isin(list(split.test)))
     train_all = np.flatnonzero(positions.isin(list(split.train)))
-    rng = np.random.default_rng(seed + 1)
-    val = np.concatenate([rng.permutation(part)[: round(len(part) * 0.2)]
-                          for part in (train_all[y[train_all] == 1], train_all[y[train_all] == 0])])
+    val = stratified_pick(train_all, y[train_all] == 1, 0.2, np.random.default_rng(seed + 1))
     train_part = np.setdiff1d(train_all, val)
     return Labelled(forest, y, node_y, train_part, np.sort(val), test, traces)
 
@@ -154,11 +128,14 @@ def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple
     dgcnn = DGCNN(encoder.num_features, **hparams["dgcnn"])
     gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
     histories = {"dgcnn": fit(dgcnn, graphs, data.train, data.val, "graph", fit_config, "stage 1 (DGCNN)")}
-    anomalous = lambda part: part[data.y[part] == 1]  # noqa: E731
+
+    def anomalous(part: np.ndarray) -> np.ndarray:
+        return part[data.y[part] == 1]
+
     histories["gcn"] = fit(gcn, graphs, anomalous(data.train), anomalous(data.val), "node", fit_config, "stage 2 (GCN)")
 
     services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
-    keys = node_keys(services, forest)
+    keys = operation_keys(forest, services)
     on_train = np.isin(forest.trace_index, data.train)
     vectorizer = TraceVectorizer(deviations=tuple(name for name in DEVIATIONS if name in encoder.names))
     vectorizer.fit(keys[on_train])

@@ -41,30 +41,11 @@ from bmeg.models.inference import (
     predict_proba,
     resolve_device,
 )
+from bmeg.training.config import FitConfig
 
-LOSSES = ("weighted", "focal", "sampling", "plain")
 T = TypeVar("T")
 #: What torchrun (or any launcher of the env:// rendezvous) sets in each process it starts.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclass(frozen=True)
-class FitConfig:
-    epochs: int = 15
-    batch_size: int = 128
-    lr: float = 2e-3
-    weight_decay: float = 1e-5
-    loss: str = "weighted"
-    device: str = "auto"
-    nproc: int = 1
-    seed: int = 0
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss!r}; choose from {LOSSES}")
-        if self.epochs < 1 or self.batch_size < 1 or self.nproc < 1:
-            raise ValueError("epochs, batch_size and nproc must be at least 1")
 
 
 @dataclass

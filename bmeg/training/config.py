@@ -1,0 +1,55 @@
+"""What a training run is given: `TrainConfig` (the data, the features, the models' settings)
+and its `FitConfig` (how each GNN stage is fitted), with the losses `fit` knows.
+
+Plain dataclasses with no torch import, so that the command line reads its defaults and
+choices from here without loading the models (`bmeg --help` stays fast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_SCENARIO, DEFAULT_TRACES
+from bmeg.models.features import VARIANTS
+
+#: The losses of `bmeg.training.trainer.fit` (its docstring says what each does).
+LOSSES = ("weighted", "focal", "sampling", "plain")
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    epochs: int = 15
+    batch_size: int = 128
+    lr: float = 2e-3
+    weight_decay: float = 1e-5
+    loss: str = "weighted"
+    device: str = "auto"
+    nproc: int = 1
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; choose from {LOSSES}")
+        if self.epochs < 1 or self.batch_size < 1 or self.nproc < 1:
+            raise ValueError("epochs, batch_size and nproc must be at least 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    dataset: str = "socialnet"
+    traces: int = DEFAULT_TRACES
+    imbalance: float = DEFAULT_IMBALANCE
+    scenario: str = DEFAULT_SCENARIO
+    seed: int = 0
+    features: str = "full"  # one of bmeg.models.features.VARIANTS
+    min_precision: float = 0.8  # stage-1 threshold: best recall at this precision
+    firm_window: int = 100  # traces over which FIRM's RI and CI are computed
+    svm_C: float = 0.1  # the trace SVM's regularisation
+    svm_max_services: int | None = None  # the router's cuts; None: chosen on validation
+    svm_max_paths: int | None = None
+    router_tolerance: float = 0.01  # validation quality (F1 x AC@1) the router may give up for a cheaper model
+    fit: FitConfig = field(default_factory=FitConfig)
+
+
+__all__ = ["LOSSES", "VARIANTS", "FitConfig", "TrainConfig"]
