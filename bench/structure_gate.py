@@ -19,8 +19,9 @@ normal period, seed 0) and counts the services on which the fixed bar and the de
 decide differently: the gate is the only part of the ranker that changed, so where no decision
 differs, `rca-sim`'s bmeg figures are the same under both (the GNN is not needed).
 
-Gates: `fixed` (the bar before, a shift of 0.05) and `FLOOR+FACTORxnoise`
-(`bmeg.evaluation.rankers.structure_changed`, noise from `NormalStats.structure_noise`).
+Gates: `fixed` (the bar before, a shift of 0.05), `FLOOR+FACTORxnoise`
+(`bmeg.evaluation.rankers.structure_changed`, noise from `NormalStats.structure_noise`), and
+`no gate` (the rank fusion alone).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ from bmeg.traces.io import read_spans
 
 LATENCY = {"network_delay", "cpu_consumed", "cpu_contention"}
 FIXED_BAR = 0.05
-GATES = [(0.05, 2.0), (0.1, 1.0), (0.1, 2.0), (0.1, 3.0), (0.2, 2.0)]
+GATES = [(0.05, 2.0), (0.1, 1.0), (0.1, 2.0), (0.1, 3.0), (0.2, 2.0), (np.inf, 0.0)]
 
 
 def gate_name(floor: float | None, factor: float | None) -> str:
-    return "fixed" if floor is None else f"{floor:g}+{factor:g}xnoise"
+    if floor is None:
+        return "fixed"
+    return "no gate" if np.isinf(floor) else f"{floor:g}+{factor:g}xnoise"
 
 
 def ranked_first(structure: pd.Series, fused: pd.Series, changed: pd.Series) -> list[str]:
