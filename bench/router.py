@@ -11,7 +11,9 @@ then judged on *fresh* traces:
   faults), each thinned to every k-th trace in time order to stay under `--testbed-traces`.
 
 Rows per case: `gnn` (the GNN stages on every trace), `svm` (the trace SVM on every trace, its
-services ranked by own time against the baseline), `routed` (the router that `choose` picked),
+services ranked by own time against the baseline), `svm-per-key` (the trace SVM as it was
+before: each baseline deviation's largest per (service, operation) key instead of the trace's
+largest, `TraceVectorizer(per_key_deviations=True)`; trained, thresholded and ranked as `svm`), `routed` (the router that `choose` picked),
 `cheapest-tie` (the router the earlier rule picked: the cheapest cut within the tolerance of
 the best validation quality, even when the GNN alone ties it), and `self-time` (no model: a
 trace is flagged when some service's own time is far above its baseline, threshold chosen on
@@ -51,7 +53,7 @@ import torch
 from bmeg.datasets.loader import Dataset, load_dataset, read_dataset
 from bmeg.models.detector import Detector, Scores
 from bmeg.models.router import Router
-from bmeg.models.svm import TraceSVM
+from bmeg.models.svm import TraceSVM, TraceVectorizer
 from bmeg.training import pipeline
 from bmeg.training.evaluate import measure_cost, true_services
 from bmeg.training.labelled import Labelled
@@ -138,6 +140,7 @@ def run_case(name: str, train_set: Dataset, fresh_set: Dataset, epochs: int) -> 
         rows[model]["router"] = router.to_state()
     score = _self_time_score(fresh_raw)
     rows["self-time"] = _figures(fresh.y, score >= self_time_threshold, fresh_raw.svm_service, fresh_raw, truth)
+    rows["svm-per-key"] = _per_key_svm_figures(detector, data, fresh, fresh_raw, truth, config)
     costs = measure_cost(detector, fresh.forest, fresh.test, {m: routers[m] for m in ("gnn", "svm", "routed")})
     for model, seconds in costs.items():
         rows[model]["us_per_trace"] = seconds * 1e6
@@ -177,15 +180,32 @@ class _timed_gnn_fit:
 def _svm_fit_seconds(detector: Detector, data: Labelled, config: pipeline.TrainConfig) -> float:
     """CPU seconds of the trace SVM's `fit` on the training traces (their vectors built beforehand,
     as the GNN's graphs are built before its `fit`)."""
-    from bmeg.graphs import node_services, operation_keys
-
-    forest = data.forest
-    x = detector.encoder.transform(forest)
-    keys = operation_keys(forest, node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
-    vectors = detector.trace_vectors(forest, x, keys)[data.train]
+    vectors = _trace_vectors(detector, data.forest)[data.train]
     began = time.process_time()
     TraceSVM(C=config.svm_C, random_state=config.seed).fit(vectors, data.y[data.train])
     return time.process_time() - began
+
+
+def _trace_vectors(detector: Detector, forest) -> np.ndarray:
+    """The trace SVM's input over a recorded forest, under the detector's vectorizer."""
+    from bmeg.graphs import node_services, operation_keys
+
+    keys = operation_keys(forest, node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
+    return detector.trace_vectors(forest, detector.encoder.transform(forest), keys)
+
+
+def _per_key_svm_figures(detector: Detector, data: Labelled, fresh: Labelled, fresh_raw: Scores, truth: np.ndarray,
+                         config: pipeline.TrainConfig) -> dict:
+    """The trace SVM as it was before (each deviation's largest per key, not the trace's largest),
+    trained, thresholded on validation and judged exactly as the `svm` row; same service ranking."""
+    vectorizer = TraceVectorizer(deviations=detector.vectorizer.deviations, per_key_deviations=True)
+    earlier = replace(detector, vectorizer=vectorizer.fit(np.asarray(detector.vectorizer.keys, dtype=object)))
+    vectors = _trace_vectors(earlier, data.forest)
+    svm = TraceSVM(C=config.svm_C, random_state=config.seed).fit(vectors[data.train], data.y[data.train])
+    threshold = threshold_for_precision(data.y[data.val], svm.predict_proba(vectors[data.val])[:, 1],
+                                        config.min_precision)
+    flagged = svm.predict_proba(_trace_vectors(earlier, fresh.forest))[:, 1] >= threshold
+    return _figures(fresh.y, flagged, fresh_raw.svm_service, fresh_raw, truth)
 
 
 def _self_time_score(raw: Scores) -> np.ndarray:

@@ -281,15 +281,67 @@ def test_svm_state_is_plain_values_and_gives_the_same_answers():
         assert again.get_params() == model.get_params()
 
 
-def test_trace_vectorizer_log_times_deviations_and_missing_keys():
-    vectorizer = TraceVectorizer(deviations=("z",)).fit(np.array(["a\x1fop", "b\x1fop"], dtype=object))
+def test_trace_vectorizer_log_times_and_the_traces_largest_deviations():
+    vectorizer = TraceVectorizer(deviations=("z",), top=2).fit(np.array(["a\x1fop", "b\x1fop"], dtype=object))
     keys = np.array(["a\x1fop", "a\x1fop", "b\x1fop", "new\x1fop"], dtype=object)
-    rows = vectorizer.transform(np.array([0, 0, 1, 1]), 3, keys, np.array([10.0, 20.0, 5.0, 7.0]),
-                                np.array([[1.0], [4.0], [-2.0], [9.0]]))
-    assert rows.shape == (3, 4)
-    assert rows[0].tolist() == pytest.approx([np.log1p(30.0), 0.0, 4.0, 0.0])  # sum of times, largest deviation
-    assert rows[1].tolist() == pytest.approx([0.0, np.log1p(5.0), 0.0, -2.0])  # an unknown key is left out
+    args = (np.array([0, 0, 1, 1]), 3, keys, np.array([10.0, 20.0, 5.0, 7.0]), np.array([[1.0], [4.0], [-2.0], [9.0]]))
+    rows = vectorizer.transform(*args)
+    assert rows.shape == (3, vectorizer.num_columns) == (3, 4)
+    assert rows[0].tolist() == pytest.approx([np.log1p(30.0), 0.0, 4.0, 1.0])  # sum of times; largest first
+    # an unknown key has no time column, but its deviation is the trace's largest
+    assert rows[1].tolist() == pytest.approx([0.0, np.log1p(5.0), 9.0, -2.0])
     assert rows[2].tolist() == [0.0, 0.0, 0.0, 0.0]  # a trace without nodes: missing = 0
+    per_key = TraceVectorizer(deviations=("z",), per_key_deviations=True).fit(keys[:3]).transform(*args)
+    assert per_key[0].tolist() == pytest.approx([np.log1p(30.0), 0.0, 4.0, 0.0])  # largest per key
+    assert per_key[1].tolist() == pytest.approx([0.0, np.log1p(5.0), 0.0, -2.0])  # unknown key left out
+    with pytest.raises(ValueError, match="top must be at least 1"):
+        TraceVectorizer(top=0)
+
+
+def test_trace_vectorizer_state_round_trips_and_reads_the_earlier_per_key_layout():
+    vectorizer = TraceVectorizer(deviations=("z",), top=2).fit(np.array(["a\x1fop", "b\x1fop"], dtype=object))
+    again = TraceVectorizer.from_state(vectorizer.to_state())
+    assert (again.keys, again.deviations, again.top, again.per_key_deviations) == (vectorizer.keys, ("z",), 2, False)
+    earlier = TraceVectorizer.from_state({"keys": ["a\x1fop", "b\x1fop"], "deviations": ["z"]})  # no `top`
+    assert earlier.per_key_deviations and earlier.num_columns == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.floats(-50, 50)), max_size=40), st.integers(1, 4))
+def test_trace_vectorizer_largest_deviations_are_each_traces_sorted_top(nodes, top):
+    trace_index = np.array([t for t, _ in nodes], dtype=np.int64)
+    values = np.array([[v] for _, v in nodes], dtype=np.float64).reshape(-1, 1)
+    keys = np.array(["k"] * len(nodes), dtype=object)
+    rows = TraceVectorizer(deviations=("z",), top=top).fit(np.array(["k"], dtype=object)).transform(
+        trace_index, 5, keys, np.ones(len(nodes)), values)
+    for trace in range(5):
+        expected = sorted(values[trace_index == trace, 0].tolist(), reverse=True)[:top]
+        assert rows[trace, 1:].tolist() == pytest.approx(expected + [0.0] * (top - len(expected)))
+
+
+def test_trace_svm_flags_a_fault_on_a_service_never_faulted_in_training():
+    """Why the deviations are the trace's largest: trained on faults of service a only, the SVM
+    still flags a trace whose service b is far off its baseline; with per-key deviation columns
+    it does not (b's column never moved in training)."""
+    rng = np.random.default_rng(0)
+    known = np.array(["a\x1fop", "b\x1fop", "c\x1fop"], dtype=object)
+
+    def traces(count: int, faulty: int | None) -> tuple:
+        trace_index = np.repeat(np.arange(count), 3)
+        keys = np.tile(known, count)
+        z = rng.normal(size=(3 * count, 1))
+        if faulty is not None:
+            z[faulty::3, 0] += 20.0
+        return trace_index, count, keys, np.exp(rng.normal(5, 0.1, 3 * count)), z
+
+    flagged = {}
+    for per_key in (False, True):
+        vectorizer = TraceVectorizer(deviations=("z",), per_key_deviations=per_key).fit(known)
+        X = np.vstack([vectorizer.transform(*traces(300, None)), vectorizer.transform(*traces(60, 0))])
+        svm = TraceSVM(random_state=0).fit(X, np.r_[np.zeros(300), np.ones(60)])
+        flagged[per_key] = svm.predict(vectorizer.transform(*traces(50, 1))).mean()
+    assert flagged[False] > 0.9
+    assert flagged[True] < 0.5
 
 
 def test_distinct_paths_and_router_reasons():
