@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from bmeg.evaluation.faults import InjectedFault, read_fault_list, service_from_pod
@@ -15,6 +16,7 @@ from bmeg.evaluation.rca import report, run_rca
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
+from bmeg.traces import span_table
 from bmeg.traces.io import write_spans
 
 SPEC = {
@@ -213,3 +215,51 @@ def test_simulated_code_faults_change_structure_not_time_and_the_structure_rule_
         assert errors.any() == (kind == "exception")
     with pytest.raises(ValueError, match="unknown code fault"):
         code_fault(healthy, "cart", "segfault", 0.5, np.random.default_rng(0))
+
+
+def _cache_and_api(misses: list[bool], api_errors: list[bool]):
+    """A forest: trace i is a `cache` request that calls `store` on a miss (`misses[i]`) and an
+    `api` request that calls `db`, failing in `api` itself where `api_errors[i]`; 1 ms apart."""
+    rows: dict[str, list] = {name: [] for name in
+                             ("trace_id", "span_id", "parent_id", "service", "operation", "start_ns", "duration_ns", "status")}
+
+    def span(trace, span_id, parent, service, start, status="ok"):
+        for name, value in zip(rows, (trace, span_id, parent, service, "op", start, 500_000, status)):
+            rows[name].append(value)
+
+    for i, (miss, error) in enumerate(zip(misses, api_errors)):
+        start = EPOCH + i * 1_000_000
+        span(f"c{i}", "c", None, "cache", start)
+        if miss:
+            span(f"c{i}", "s", "c", "store", start + 1000)
+        span(f"a{i}", "a", None, "api", start, "error" if error else "ok")
+        span(f"a{i}", "d", "a", "db", start + 1000)
+    return rpc_view(span_table(rows))
+
+
+def test_the_structure_gate_fires_beyond_a_services_own_normal_noise():
+    from bmeg.evaluation.rankers import STRUCTURE_FLOOR, structure_changed
+
+    # the normal period: cache misses drift by time (10% of requests, then 40%), api never fails
+    n = 400
+    drift = [i % 10 == 0 if i < n // 2 else i % 10 < 4 for i in range(n)]
+    normal = NormalStats.from_forest(_cache_and_api(drift, [False] * n))
+    # 10 slices of 40 traces by time: a slice of the first half misses 10% against the period's 25%
+    assert normal.structure_noise["cache"] == pytest.approx(0.15)
+    assert normal.structure_noise["api"] == 0.0 and normal.structure_noise["store"] == 0.0
+
+    # a window where the cache misses 40% (as in the normal period's second half) and api fails in 15%
+    window = _cache_and_api([i % 10 < 4 for i in range(100)], [i % 20 < 3 for i in range(100)])
+    shift = normal.structure_shift(window)
+    assert shift["cache"] == pytest.approx(0.15) and shift["api"] == pytest.approx(0.15)
+    changed = structure_changed(shift, normal.structure_noise)
+    # the same shift: the cache's is its normal noise, api's is an exception fault
+    assert not changed["cache"] and changed["api"]
+    assert shift["cache"] > STRUCTURE_FLOOR  # a fixed bar alone would have fired for the cache
+    # a service the normal period did not measure is held to the floor alone
+    assert structure_changed(pd.Series({"new": STRUCTURE_FLOOR * 1.1}), normal.structure_noise)["new"]
+
+
+def test_a_normal_period_too_short_to_slice_measures_no_structure_noise():
+    normal = NormalStats.from_forest(_cache_and_api([True, False] * 20, [False] * 40))
+    assert normal.structure_noise.empty

@@ -29,6 +29,10 @@ Ranking = list[tuple[str, float]]
 ANOMALY_QUANTILE = 0.95
 #: Exclusive times below this (ns) count as this: keeps ratios of tiny times sane.
 MIN_EXCLUSIVE_NS = 10_000
+#: `structure_noise` cuts the normal period into this many slices by time ...
+NOISE_SLICES = 10
+#: ... of at least this many traces each.
+NOISE_MIN_TRACES = 50
 
 
 
@@ -51,6 +55,7 @@ class NormalStats:
     gap_ns: pd.Series  # by client span key: median ns a call spent outside both processes
     children: pd.Series  # by span key: mean number of children
     errors: pd.Series  # by span key: share of spans where an error begins
+    structure_noise: pd.Series  # by service: the largest structure shift of a slice of the normal period
 
     @classmethod
     def from_forest(cls, forest: SpanForest) -> NormalStats:
@@ -59,14 +64,18 @@ class NormalStats:
         counted, exclusive = exclusive_time(forest)
         frame = pd.DataFrame({"service": counted, "key": keys, "ns": np.maximum(exclusive, MIN_EXCLUSIVE_NS)})
         own = _own_times(forest)
+        structure = _structure_frame(forest)
+        children = structure.groupby("key")["children"].mean()
+        errors = structure.groupby("key")["errors"].mean()
         return cls(
             forest=forest,
             p95_ns=durations.groupby(level=0).quantile(ANOMALY_QUANTILE),
             exclusive_ns=frame.groupby(["service", "key"])["ns"].median(),
             server_ns=own[~own["client"]].groupby("key")["ns"].median(),
             gap_ns=own[own["client"]].groupby("key")["ns"].median(),
-            children=pd.Series(_child_counts(forest), index=keys).groupby(level=0).mean(),
-            errors=pd.Series(_error_origins(forest), index=keys).groupby(level=0).mean(),
+            children=children,
+            errors=errors,
+            structure_noise=structure_noise(forest, structure, children, errors),
         )
 
     def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
@@ -118,18 +127,51 @@ class NormalStats:
         request to request is not a change. A code fault (an early return, an exception)
         changes the calls a service makes and its status, not its time; the change counts for
         the service that made (or skipped) the calls. Operations the normal period never saw
-        are not scored."""
-        keys = operation_keys(forest)
-        frame = pd.DataFrame({"key": keys, "children": _child_counts(forest), "errors": _error_origins(forest)})
-        by_key = frame.groupby("key").agg(children=("children", "mean"), errors=("errors", "mean"),
-                                          spans=("children", "size"))
-        normal_children = self.children.reindex(by_key.index)
-        change = (by_key["children"] - normal_children).abs() / np.maximum(normal_children, 1.0)
-        change += (by_key["errors"] - self.errors.reindex(by_key.index)).clip(lower=0.0)
-        known = change.notna()
-        service = pd.Series(forest.spans["service"].to_numpy(zero_copy_only=False), index=keys).groupby(level=0).first()
-        weighted = (change[known] * by_key["spans"][known]).groupby(service.reindex(change[known].index)).sum()
-        return weighted / by_key["spans"][known].groupby(service.reindex(change[known].index)).sum()
+        are not scored. How far a service's structure moves with no fault at all is
+        `structure_noise`."""
+        return _structure_shift(_structure_frame(forest), self.children, self.errors)
+
+
+def _structure_frame(forest: SpanForest) -> pd.DataFrame:
+    """Per span: key, service, number of children, 1.0 where an error begins."""
+    return pd.DataFrame({"key": operation_keys(forest), "service": forest.spans["service"].to_numpy(zero_copy_only=False),
+                         "children": _child_counts(forest), "errors": _error_origins(forest)})
+
+
+def _structure_shift(frame: pd.DataFrame, children: pd.Series, errors: pd.Series) -> pd.Series:
+    """`NormalStats.structure_shift` of the spans in `frame` against per-key normal means."""
+    by_key = frame.groupby("key").agg(children=("children", "mean"), errors=("errors", "mean"),
+                                      spans=("children", "size"), service=("service", "first"))
+    normal_children = children.reindex(by_key.index)
+    change = (by_key["children"] - normal_children).abs() / np.maximum(normal_children, 1.0)
+    change += (by_key["errors"] - errors.reindex(by_key.index)).clip(lower=0.0)
+    known = by_key[change.notna()].assign(weighted=change * by_key["spans"])
+    by_service = known.groupby("service")
+    return by_service["weighted"].sum() / by_service["spans"].sum()
+
+
+def structure_noise(forest: SpanForest, frame: pd.DataFrame, children: pd.Series, errors: pd.Series,
+                    slices: int = NOISE_SLICES, min_traces: int = NOISE_MIN_TRACES) -> pd.Series:
+    """Per service, the largest structure shift of a slice of a fault-free period against the
+    whole: how far the service's structure moves with no fault at all.
+
+    The period's traces are cut by start time into `slices` consecutive slices of equal trace
+    counts (fewer, so that each holds at least `min_traces`); by time, not at random, because
+    what makes a service's calls vary is often a state that drifts (a cache filling and being
+    evicted: the testbed's post-storage-service calls its store on a miss only, and a 2-s slice
+    of its normal period moved 0.04-0.31). A period too short for two slices has no measured
+    noise (an empty series). `frame` is `_structure_frame(forest)`; `children` and `errors`
+    are the whole period's per-key means.
+    """
+    count = min(slices, forest.num_traces // max(min_traces, 1))
+    if count < 2:
+        return pd.Series(dtype=float)
+    order = np.argsort(forest.spans["start_ns"].to_numpy()[forest.root], kind="stable")
+    slice_of_trace = np.empty(forest.num_traces, dtype=np.int64)
+    slice_of_trace[order] = np.arange(forest.num_traces) * count // forest.num_traces
+    slice_of_span = slice_of_trace[forest.trace_index]
+    shifts = [_structure_shift(frame[slice_of_span == i], children, errors) for i in range(count)]
+    return pd.concat(shifts, axis=1).max(axis=1)
 
 
 def _child_counts(forest: SpanForest) -> np.ndarray:
