@@ -6,13 +6,12 @@ the SVM when it has at most `max_services` distinct services AND at most `max_pa
 paths (root-to-leaf sequences of (service, operation)); every other trace goes to the GNN
 stages. `max_services = -1` sends every trace to the GNN.
 
-The cuts are chosen at training time on labelled traces (`choose`; the training pipeline passes
-validation faults on services held out of the fitting that scores them,
-`bmeg.training.pipeline.held_out_service_split`): the quality of a cut is its F1 on the trace
-verdicts times its AC@1 (the share of bottlenecked traces whose top-ranked service is a true
-bottleneck: a router that saved time by ranking services worse would not be "as good"). The GNN
-alone is kept unless some cut is better by more than `tolerance` (a tie says nothing about new
-faults); then, among the cuts within `tolerance` of the best quality, the one with the
+The cuts are chosen at training time on validation traces (`choose`): the quality of a cut is
+its F1 on the trace verdicts times its AC@1 (the share of bottlenecked traces whose top-ranked
+service is a true bottleneck: a router that saved time by ranking services worse would not be
+"as good"). The GNN alone is kept unless some cut is better by more than `tolerance`
+(validation traces share the training campaign's fault draws, so a tie there says nothing about
+new faults); then, among the cuts within `tolerance` of the best quality, the one with the
 lowest measured cost per trace.
 """
 
