@@ -117,13 +117,13 @@ def main() -> None:
             continue
         gnn_top = ran["top"]["bmeg-gnn"]
         gnn = pd.Series(np.arange(len(gnn_top), 0, -1, dtype=float), index=gnn_top)
-        shift = stats.service_shift(window)
-        fused = rank_fusion(shift, gnn)
+        parts = stats.service_shift_parts(window)
+        fused = rank_fusion(parts.max(axis=1), gnn)
         structure = stats.structure_shift(window)
         for floor, factor in gates:
             changed = (structure >= FIXED_BAR if floor is None
                        else structure_changed(structure, stats.structure_noise, floor, factor))
-            order = ranked_first(structure, fused, changed, decisive_shift(shift))
+            order = ranked_first(structure, fused, changed, decisive_shift(parts[["caller", "callee"]].max(axis=1)))
             rank = order.index(fault.service) + 1 if fault.service in order else None
             rows.append({"gate": gate_name(floor, factor), "type": fault.kind, "start_ns": fault.start_ns,
                          "rank": rank, "harness_bmeg_rank": ran["rank"]["bmeg"]})

@@ -9,7 +9,7 @@ smallest shift of its calls (now) and as their median (before), and of the self-
 (`NormalStats.exclusive_increase`). No model is needed: these are the rules the ranker fuses with
 the GNN's ranking. `--simulated` simulates the faults `bmeg evaluate rca-sim --window-seconds 10`
 does (`simulated_faults`, a 20-s normal period, seed 0). The last line of each data set says, for
-the `DECISIVE_LEAD` rule of `bmeg.evaluation.rankers.decisive_shift`, in how many fault windows a
+the `DECISIVE_LEAD` rule of `bmeg.evaluation.rankers.decisive_shift` (on the call gaps' parts, as the ranker), in how many fault windows a
 service led by that much and in how many of them it was a faulty one (that of the fault or of one
 injected at the same time: the testbed injects 2-3 at once).
 """
@@ -43,8 +43,9 @@ def rows_of(stats: NormalStats, files: TraceFiles, fault_list: Path, window_ns: 
         window = rpc_view(files.window(fault.start_ns, fault.start_ns + window_ns))
         if not window.num_traces:
             continue
-        smallest = stats.service_shift(window)
-        decisive = decisive_shift(smallest)
+        parts = stats.service_shift_parts(window)
+        smallest = parts.max(axis=1)
+        decisive = decisive_shift(parts[["caller", "callee"]].max(axis=1))
         rows.append({"type": fault.kind,
                      "shift, caller's part the smallest (now)": first(smallest) == fault.service,
                      "shift, caller's part the median (before)": first(stats.service_shift(window, "median")) == fault.service,

@@ -95,14 +95,20 @@ class NormalStats:
         return pd.Series(ratio).groupby(counted[known]).mean()
 
     def service_shift(self, forest: SpanForest, caller_part: Literal["smallest", "median"] = "smallest") -> pd.Series:
+        """Per service, the largest of its parts (`service_shift_parts`): how far (log2) its own
+        time moved, with call gaps split between the ends."""
+        return self.service_shift_parts(forest, caller_part).max(axis=1)
+
+    def service_shift_parts(self, forest: SpanForest,
+                            caller_part: Literal["smallest", "median"] = "smallest") -> pd.DataFrame:
         """Per service, how far (log2) its own time moved, with call gaps split between the ends.
 
         A call's gap (network and queues) grows when the callee is slow to take or answer it,
         and also when the *caller* is slow to send and receive: then every callee of that caller
         shows it. So the smallest shift over a caller's outgoing calls (to two callees or more)
         is the caller's, and what an edge shows beyond it is the callee's (median over its
-        callers). A service's shift is the largest of: its own spans' self time, its part as a
-        caller, its part as a callee.
+        callers). Per service (rows), its parts (columns, NaN where it has none): `own`, its own
+        spans' self time; `caller`, its part as a caller; `callee`, its part as a callee.
 
         The smallest, not the median: a slow caller lifts every one of its calls, one slow
         callee lifts only its own, and with two callees the median is their mean, which gave
@@ -124,7 +130,7 @@ class NormalStats:
         # with one callee, a caller-side and a callee-side slowdown look alike: the callee gets it
         caller = (by_caller.min() if caller_part == "smallest" else by_caller.median()).where(by_caller.size() >= 2, 0.0)
         callee = (edges - caller.reindex(edges.index.get_level_values("service")).to_numpy()).groupby(level="callee").median()
-        return pd.concat([servers, caller, callee], axis=1).max(axis=1)
+        return pd.concat({"own": servers, "caller": caller, "callee": callee}, axis=1)
 
 
     def structure_shift(self, forest: SpanForest) -> pd.Series:
