@@ -228,6 +228,7 @@ def test_a_broker_outage_of_150_s_is_waited_out_and_sigterm_exits_promptly_durin
     assert code == 0 and exit_s < 30, (code, exit_s, (tmp_path / "other.log").read_text()[-3000:])
     assert consumer_code == 0, (tmp_path / "consumer.log").read_text()[-3000:]
     lost, split = lost_and_split(diagnoses, spans)
+    print(f'outage of 150 s: {len(lost)} lost, {len(split)} split of {len(trace_ids)} traces')  # the README's figure (-s)
     assert not lost, sorted(lost)[:5]
     # Traces whose pieces straddle the outage's start are finished by the idle timeout while the
     # rest waits in the Collector (the consumer cannot tell the broker's absence from idleness):
