@@ -52,7 +52,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pyarrow as pa
 from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
-from kafka.errors import CommitFailedError, KafkaError
+from kafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -159,6 +159,9 @@ class StreamConsumer:
             auto_offset_reset="earliest", max_poll_records=config.max_poll_records,
             fetch_max_bytes=config.fetch_max_bytes, max_partition_fetch_bytes=config.max_partition_fetch_bytes,
             partition_assignment_strategy=[CooperativeStickyAssignor],
+            # members learn of a rebalance by heartbeat: at 1 s (the library's 3 s default) the
+            # replicas of a rollout rejoin, and commit, within a stop's shutdown budget
+            heartbeat_interval_ms=1_000,
         )
         self._subscribed = False  # until the topic exists: see `_subscribe_once_the_topic_exists`
         self._waiting_logged = False
@@ -195,6 +198,7 @@ class StreamConsumer:
             time.sleep(self.config.poll_timeout_ms / 1e3)
             return
         self._throttle()
+        self._rejoin_if_a_join_was_dropped()
         try:
             batches = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
         except KafkaError as error:  # the broker is away: kafka-python reconnects by itself
@@ -268,23 +272,61 @@ class StreamConsumer:
         if self._in_flight or self._unsent:
             log.error("stopping with %d traces unacknowledged by the broker: their messages stay uncommitted "
                       "and are read again", len(self._unsent) + len(self._in_flight) * self.config.batch_traces)
-        self.commit(commit_timeout_s)
+        self._commit_through_a_rebalance(commit_timeout_s or self.config.kafka_timeout_s)
 
-    def commit(self, timeout_s: float | None = None) -> None:
+    def _commit_through_a_rebalance(self, timeout_s: float) -> None:
+        """Commit, rejoining the group first when it refuses the commit for a rebalance.
+
+        Replicas stopped together (a rollout, a scale-down) each leave the group, and the
+        rebalance one starts meets the others while they stop: the group refuses their last
+        commit until they have rejoined, and all they finished would be read and diagnosed again.
+        So rejoin by polling with every partition paused (a record such a poll still returns,
+        from a partition just assigned, is not taken: its next owner reads it) and commit again,
+        all within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.commit(max(deadline - time.monotonic(), 0.1)) and time.monotonic() < deadline:
+            self.consumer.pause(*self.consumer.assignment())
+            self._rejoin_if_a_join_was_dropped()
+            try:
+                self.consumer.poll(timeout_ms=int(min(max(deadline - time.monotonic(), 0.05), 1.0) * 1e3))
+            except KafkaError as error:
+                log.warning("rejoining the group to commit: %s", error)
+            if self._revoked.is_set():
+                self._revoked.clear()
+                self._drop_revoked()
+
+    def _rejoin_if_a_join_was_dropped(self) -> None:
+        """kafka-python 3.0.12 (the newest) drops the result of a group join that finishes
+        between two polls: its join loop ends once the leader's own metadata snapshot matches,
+        before the assignment is applied, and the member stays `rebalancing` with heartbeats off,
+        every commit refused, until the broker evicts it. When no join is in flight any more
+        but the member still waits for one, ask for a new join: the next poll makes it."""
+        coordinator = self.consumer._coordinator
+        join = coordinator._join_task
+        if coordinator.rebalance_in_progress() and join is not None and join.is_done and not coordinator.need_rejoin():
+            log.info("the group join finished between two polls and was dropped by the library: joining again")
+            coordinator.request_rejoin()
+
+    def commit(self, timeout_s: float | None = None) -> bool:
+        """Commit every offset whose traces are all acknowledged; True when the group refused
+        the commit because it is rebalancing (the next commit, after the rejoin, carries them)."""
         self._settle()
         points = {tp: offset for tp, offset in self.offsets.commit_points().items() if self._committed.get(tp) != offset}
         self._last_commit = time.monotonic()
+        refused = False
         if points:
             try:
                 self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in points.items()},
                                      timeout_ms=int((timeout_s or self.config.kafka_timeout_s) * 1e3))
-            except CommitFailedError as error:  # a rebalance won the race: the new owners re-read
-                log.warning("commit refused during a rebalance (messages will be read again): %s", error)
+            except (CommitFailedError, RebalanceInProgressError) as error:  # partitions moving: re-read if they go
+                log.warning("commit refused during a rebalance: %s", error)
+                refused = True
             except KafkaError as error:  # the broker is away: the next commit carries these offsets too
                 log.warning("commit failed (retrying at the next): %s", error)
             else:
                 self._committed.update(points)
         self._update_lag()
+        return refused
 
     # -- messages in -------------------------------------------------------------------------
     def _take_partition(self, partition: TopicPartition, messages: list) -> None:
