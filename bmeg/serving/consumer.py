@@ -17,7 +17,11 @@ diagnosis too large to publish go to the dead-letter topic (truncated, the reaso
 `bmeg-error` header) and the partition moves on. Every call into Kafka has a timeout, so a
 broker outage of any length is waited out by a loop that keeps running, and resumes by itself;
 `heartbeat` is the time the loop last went round (`/healthz` on the metrics port fails when it
-is older than `liveness_timeout_s`). A stop (SIGTERM) publishes every pending trace, waits for
+is older than `liveness_timeout_s`). Whether the broker answers and the topic exists is asked
+on a thread of its own (`BrokerWatch`, once every `broker_check_s`), never by the loop; the
+assembler's idle clock counts only up to the broker's last answer, and after an outage every
+trace held gets a full idle timeout (`TraceAssembler.heard_from_broker`): spans queued in the
+senders' exporters meanwhile arrive only once the broker is back. A stop (SIGTERM) publishes every pending trace, waits for
 the broker, commits what is acknowledged and closes, all within `shutdown_timeout_s`.
 
 Consumers in one group share the partitions with the cooperative-sticky assignor (KIP-429):
@@ -54,8 +58,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from bmeg.models.detector import Detector
 from bmeg.models.history import StreamHistory
-from bmeg.serving.assembler import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, DEFAULT_MAX_OPEN, PendingTrace,
-                                    TraceAssembler)
+from bmeg.serving.assembler import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, DEFAULT_MAX_OPEN,
+                                    DEFAULT_OUTAGE_AFTER_S, PendingTrace, TraceAssembler)
+from bmeg.serving.brokerwatch import BrokerWatch
 from bmeg.serving.model import freeze_heap
 from bmeg.serving.offsets import OffsetTracker, Source
 from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, Topics, diagnose_batch,
@@ -102,6 +107,8 @@ class ConsumerConfig:
     kafka_timeout_s: float = 10.0  # each commit, flush and close
     shutdown_timeout_s: float = 20.0
     liveness_timeout_s: float = 60.0
+    broker_check_s: float = 1.0  # how often the broker is asked whether it answers and the topic exists
+    outage_after_s: float = DEFAULT_OUTAGE_AFTER_S  # no answer for this long: an outage (see the assembler)
 
 
 class ConsumerMetrics:
@@ -139,7 +146,8 @@ class StreamConsumer:
         self.config = config
         self.metrics = metrics or ConsumerMetrics()
         self.assembler = TraceAssembler(config.idle_timeout_s, config.max_trace_spans,
-                                        late_window_s=config.late_window_s, max_open=config.max_open_traces)
+                                        late_window_s=config.late_window_s, max_open=config.max_open_traces,
+                                        outage_after_s=config.outage_after_s)
         self.offsets = OffsetTracker()
         self.heartbeat = time.monotonic()
         self._committed: dict[TopicPartition, int] = {}
@@ -156,7 +164,9 @@ class StreamConsumer:
             heartbeat_interval_ms=1_000,
         )
         self._subscribed = False  # until the topic exists: see `_subscribe_once_the_topic_exists`
-        self._topic_checked = float("-inf")
+        self._waiting_logged = False
+        self.broker = BrokerWatch(config.bootstrap, config.topic, config.broker_check_s,
+                                  timeout_s=min(config.kafka_timeout_s, 2 * config.broker_check_s))
         self._diagnoser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bmeg-diagnoser")
         self._in_flight: deque[Future[list[Delivery]]] = deque()  # oldest first
         self._unsent: list[Delivery] = []  # published, not yet all acknowledged
@@ -174,11 +184,16 @@ class StreamConsumer:
             while not stop.is_set():
                 self.step()
         finally:
-            self.close()
+            try:
+                self.close()
+            finally:
+                self.broker.close()
 
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
         self._beat()
+        if self.assembler.heard_from_broker(self.broker.last_contact):
+            log.warning("the broker is back: each of the %d traces held gets a full idle timeout", len(self.assembler))
         if not self._subscribed and not self._subscribe_once_the_topic_exists():
             time.sleep(self.config.poll_timeout_ms / 1e3)
             return
@@ -199,7 +214,8 @@ class StreamConsumer:
             self.commit()
 
     def _subscribe_once_the_topic_exists(self) -> bool:
-        """Subscribe to the topic once the broker lists its partitions (checked once a second).
+        """Subscribe to the topic once the broker lists its partitions (`BrokerWatch` asks once
+        every `broker_check_s`; the loop never waits on the broker for it).
 
         A consumer that subscribes before the topic exists (the Collector's first write creates
         it) is assigned nothing, then rejoins when the topic appears; kafka-python 3.0.12 can
@@ -208,17 +224,10 @@ class StreamConsumer:
         with its heartbeat off, sits unassigned until the broker evicts it: every message lost
         to this consumer. Joining only when the partitions are known makes the first join the
         one that assigns them."""
-        if time.monotonic() - self._topic_checked < 1.0:
-            return False
-        first_check, self._topic_checked = self._topic_checked == float("-inf"), time.monotonic()
-        try:
-            partitions = self.consumer.partitions_for_topic(self.config.topic)
-        except KafkaError as error:  # the broker is away: asked again in a second
-            log.warning("listing the partitions of %s failed (retrying): %s", self.config.topic, error)
-            return False
-        if not partitions:
-            if first_check:
+        if not self.broker.partitions:
+            if not self._waiting_logged:
                 log.info("waiting for the topic %s to exist", self.config.topic)
+                self._waiting_logged = True
             return False
         self.consumer.subscribe([self.config.topic], listener=_Rebalance(self))
         self._subscribed = True
