@@ -184,10 +184,7 @@ class StreamConsumer:
             while not stop.is_set():
                 self.step()
         finally:
-            try:
-                self.close()
-            finally:
-                self.broker.close()
+            self.close()
 
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
@@ -248,6 +245,7 @@ class StreamConsumer:
         finally:
             self._diagnoser.shutdown(wait=False, cancel_futures=True)
             closing_s = min(budget / 8, self.config.kafka_timeout_s)
+            self.broker.close(timeout_s=closing_s)
             for name, close in (("consumer", lambda: self.consumer.close(autocommit=False, timeout_ms=int(closing_s * 1e3))),
                                 ("producer", lambda: self.publisher.producer.close(timeout=closing_s))):
                 try:
