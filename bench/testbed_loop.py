@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -115,6 +116,7 @@ def main() -> None:
                                   progress=lambda line: print(line, flush=True))
     finally:
         down(testbed)
+    shutil.rmtree(run)  # the logs of a failed run stay, for reading
     per_run = rows(report.arms)
     overall = summary(per_run)
     print(f"\n{args.scenario}: {report.fault['source']} on {report.fault['service']} {report.fault['parameters']}, "
