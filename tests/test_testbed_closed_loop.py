@@ -61,23 +61,34 @@ def test_scale_out_is_balanced_and_undone(bed):
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "timing on the shared 2-core machine: passed 1 of the last 3 runs under a load average of 15 from "
-    "other work (the others: a store slowed by that load outscored the saturated service; the fault "
-    "did not show above the noise); see README, the closed loop on the testbed"))
+    "passed 3 of 3 runs in a row at load average 2-7, but not evidence of the mitigation: on quiet "
+    "minutes the saturation fault raised the none arm's p95 only 1.2x (bench/testbed_loop.py --scenario "
+    "saturation), and in that run other users' load on the middle minutes left the bmeg arms' late p95 "
+    "5-7x the none arms' while the kept scale-up was right; see README, the closed loop on the testbed"))
 def test_closed_loop_mitigation_beats_no_mitigation(bed):
-    settings = TestbedLoopSettings(normal_s=10.0, fault_s=40.0, arms=("none", "bmeg"))
+    """The saturated service's quota raised (or it scaled out) and kept, and the application's
+    late-fault p95 well below the unmitigated arms' in the same run.
+
+    The arms alternate none, bmeg, bmeg, none (ABBA: a trend in the shared machine's load over
+    the run falls on both alike) and are compared by a ratio of their late-fault medians of 1-s
+    p95s, not against an absolute or each arm's own normal phase: other users' load on the 2
+    shared cores multiplied every arm's latency for seconds at a time, and moved one arm's
+    normal p95 from 69 to 292 ms; with the arms run once each (none then bmeg) and bmeg judged
+    against its own normal phase the test passed 1 of 3 runs at a load average of 15."""
+    settings = TestbedLoopSettings(normal_s=10.0, fault_s=40.0, arms=("none", "bmeg", "bmeg", "none"))
     report = run_testbed_loop(bed, SCENARIO, load_catalogue(), load_policy(DEFAULT_POLICY), settings)
-    none, bmeg = report.arm("none"), report.arm("bmeg")
+    nones = [a for a in report.arms if a.arm == "none"]
+    bmegs = [a for a in report.arms if a.arm == "bmeg"]
     target = SCENARIOS[SCENARIO].service
-    kept = [a for a in bmeg.actions if a["service"] == target and a["status"] == "applied" and "rolled_back_s" not in a]
-    assert kept, f"the controller kept no action on {target}: {bmeg.actions}"
-    assert none.traces > 0 and bmeg.traces > 0
-    # the fault shows without mitigation, and the controller's action takes most of it away
-    # each arm against its own normal phase, on medians of 1-s p95s: other users' load on the 2
-    # shared cores multiplies every arm's latency for seconds at a time, and moved an arm's
-    # normal p95 from 69 to 118 ms a minute later
-    assert none.late_over_normal > 1.2, f"the fault did not show: {none}"
-    assert bmeg.late_over_normal < 0.8 * none.late_over_normal, f"mitigated {bmeg} vs {none}"
+    kept = [a for arm in bmegs for a in arm.actions
+            if a["service"] == target and a["status"] == "applied" and "rolled_back_s" not in a]
+    assert kept, f"the controller kept no action on {target}: {[arm.actions for arm in bmegs]}"
+    assert all(a.traces > 0 for a in report.arms)
+    # the controller's arms together against the unmitigated ones: most of the fault's late
+    # latency gone (a mitigation that does nothing leaves the ratio near 1)
+    none_late = sum(a.p95_late_median_ms for a in nones)
+    bmeg_late = sum(a.p95_late_median_ms for a in bmegs)
+    assert bmeg_late < 0.8 * none_late, f"mitigated {bmegs} vs {nones}"
     # everything the loop did is undone: one instance, the normal quota, no fault
     state = bed.state()
     assert not state.faults and not [r for r in state.processes.values() if r.role == "replica"]

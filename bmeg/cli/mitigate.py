@@ -28,7 +28,8 @@ from bmeg.cli.output import json_option, print_json, print_table
 @click.option("--scenario", help="--sim: a scenario file, or the name of one shipped in bmeg/mitigation/scenarios/; "
                                  "--testbed: saturation, interference or misconfiguration.")
 @click.option("--arms", default="none,bmeg,hpa", show_default=True,
-              help="--testbed: the runs, in order: none (no mitigation), bmeg (the controller), hpa (CPU scaler).")
+              help="--testbed: the runs, in order: none (no mitigation), bmeg (the controller), hpa (CPU scaler); "
+                   "an arm may repeat (none,bmeg,bmeg,none: alternated arms meet the machine's load alike).")
 @click.option("--fault-s", default=45.0, show_default=True, help="--testbed: seconds each run's fault lasts.")
 @click.option("--normal-s", default=15.0, show_default=True, help="--testbed: seconds of normal load before each fault.")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True),

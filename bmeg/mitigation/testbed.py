@@ -10,7 +10,9 @@ in turn, on the same services under the same open-loop load:
 - `hpa`: a CPU-threshold scaler (`closed_loop.hpa_step`: desired = ceil(replicas *
   utilization / target), as the Kubernetes HPA computes it), on the same executor.
 Each arm begins from the normal deployment (the previous arm's fault undone, its actions
-reset), a normal phase of `normal_s`, then the fault for `fault_s`.
+reset), a normal phase of `normal_s`, then the fault for `fault_s`. An arm may come more than
+once (`arms=("none", "bmeg", "bmeg", "none")`): arms run in alternation meet the shared
+machine's load alike, and are best compared with each other by a ratio (bench/testbed_loop.py).
 
 What acting means on the testbed (`TestbedExecutor`, the `Executor` protocol):
 - scale out: start replica processes of the service (same configuration, overrides and CPU
@@ -459,6 +461,7 @@ class TestbedLoopReport:
     arms: list[ArmReport]
 
     def arm(self, name: str) -> ArmReport:
+        """The first run of that arm (`arms` holds every run, in order)."""
         return next(a for a in self.arms if a.arm == name)
 
 
