@@ -422,6 +422,21 @@ def test_router_keeps_the_gnn_where_the_svm_names_culprits_with_scores_too_low_t
     assert choose(y, verdicts, {"gnn": gnn_named, "svm": np.full(200, 0.95)}, services, paths, cheap_svm)[0] == Router(3, 2)
 
 
+def test_router_keeps_the_gnn_where_the_svm_loses_one_fault_source_while_winning_overall():
+    """The loop must handle each kind of fault: a lead on the common source (saturation) does not
+    buy a loss on a rarer one (misconfiguration, where the SVM's own-time score misses the queue)."""
+    y = np.array([1] * 120 + [0] * 120)
+    sources = np.array(["saturation"] * 90 + ["misconfiguration"] * 30 + [""] * 120, dtype=object)
+    services, paths = np.full(240, 3), np.full(240, 2)
+    verdicts = {"gnn": y.astype(bool), "svm": y.astype(bool)}
+    gnn_named = np.where(np.arange(240) % 2 == 0, 0.9, 0.0)
+    svm_named = np.where(sources == "saturation", 1.0, 0.0)
+    cost = {"gnn": 1e-3, "svm": 1e-5}
+    router, _, why = choose(y, verdicts, {"gnn": gnn_named, "svm": svm_named}, services, paths, cost, sources=sources)
+    assert router == Router() and "worse on faults of {'misconfiguration'" in why
+    assert choose(y, verdicts, {"gnn": gnn_named, "svm": svm_named}, services, paths, cost)[0] == Router(3, 2)
+
+
 def test_router_keeps_the_gnn_on_a_lead_that_a_resample_of_few_traces_undoes():
     y = np.array([1] * 6 + [0] * 6)
     services, paths = np.full(12, 3), np.full(12, 2)

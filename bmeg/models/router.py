@@ -14,8 +14,9 @@ its culprit F1: a flagged bottlenecked trace whose top-ranked service is a true 
 scored at or above its model's node threshold, counts that score as a hit (the closed loop's
 planner weighs a blame by the model's score behind it: a right culprit scored 0.13 moves no
 action). The GNN alone is kept unless some cut
-(1) flags traces no worse (trace F1) than the GNN alone by more than `tolerance`, (2) names
-culprits better by more than `tolerance`, and (3) is still ahead in 95% of paired resamples of
+(1) flags traces no worse (trace F1) than the GNN alone by more than `tolerance`, and names
+culprits no worse on any one fault source (the loop must handle each), (2) names culprits better
+overall by more than `tolerance`, and (3) is still ahead in 95% of paired resamples of
 the decision traces (a lead on a few dozen bottlenecked traces is no evidence); among such cuts
 within `tolerance` of the best, the cheapest per trace, measured. The reason, in words, travels
 with the router (`why`) into every GNN-routed trace's `route`.
@@ -24,6 +25,7 @@ with the router (`why`) into every GNN-routed trace's `route`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -95,15 +97,16 @@ class Router:
 
 def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.ndarray], services: np.ndarray,
            paths: np.ndarray, cost_s: dict[str, float], tolerance: float = 0.01, weights: np.ndarray | None = None,
-           confidence: float = 0.95, seed: int = 0) -> tuple[Router, list[dict], str]:
+           confidence: float = 0.95, seed: int = 0, sources: np.ndarray | None = None) -> tuple[Router, list[dict], str]:
     """The router for decision traces with labels `y`, given each model's ("gnn", "svm")
     verdicts [T], its culprit credit [T] in [0, 1] (the score of its top-ranked service where
     that is a true bottleneck scored as one, else 0; read on the traces with `y == 1`), its
-    cost in seconds per trace, measured, and optional trace weights (default 1).
+    cost in seconds per trace, measured, optional trace weights (default 1) and fault sources.
 
     Every pair of cuts seen in the data is tried (plus "never the SVM"). A cut's quality is its
     culprit F1 (`_culprit_f1`). A cut is eligible when its trace F1 is no worse than the GNN
-    alone's by more than `tolerance`; "never" wins unless some eligible cut's quality beats it
+    alone's by more than `tolerance`, nor its culprit recall on the bottlenecked traces of any
+    one fault source (a lead on the common source must not hide a loss on a rarer one); "never" wins unless some eligible cut's quality beats it
     by more than `tolerance`. Otherwise the cheapest eligible cut within `tolerance` of the best
     quality is taken, ties to the one sending fewer traces to the SVM, if it holds up when the
     decision traces are resampled (paired bootstrap, 200 draws with `seed`): in at least
@@ -112,8 +115,9 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
     candidate with its figures and the reason in words.
     """
     weights = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=np.float64)
+    sources = np.full(len(y), "", dtype=object) if sources is None else np.asarray(sources, dtype=object)
     candidates = [Router()] + [Router(int(s), int(p)) for s in np.unique(services) for p in np.unique(paths)]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for router in candidates:
         predicted, right = _routed(router.to_svm(services, paths), y, verdicts, named)
         bottlenecked = weights[y == 1]
@@ -121,12 +125,22 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
         share = float(np.mean(router.to_svm(services, paths))) if len(y) else 0.0
         rows.append({"max_services": router.max_services, "max_paths": router.max_paths,
                      "f1": _f1(y, predicted, weights), "culprit_credit": credit, "quality": _culprit_f1(y, predicted, right, weights),
-                     "share_to_svm": share, "cost_s_per_trace": share * cost_s["svm"] + (1 - share) * cost_s["gnn"]})
+                     "share_to_svm": share, "cost_s_per_trace": share * cost_s["svm"] + (1 - share) * cost_s["gnn"],
+                     "by_source": _by_source(y, predicted, right, weights, sources)})
     gnn_alone = rows[0]
     # The closed loop acts on the flag (which traces are slow) and on the culprit (the service
     # it acts on): the SVM must name culprits better AND flag traces about as well.
-    eligible = [row for row in rows if row["f1"] >= gnn_alone["f1"] - tolerance]
+    flags_as_well = [row for row in rows if row["f1"] >= gnn_alone["f1"] - tolerance]
+    eligible = [row for row in flags_as_well if all(value >= gnn_alone["by_source"][source] - tolerance
+                                                    for source, value in row["by_source"].items())]
     best = max(row["quality"] for row in eligible)
+    overall = max(flags_as_well, key=lambda row: row["quality"])
+    if gnn_alone["quality"] >= best - tolerance and overall["quality"] > gnn_alone["quality"] + tolerance:
+        worse = {source: f"{value:.3f} against {gnn_alone['by_source'][source]:.3f}"
+                 for source, value in overall["by_source"].items() if value < gnn_alone["by_source"][source] - tolerance}
+        return Router(), rows, (f"gnn: the cut ({overall['max_services']} services, {overall['max_paths']} paths) names "
+                                f"culprits better overall (culprit F1 {overall['quality']:.3f} against "
+                                f"{gnn_alone['quality']:.3f}) but worse on faults of {worse} (culprit recall)")
     if gnn_alone["quality"] >= best - tolerance:
         # A tie on validation traces, whose faults come from the training campaign's draws, is
         # no evidence for the SVM: on socialnet both scored 1.0 there, and on traces of fresh
@@ -153,6 +167,16 @@ def _routed(to_svm: np.ndarray, y: np.ndarray, verdicts: dict[str, np.ndarray],
     """Under a routing: each trace's verdict, and its culprit credit (0 on normal traces)."""
     return (np.where(to_svm, verdicts["svm"], verdicts["gnn"]),
             np.where(to_svm, named["svm"], named["gnn"]) * (y == 1))
+
+
+def _by_source(y: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights: np.ndarray,
+               sources: np.ndarray) -> dict[str, float]:
+    """Culprit recall per fault source: the credit of flagged culprits over the bottlenecked traces."""
+    figures = {}
+    for source in sorted(set(sources[y == 1].tolist())):
+        mask = (y == 1) & (sources == source)
+        figures[str(source)] = float(np.sum(weights[mask] * predicted[mask] * right[mask]) / np.sum(weights[mask]))
+    return figures
 
 
 def _bootstrap_share(y: np.ndarray, weights: np.ndarray, cut: tuple[np.ndarray, np.ndarray],

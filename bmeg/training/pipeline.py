@@ -244,12 +244,14 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
         judge, _, judge_raw = _fit_models(fitting, config, application)
         judge = replace(judge, thresholds=_thresholds(judge_raw, fitting, config))
     y, truth, th = data.y[decision], true_services(data, judge_raw), judge.thresholds
+    sources = _fault_sources(data)
     cost = measure_cost(detector, data.forest, data.val, {"gnn": Router(), "svm": Router.everything()})
     verdicts = {"gnn": judge_raw.gnn_anomaly[decision] >= th["graph"], "svm": judge_raw.svm_anomaly[decision] >= th["svm"]}
     named = {model: named_culprit(service[decision], judge_raw.present[decision], truth[decision], th[node])
              for model, service, node in (("gnn", judge_raw.gnn_service, "node"), ("svm", judge_raw.svm_service, "svm_node"))}
     router, candidates, why = choose(y, verdicts, named, judge_raw.num_services[decision], judge_raw.num_paths[decision],
-                                     cost, config.router_tolerance, weights, seed=config.seed)
+                                     cost, config.router_tolerance, weights, seed=config.seed,
+                                     sources=None if sources is None else sources[decision])
     where = (f"faults on held-out services {held} (a probe detector fitted without them)" if held
              else "validation traces (no held-out split: fewer than two faulted services)")
     router = replace(router, why=f"{why}; decided on {len(decision)} traces, {int(np.sum(y == 1))} bottlenecked, of {where}")
@@ -262,6 +264,13 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
         "decision_traces": int(len(decision)), "decision_bottlenecked": int(np.sum(y == 1)), "why": router.why,
     }
     return detector
+
+
+def _fault_sources(data: Labelled) -> np.ndarray | None:
+    """Each trace's fault source (saturation, misconfiguration, ...) where the dataset says."""
+    if "fault_source" not in data.traces.column_names:
+        return None
+    return np.asarray(data.traces["fault_source"].to_numpy(zero_copy_only=False), dtype=object)
 
 
 def named_culprit(service: np.ndarray, present: np.ndarray, truth: np.ndarray, threshold: float) -> np.ndarray:
