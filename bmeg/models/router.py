@@ -169,6 +169,14 @@ def _routed(to_svm: np.ndarray, y: np.ndarray, verdicts: dict[str, np.ndarray],
             np.where(to_svm, named["svm"], named["gnn"]) * (y == 1))
 
 
+def culprit_recall_by_source(router: Router, y: np.ndarray, verdicts: dict[str, np.ndarray],
+                             named: dict[str, np.ndarray], services: np.ndarray, paths: np.ndarray,
+                             sources: np.ndarray) -> dict[str, float]:
+    """Per fault source, the culprit recall of traces routed by `router` (as `choose` reads it)."""
+    predicted, right = _routed(router.to_svm(services, paths), y, verdicts, named)
+    return _by_source(y, predicted, right, np.ones(len(y)), np.asarray(sources, dtype=object))
+
+
 def _by_source(y: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights: np.ndarray,
                sources: np.ndarray) -> dict[str, float]:
     """Culprit recall per fault source: the credit of flagged culprits over the bottlenecked traces."""

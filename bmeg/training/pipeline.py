@@ -38,7 +38,7 @@ from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.graphset import GraphSet
 from bmeg.models.inference import resolve_device
-from bmeg.models.router import Router, choose
+from bmeg.models.router import Router, choose, culprit_recall_by_source
 from bmeg.models.svm import (
     DEVIATIONS,
     FirmSVM,
@@ -252,6 +252,9 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
     router, candidates, why = choose(y, verdicts, named, judge_raw.num_services[decision], judge_raw.num_paths[decision],
                                      cost, config.router_tolerance, weights, seed=config.seed,
                                      sources=None if sources is None else sources[decision])
+    if sources is not None and router != Router():
+        router, why = _uncovered_sources_check(router, why, detector, raw, data, sources, set(sources[decision][y == 1]),
+                                               config.router_tolerance)
     where = (f"faults on held-out services {held} (a probe detector fitted without them)" if held
              else "validation traces (no held-out split: fewer than two faulted services)")
     router = replace(router, why=f"{why}; decided on {len(decision)} traces, {int(np.sum(y == 1))} bottlenecked, of {where}")
@@ -264,6 +267,31 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
         "decision_traces": int(len(decision)), "decision_bottlenecked": int(np.sum(y == 1)), "why": router.why,
     }
     return detector
+
+
+def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: Scores, data: Labelled,
+                             sources: np.ndarray, covered: set, tolerance: float) -> tuple[Router, str]:
+    """The cut `choose` took, checked on the fault sources its decision traces lack: on the
+    validation faults of each (the served detector's scores; the training campaign's services),
+    it must name culprits no worse than the GNN alone by more than `tolerance`, else the GNN
+    alone stays. Where the held-out faults say nothing about a kind of fault, the validation
+    faults are the only evidence: in the closed loop's recipe the SVM's own-time scores name a
+    misconfigured worker pool's service at 0.13 (queueing is the callers' wait), and no
+    misconfiguration fell among the held-out services."""
+    val, y, th = data.val, data.y[data.val], detector.thresholds
+    truth = true_services(data, raw)
+    verdicts = {"gnn": raw.gnn_anomaly[val] >= th["graph"], "svm": raw.svm_anomaly[val] >= th["svm"]}
+    named = {model: named_culprit(service[val], raw.present[val], truth[val], th[node])
+             for model, service, node in (("gnn", raw.gnn_service, "node"), ("svm", raw.svm_service, "svm_node"))}
+    shape = (raw.num_services[val], raw.num_paths[val], sources[val])
+    gnn = culprit_recall_by_source(Router(), y, verdicts, named, *shape)
+    cut = culprit_recall_by_source(router, y, verdicts, named, *shape)
+    worse = {source: f"{cut[source]:.3f} against {gnn[source]:.3f}" for source in gnn
+             if source not in covered and cut[source] < gnn[source] - tolerance}
+    if not worse:
+        return router, why
+    return Router(), (f"gnn: {why.removeprefix('svm: ')}; but on validation faults of sources the held-out faults "
+                      f"lack it names culprits worse: {worse} (culprit recall)")
 
 
 def _fault_sources(data: Labelled) -> np.ndarray | None:
