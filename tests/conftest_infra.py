@@ -1,5 +1,6 @@
 """Fixtures for the real parts the integration tests talk to: a Kafka broker, a Kubernetes
-API server with RBAC, and the OpenTelemetry Collector (`otelcol_binary`, `Collector`).
+API server with RBAC, the OpenTelemetry Collector (`otelcol_binary`, `Collector`), and a
+broker of one test's own that it can kill and start again (`Broker`).
 
 `scripts/test.sh` (that is, `make test`) starts both and exports the variables read here.
 Run by hand, start them yourself (`scripts/kafka.sh start`, `scripts/kube-apiserver.sh start`);
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import getpass
 import os
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -207,3 +210,67 @@ class Collector:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+class Broker:
+    """A Kafka broker of one test's own (scripts/kafka.sh on free ports and its own run
+    directory); `kill` and `restart` stop it and start it again on the same data."""
+
+    def __init__(self, run_dir: Path):
+        self.port = free_port()
+        while _port_taken(self.port + 1):  # the controller listens on the port above
+            self.port = free_port()
+        self.run_dir, self.bootstrap = run_dir, f"127.0.0.1:{self.port}"
+        self.env = {**os.environ, "BMEG_KAFKA_PORT": str(self.port), "BMEG_KAFKA_RUN_DIR": str(run_dir),
+                    "BMEG_PYTHON": sys.executable}
+        subprocess.run(["bash", str(ROOT / "scripts" / "kafka.sh"), "start"], env=self.env, check=True,
+                       capture_output=True)
+
+    @property
+    def _pid_file(self) -> Path:
+        return self.run_dir / "kafka.pid"
+
+    def kill(self) -> None:
+        pid = int(self._pid_file.read_text())
+        self.argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        os.kill(pid, signal.SIGKILL)
+        while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+            time.sleep(0.1)
+
+    def restart(self) -> None:
+        process = subprocess.Popen([arg.decode() for arg in self.argv], stdout=(self.run_dir / "kafka.log").open("a"),
+                                   stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self._pid_file.write_text(str(process.pid))
+        deadline = time.monotonic() + 90
+        while not _kafka_answers(self.bootstrap):
+            assert process.poll() is None and time.monotonic() < deadline, (self.run_dir / "kafka.log").read_text()[-3000:]
+            time.sleep(1)
+
+    def stop(self) -> None:
+        subprocess.run(["bash", str(ROOT / "scripts" / "kafka.sh"), "stop"], env=self.env, capture_output=True)
+
+
+def _port_taken(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+def _kafka_answers(bootstrap: str) -> bool:
+    from kafka import KafkaAdminClient  # the kafka extra: imported by the tests that start a broker
+    from kafka.errors import KafkaError
+
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000)
+    except KafkaError:
+        return False
+    try:
+        admin.list_topics()
+        return True
+    except KafkaError:
+        return False
+    finally:
+        admin.close()

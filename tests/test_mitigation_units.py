@@ -16,7 +16,7 @@ from bmeg.mitigation import (
 )
 from bmeg.cluster.catalogue import Parameter, parse_catalogue
 from bmeg.cluster.executor import Applied
-from bmeg.mitigation.planner import Decision, gather_evidence
+from bmeg.mitigation.planner import Decision, gather_evidence, quantile_of_sorted
 from bmeg.mitigation.safety import improved
 from bmeg.mitigation.tuning import search_around
 
@@ -327,3 +327,8 @@ def test_online_search_moves_a_bad_pool_size_to_a_good_one() -> None:
     assert best.judgement.worst < 14 and not best.judgement.unstable
     with pytest.raises(ValueError, match="categorical"):
         search_around(CATALOGUE.parameter("post-storage-mongodb", "block_compressor"), 0, measure)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e6), min_size=1, max_size=50), st.sampled_from([0.0, 0.5, 0.9, 0.999, 1.0]))
+def test_the_hints_quantile_is_numpys(values, q):
+    assert quantile_of_sorted(sorted(values), q) == pytest.approx(float(np.quantile(values, q)), rel=1e-12, abs=1e-9)

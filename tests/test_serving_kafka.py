@@ -19,7 +19,7 @@ import httpx
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from conftest_infra import free_port
+from conftest_infra import Broker, free_port
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
@@ -144,6 +144,55 @@ def test_a_consumer_started_before_its_topic_exists_joins_once_it_does_and_reads
     assert sorted(record.key.decode() for record in diagnoses) == sorted(trace_ids)
 
 
+def test_a_broker_that_vanishes_while_the_topic_is_awaited_stalls_neither_the_loop_nor_a_stop(
+        detector, hotel_dataset, tmp_path):
+    """kafka-python 3.0.12's `partitions_for_topic` waits for metadata with no timeout: a broker
+    that vanished while the consumer waited for its topic blocked the poll loop for good. With a
+    broker of this test's own: two consumers wait for a topic that does not exist yet; the broker
+    is killed; both loops keep going round, and one is stopped within its shutdown timeout. The
+    broker comes back, the topic is created: the other subscribes and diagnoses on its own."""
+    broker = Broker(tmp_path / "kafka")
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[:20]
+    spans = traces_of(hotel_dataset.spans, trace_ids)
+    config = config_for(broker.bootstrap)
+    waiting = StreamConsumer(detector, config)
+    stopped = StreamConsumer(detector, config_for(broker.bootstrap, shutdown_timeout_s=8.0))
+    stops = {consumer: threading.Event() for consumer in (waiting, stopped)}
+    threads = {consumer: threading.Thread(target=consumer.run, args=(stop,)) for consumer, stop in stops.items()}
+    for thread in threads.values():
+        thread.start()
+    try:
+        time.sleep(2.5)  # a few checks of the topic
+        assert not waiting.consumer.subscription() and not stopped.consumer.subscription()
+        broker.kill()
+        killed, oldest_beat = time.monotonic(), 0.0
+        while time.monotonic() - killed < 12:  # past the outage threshold and several failed checks
+            oldest_beat = max(oldest_beat, *(time.monotonic() - c.heartbeat for c in (waiting, stopped)))
+            time.sleep(0.1)
+        assert oldest_beat < 2.0, oldest_beat  # the loops went round all along
+        assert waiting.healthy() and time.monotonic() - waiting.broker.last_contact > 10
+        asked_to_stop = time.monotonic()
+        stops[stopped].set()
+        threads[stopped].join(stopped.config.shutdown_timeout_s + 10)
+        took = time.monotonic() - asked_to_stop
+        assert not threads[stopped].is_alive() and took < stopped.config.shutdown_timeout_s + 2, took
+
+        broker.restart()
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        admin.create_topics([NewTopic(config.topic, PARTITIONS, 1)])
+        admin.close()
+        produce(broker.bootstrap, config.topic, split_messages(spans, trace_ids))
+        _wait_for(lambda: diagnosed(waiting) >= len(trace_ids), timeout_s=120)
+        diagnoses = read_topic(broker.bootstrap, config.diagnoses_topic, len(trace_ids))
+    finally:
+        for consumer, stop in stops.items():
+            stop.set()
+            threads[consumer].join(30)
+        broker.stop()
+    assert sorted(record.key.decode() for record in diagnoses) == sorted(trace_ids)
+    assert waiting.healthy()
+
+
 def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_restart_resumes(
         kafka_bootstrap, detector, hotel_dataset):
     config = config_for(kafka_bootstrap, idle_timeout_s=3600)  # traces never finish while it runs
@@ -205,7 +254,42 @@ def test_two_processes_in_one_group_share_the_partitions(kafka_bootstrap, traine
     assert all(int(counts[-1]) > 0 for counts in diagnosed_by), texts  # both took part
     assert "bmeg_consumer_traces_diagnosed_total" in metrics and 'bmeg_consumer_lag{partition="' in metrics
     ends = end_offsets(kafka_bootstrap, config.topic)
-    assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}
+    assert committed(kafka_bootstrap, config) == {p: ends[p] or None for p in range(PARTITIONS)}, texts
+
+
+def test_a_stop_that_meets_a_rebalance_rejoins_and_commits_what_it_finished(kafka_bootstrap, detector, hotel_dataset):
+    """Replicas stopped together: the rebalance one starts meets the other while it stops, and
+    the group refuses its last commit until it has rejoined (a clean-clone CI run found every
+    offset of one of two stopped processes uncommitted). Here the rejoin also finishes between two
+    polls, whose result kafka-python drops. The stop now rejoins, again if need be, and commits."""
+    config = config_for(kafka_bootstrap, commit_interval_s=3600.0)  # only the stop commits
+    trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[130:150]
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(config.topic, PARTITIONS, 1)])
+    admin.close()
+    produce(kafka_bootstrap, config.topic, _keyed_messages(hotel_dataset.spans, trace_ids, partitions=range(PARTITIONS)))
+    stopping = StreamConsumer(detector, config)
+    deadline = time.monotonic() + 90
+    while diagnosed(stopping) < len(trace_ids):
+        assert time.monotonic() < deadline, "the first consumer did not diagnose every trace"
+        stopping.step()
+    joining = StreamConsumer(detector, config)
+    stop = threading.Event()
+    thread = threading.Thread(target=joining.run, args=(stop,))
+    thread.start()
+    try:
+        coordinator = stopping.consumer._coordinator  # the group's request reaches it with a heartbeat
+        while not coordinator.need_rejoin():
+            assert time.monotonic() < deadline + 30, "the group did not ask the first consumer to rejoin"
+            time.sleep(0.1)
+        stopping.consumer.poll(timeout_ms=1)  # its rejoin starts and is still running when the stop comes
+        assert coordinator.rebalance_in_progress()
+        stopping.close()
+    finally:
+        stop.set()
+        thread.join(30)
+    ends, points = end_offsets(kafka_bootstrap, config.topic), committed(kafka_bootstrap, config)
+    assert [p for p in range(PARTITIONS) if points[p] == ends[p] > 0], points  # before: nothing committed
 
 
 def test_a_stop_with_many_open_traces_ends_within_the_shutdown_timeout_and_loses_none(

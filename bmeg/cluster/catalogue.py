@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, PrivateAttr
 
 from bmeg.paths import shipped_folder
 
@@ -109,6 +109,9 @@ class ServiceKind(_Strict):
 
 class Catalogue(_Strict):
     kinds: dict[str, ServiceKind]
+    # service -> its kind: every anomalous trace the consumer publishes asks, for each service
+    # it names, and matching the patterns each time was a tenth of the hints' cost
+    _kind_by_service: dict[str, ServiceKind | None] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _name_entries(self) -> Catalogue:
@@ -120,7 +123,9 @@ class Catalogue(_Strict):
 
     def kind_of(self, service: str) -> ServiceKind | None:
         """The first kind whose patterns match the service's name."""
-        return next((kind for kind in self.kinds.values() if kind.matches(service)), None)
+        if service not in self._kind_by_service:
+            self._kind_by_service[service] = next((kind for kind in self.kinds.values() if kind.matches(service)), None)
+        return self._kind_by_service[service]
 
     def parameters_for(self, service: str) -> dict[str, Parameter]:
         kind = self.kind_of(service)

@@ -24,6 +24,18 @@ than `max_open` are being assembled (spans whose roots never come, sent faster t
 timeout ends them, must not grow memory without bound: `bench/consumer_limits.py` measures the
 consumer at this cap).
 
+Idle time counts only while the spans' way in works. A sender's spans wait in its exporter
+(the Collector's queue) while the broker is away, so a trace whose last spans are stuck behind
+an outage looks idle though it is not. The consumer tells the assembler when it last heard from
+the broker (`heard_from_broker`): a trace finishes by the idle timeout only once the broker has
+answered after that timeout ran out (the time a request was sent: an answer proves the broker
+was up then), so no trace finishes on idle time in which the broker was not heard from; and
+after a silence of `outage_after_s` or longer, no trace finishes on idle time for
+`recovery_s` from the broker's first answer: what the senders queued meanwhile arrives only
+once their exporters retry, and the Collector's exporter retries on a backoff of up to 30 s
+(±50%: `retry_on_failure`'s defaults), so a trace's queued pieces may come that far apart. Without
+`heard_from_broker` (the OTLP/HTTP receiver, which has no broker in front) idle time always counts.
+
 Spans of a trace already finished (a late fragment) are never diagnosed as a new trace: the
 ids of finished traces are remembered for `late_window_s` and their late spans are counted
 and dropped (`late_spans`). Each trace remembers the messages (`sources`) that carried its
@@ -55,6 +67,11 @@ _MAX_REMEMBERED = 1_000_000  # finished trace ids kept at most (~100 MB), whatev
 _MAX_CALL_KEYS = 100_000
 #: Traces being assembled at most (the consumer's `max_open_traces`).
 DEFAULT_MAX_OPEN = 50_000
+#: No answer from the broker for this long is an outage (the consumer asks once a second).
+DEFAULT_OUTAGE_AFTER_S = 5.0
+#: After an outage, no trace finishes on idle time for this long: the Collector's exporter's
+#: longest retry backoff (`retry_on_failure.max_interval` 30 s, randomised by ±50%).
+DEFAULT_RECOVERY_S = 45.0
 
 
 @dataclass
@@ -92,7 +109,8 @@ class Added:
 class TraceAssembler:
     def __init__(self, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, max_spans: int = 10_000,
                  clock: Callable[[], float] = time.monotonic, late_window_s: float = DEFAULT_LATE_WINDOW_S,
-                 max_open: int = DEFAULT_MAX_OPEN):
+                 max_open: int = DEFAULT_MAX_OPEN, outage_after_s: float = DEFAULT_OUTAGE_AFTER_S,
+                 recovery_s: float = DEFAULT_RECOVERY_S):
         if max_open < 1:
             raise ValueError(f"max_open={max_open}: at least one trace must be assembled at a time")
         self.idle_timeout_s = idle_timeout_s
@@ -101,6 +119,10 @@ class TraceAssembler:
         self.evicted = 0  # traces finished early because `max_open` were open
         self.clock = clock
         self.late_window_s = late_window_s
+        self.outage_after_s = outage_after_s
+        self.recovery_s = recovery_s
+        self._heard: float | None = None  # when the broker last answered; None: idle time always counts
+        self._recovering_until = float("-inf")  # no trace finishes on idle time before, after an outage
         self._pending: OrderedDict[str, PendingTrace] = OrderedDict()  # least recently touched first
         self._ready: dict[str, PendingTrace] = {}  # complete or at the span cap, not yet handed out
         self._finished: OrderedDict[str, float] = OrderedDict()  # trace id -> when finished, oldest first
@@ -145,8 +167,8 @@ class TraceAssembler:
         """Traces complete or at the span cap, and those idle for the timeout; they leave the assembler."""
         now = self.clock()
         done, self._ready = list(self._ready.values()), {}
-        deadline = now - self.idle_timeout_s
-        while self._pending:
+        deadline = (now if self._heard is None else min(now, self._heard)) - self.idle_timeout_s
+        while self._pending and now >= self._recovering_until:
             oldest = next(iter(self._pending.values()))
             if oldest.last_seen > deadline:
                 break
@@ -158,6 +180,21 @@ class TraceAssembler:
             self._remember(trace.trace_id, now)
         self._forget_old(now)
         return done
+
+    def heard_from_broker(self, at: float) -> bool:
+        """The broker answered a request sent at `at` (this assembler's clock). Returns whether
+        that ends an outage (no answer for `outage_after_s`): then no trace finishes on idle time
+        for `recovery_s`, and every trace held restarts its idle timeout after that."""
+        if self._heard is not None and at <= self._heard:
+            return False
+        outage = self._heard is not None and at - self._heard >= self.outage_after_s
+        self._heard = at
+        if outage:
+            now = self.clock()
+            self._recovering_until = now + self.recovery_s
+            for trace in self._pending.values():
+                trace.last_seen = now
+        return outage
 
     def discard(self, unwanted: Callable[[PendingTrace], bool]) -> int:
         """Drop the traces held that are `unwanted` (not remembered as finished); returns how many."""

@@ -17,7 +17,11 @@ diagnosis too large to publish go to the dead-letter topic (truncated, the reaso
 `bmeg-error` header) and the partition moves on. Every call into Kafka has a timeout, so a
 broker outage of any length is waited out by a loop that keeps running, and resumes by itself;
 `heartbeat` is the time the loop last went round (`/healthz` on the metrics port fails when it
-is older than `liveness_timeout_s`). A stop (SIGTERM) publishes every pending trace, waits for
+is older than `liveness_timeout_s`). Whether the broker answers and the topic exists is asked
+on a thread of its own (`BrokerWatch`, once every `broker_check_s`), never by the loop; the
+assembler's idle clock counts only up to the broker's last answer, and after an outage every
+trace held gets a full idle timeout (`TraceAssembler.heard_from_broker`): spans queued in the
+senders' exporters meanwhile arrive only once the broker is back. A stop (SIGTERM) publishes every pending trace, waits for
 the broker, commits what is acknowledged and closes, all within `shutdown_timeout_s`.
 
 Consumers in one group share the partitions with the cooperative-sticky assignor (KIP-429):
@@ -48,14 +52,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pyarrow as pa
 from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
-from kafka.errors import CommitFailedError, KafkaError
+from kafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from bmeg.models.detector import Detector
 from bmeg.models.history import StreamHistory
-from bmeg.serving.assembler import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, DEFAULT_MAX_OPEN, PendingTrace,
-                                    TraceAssembler)
+from bmeg.serving.assembler import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_S, DEFAULT_MAX_OPEN,
+                                    DEFAULT_OUTAGE_AFTER_S, PendingTrace, TraceAssembler)
+from bmeg.serving.brokerwatch import BrokerWatch
 from bmeg.serving.model import freeze_heap
 from bmeg.serving.offsets import OffsetTracker, Source
 from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, Topics, diagnose_batch,
@@ -102,6 +107,8 @@ class ConsumerConfig:
     kafka_timeout_s: float = 10.0  # each commit, flush and close
     shutdown_timeout_s: float = 20.0
     liveness_timeout_s: float = 60.0
+    broker_check_s: float = 1.0  # how often the broker is asked whether it answers and the topic exists
+    outage_after_s: float = DEFAULT_OUTAGE_AFTER_S  # no answer for this long: an outage (see the assembler)
 
 
 class ConsumerMetrics:
@@ -139,7 +146,8 @@ class StreamConsumer:
         self.config = config
         self.metrics = metrics or ConsumerMetrics()
         self.assembler = TraceAssembler(config.idle_timeout_s, config.max_trace_spans,
-                                        late_window_s=config.late_window_s, max_open=config.max_open_traces)
+                                        late_window_s=config.late_window_s, max_open=config.max_open_traces,
+                                        outage_after_s=config.outage_after_s)
         self.offsets = OffsetTracker()
         self.heartbeat = time.monotonic()
         self._committed: dict[TopicPartition, int] = {}
@@ -151,9 +159,14 @@ class StreamConsumer:
             auto_offset_reset="earliest", max_poll_records=config.max_poll_records,
             fetch_max_bytes=config.fetch_max_bytes, max_partition_fetch_bytes=config.max_partition_fetch_bytes,
             partition_assignment_strategy=[CooperativeStickyAssignor],
+            # members learn of a rebalance by heartbeat: at 1 s (the library's 3 s default) the
+            # replicas of a rollout rejoin, and commit, within a stop's shutdown budget
+            heartbeat_interval_ms=1_000,
         )
         self._subscribed = False  # until the topic exists: see `_subscribe_once_the_topic_exists`
-        self._topic_checked = float("-inf")
+        self._waiting_logged = False
+        self.broker = BrokerWatch(config.bootstrap, config.topic, config.broker_check_s,
+                                  timeout_s=min(config.kafka_timeout_s, 2 * config.broker_check_s))
         self._diagnoser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bmeg-diagnoser")
         self._in_flight: deque[Future[list[Delivery]]] = deque()  # oldest first
         self._unsent: list[Delivery] = []  # published, not yet all acknowledged
@@ -176,10 +189,13 @@ class StreamConsumer:
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
         self._beat()
+        if self.assembler.heard_from_broker(self.broker.last_contact):
+            log.warning("the broker is back: each of the %d traces held gets a full idle timeout", len(self.assembler))
         if not self._subscribed and not self._subscribe_once_the_topic_exists():
             time.sleep(self.config.poll_timeout_ms / 1e3)
             return
         self._throttle()
+        self._rejoin_if_a_join_was_dropped()
         try:
             batches = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
         except KafkaError as error:  # the broker is away: kafka-python reconnects by itself
@@ -195,7 +211,8 @@ class StreamConsumer:
             self.commit()
 
     def _subscribe_once_the_topic_exists(self) -> bool:
-        """Subscribe to the topic once the broker lists its partitions (checked once a second).
+        """Subscribe to the topic once the broker lists its partitions (`BrokerWatch` asks once
+        every `broker_check_s`; the loop never waits on the broker for it).
 
         A consumer that subscribes before the topic exists (the Collector's first write creates
         it) is assigned nothing, then rejoins when the topic appears; kafka-python 3.0.12 can
@@ -204,17 +221,10 @@ class StreamConsumer:
         with its heartbeat off, sits unassigned until the broker evicts it: every message lost
         to this consumer. Joining only when the partitions are known makes the first join the
         one that assigns them."""
-        if time.monotonic() - self._topic_checked < 1.0:
-            return False
-        first_check, self._topic_checked = self._topic_checked == float("-inf"), time.monotonic()
-        try:
-            partitions = self.consumer.partitions_for_topic(self.config.topic)
-        except KafkaError as error:  # the broker is away: asked again in a second
-            log.warning("listing the partitions of %s failed (retrying): %s", self.config.topic, error)
-            return False
-        if not partitions:
-            if first_check:
+        if not self.broker.partitions:
+            if not self._waiting_logged:
                 log.info("waiting for the topic %s to exist", self.config.topic)
+                self._waiting_logged = True
             return False
         self.consumer.subscribe([self.config.topic], listener=_Rebalance(self))
         self._subscribed = True
@@ -235,6 +245,7 @@ class StreamConsumer:
         finally:
             self._diagnoser.shutdown(wait=False, cancel_futures=True)
             closing_s = min(budget / 8, self.config.kafka_timeout_s)
+            self.broker.close(timeout_s=closing_s)
             for name, close in (("consumer", lambda: self.consumer.close(autocommit=False, timeout_ms=int(closing_s * 1e3))),
                                 ("producer", lambda: self.publisher.producer.close(timeout=closing_s))):
                 try:
@@ -259,23 +270,61 @@ class StreamConsumer:
         if self._in_flight or self._unsent:
             log.error("stopping with %d traces unacknowledged by the broker: their messages stay uncommitted "
                       "and are read again", len(self._unsent) + len(self._in_flight) * self.config.batch_traces)
-        self.commit(commit_timeout_s)
+        self._commit_through_a_rebalance(commit_timeout_s or self.config.kafka_timeout_s)
 
-    def commit(self, timeout_s: float | None = None) -> None:
+    def _commit_through_a_rebalance(self, timeout_s: float) -> None:
+        """Commit, rejoining the group first when it refuses the commit for a rebalance.
+
+        Replicas stopped together (a rollout, a scale-down) each leave the group, and the
+        rebalance one starts meets the others while they stop: the group refuses their last
+        commit until they have rejoined, and all they finished would be read and diagnosed again.
+        So rejoin by polling with every partition paused (a record such a poll still returns,
+        from a partition just assigned, is not taken: its next owner reads it) and commit again,
+        all within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.commit(max(deadline - time.monotonic(), 0.1)) and time.monotonic() < deadline:
+            self.consumer.pause(*self.consumer.assignment())
+            self._rejoin_if_a_join_was_dropped()
+            try:
+                self.consumer.poll(timeout_ms=int(min(max(deadline - time.monotonic(), 0.05), 1.0) * 1e3))
+            except KafkaError as error:
+                log.warning("rejoining the group to commit: %s", error)
+            if self._revoked.is_set():
+                self._revoked.clear()
+                self._drop_revoked()
+
+    def _rejoin_if_a_join_was_dropped(self) -> None:
+        """kafka-python 3.0.12 (the newest) drops the result of a group join that finishes
+        between two polls: its join loop ends once the leader's own metadata snapshot matches,
+        before the assignment is applied, and the member stays `rebalancing` with heartbeats off,
+        every commit refused, until the broker evicts it. When no join is in flight any more
+        but the member still waits for one, ask for a new join: the next poll makes it."""
+        coordinator = self.consumer._coordinator
+        join = coordinator._join_task
+        if coordinator.rebalance_in_progress() and join is not None and join.is_done and not coordinator.need_rejoin():
+            log.info("the group join finished between two polls and was dropped by the library: joining again")
+            coordinator.request_rejoin()
+
+    def commit(self, timeout_s: float | None = None) -> bool:
+        """Commit every offset whose traces are all acknowledged; True when the group refused
+        the commit because it is rebalancing (the next commit, after the rejoin, carries them)."""
         self._settle()
         points = {tp: offset for tp, offset in self.offsets.commit_points().items() if self._committed.get(tp) != offset}
         self._last_commit = time.monotonic()
+        refused = False
         if points:
             try:
                 self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in points.items()},
                                      timeout_ms=int((timeout_s or self.config.kafka_timeout_s) * 1e3))
-            except CommitFailedError as error:  # a rebalance won the race: the new owners re-read
-                log.warning("commit refused during a rebalance (messages will be read again): %s", error)
+            except (CommitFailedError, RebalanceInProgressError) as error:  # partitions moving: re-read if they go
+                log.warning("commit refused during a rebalance: %s", error)
+                refused = True
             except KafkaError as error:  # the broker is away: the next commit carries these offsets too
                 log.warning("commit failed (retrying at the next): %s", error)
             else:
                 self._committed.update(points)
         self._update_lag()
+        return refused
 
     # -- messages in -------------------------------------------------------------------------
     def _take_partition(self, partition: TopicPartition, messages: list) -> None:
