@@ -6,8 +6,8 @@
 RCA.json is the `--json` output of `bmeg evaluate rca` on the same traces, faults and window
 (it gives the GNN's ranking of each window, `bmeg-gnn`; the GNN is not run again here). For
 each fault's window this recomputes what the bmeg ranker does (`BmegRanker`: the rank fusion of
-`NormalStats.service_shift` and the GNN's ranking, then the services whose structure changed
-first) once per gate, and prints AC@1 and Avg@5 per fault type and on each half of the fault
+`NormalStats.service_shift` and the GNN's ranking, the services whose structure changed
+first, then a decisive time shift) once per gate, and prints AC@1 and Avg@5 per fault type and on each half of the fault
 list (in time order), so a rule chosen on one half is seen on the other. The harness's JSON
 keeps the GNN's top 5 only: services below its 5th count as unranked by it, so the fixed bar's
 row's AC@1 is the harness's (it says in how many windows), its Avg@5 may differ.
@@ -35,7 +35,7 @@ import pandas as pd
 
 from bmeg.evaluation.faults import read_fault_list
 from bmeg.evaluation.normal import NormalStats
-from bmeg.evaluation.rankers import rank_fusion, structure_changed
+from bmeg.evaluation.rankers import decisive_shift, rank_fusion, structure_changed
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.graphs.rpc import rpc_view
 from bmeg.traces.io import read_spans
@@ -51,11 +51,14 @@ def gate_name(floor: float | None, factor: float | None) -> str:
     return "no gate" if np.isinf(floor) else f"{floor:g}+{factor:g}xnoise"
 
 
-def ranked_first(structure: pd.Series, fused: pd.Series, changed: pd.Series) -> list[str]:
-    """The bmeg ranker's order: changed services by shift, then the rest by fusion."""
+def ranked_first(structure: pd.Series, fused: pd.Series, changed: pd.Series, decisive: str | None) -> list[str]:
+    """The bmeg ranker's order: changed services by shift, then a decisive time shift, then the rest by fusion."""
     changed = changed.reindex(fused.index).fillna(False).astype(bool)
     first = structure.reindex(fused.index).fillna(0.0)[changed].sort_values(ascending=False, kind="stable")
-    return [*first.index, *fused[~changed].index]
+    rest = list(fused[~changed].index)
+    if decisive in rest:
+        rest = [decisive, *(s for s in rest if s != decisive)]
+    return [*first.index, *rest]
 
 
 def simulated(topology: Path) -> None:
@@ -114,12 +117,13 @@ def main() -> None:
             continue
         gnn_top = ran["top"]["bmeg-gnn"]
         gnn = pd.Series(np.arange(len(gnn_top), 0, -1, dtype=float), index=gnn_top)
-        fused = rank_fusion(stats.service_shift(window), gnn)
+        parts = stats.service_shift_parts(window)
+        fused = rank_fusion(parts.max(axis=1), gnn)
         structure = stats.structure_shift(window)
         for floor, factor in gates:
             changed = (structure >= FIXED_BAR if floor is None
                        else structure_changed(structure, stats.structure_noise, floor, factor))
-            order = ranked_first(structure, fused, changed)
+            order = ranked_first(structure, fused, changed, decisive_shift(parts[["caller", "callee"]].max(axis=1)))
             rank = order.index(fault.service) + 1 if fault.service in order else None
             rows.append({"gate": gate_name(floor, factor), "type": fault.kind, "start_ns": fault.start_ns,
                          "rank": rank, "harness_bmeg_rank": ran["rank"]["bmeg"]})

@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bmeg.evaluation.faults import InjectedFault, read_fault_list, service_from_pod
 from bmeg.evaluation.normal import NormalStats
@@ -263,3 +265,66 @@ def test_the_structure_gate_fires_beyond_a_services_own_normal_noise():
 def test_a_normal_period_too_short_to_slice_measures_no_structure_noise():
     normal = NormalStats.from_forest(_cache_and_api([True, False] * 20, [False] * 40))
     assert normal.structure_noise.empty
+
+
+def _front_and_two_callees(n: int, gap_a_us: int, gap_b_us: int):
+    """A forest of `n` traces: `front` calls `a` and `b` (a client span each, 1 ms of server
+    time behind it); each call's gap (client minus server: network, queues) is given in us."""
+    rows: dict[str, list] = {name: [] for name in
+                             ("trace_id", "span_id", "parent_id", "service", "operation", "start_ns", "duration_ns")}
+
+    def span(trace, span_id, parent, service, start, duration_us):
+        for name, value in zip(rows, (trace, span_id, parent, service, "op", start, duration_us * 1000)):
+            rows[name].append(value)
+
+    for i in range(n):
+        start, trace = EPOCH + i * 10_000_000, f"t{i}"
+        jitter = i % 5  # us: medians stay exact, no two spans alike
+        span(trace, "f", None, "front", start, 8_000)
+        for callee, gap, offset in (("a", gap_a_us, 100), ("b", gap_b_us, 4_000)):
+            span(trace, f"c{callee}", "f", "front", start + offset * 1000, 1_000 + gap + jitter)
+            span(trace, f"s{callee}", f"c{callee}", callee, start + (offset + gap // 2) * 1000, 1_000)
+    return rpc_view(span_table(rows))
+
+
+def test_a_delay_on_one_of_two_calls_is_the_callees_and_on_both_the_callers():
+    normal = NormalStats.from_forest(_front_and_two_callees(50, 200, 200))
+    # b's network is 8x slower: with the median of front's two calls, front got half of it
+    shift = normal.service_shift(_front_and_two_callees(20, 200, 1_600))
+    assert shift.idxmax() == "b"
+    assert shift["b"] == pytest.approx(3.0, abs=0.05)  # log2 of 1,600 / 200 us
+    assert shift["front"] == pytest.approx(0.0, abs=0.05) and shift["a"] == pytest.approx(0.0, abs=0.05)
+    # both of front's calls 4x slower: front is slow to send and receive, its callees are not
+    shift = normal.service_shift(_front_and_two_callees(20, 800, 800))
+    assert shift.idxmax() == "front" and shift["front"] == pytest.approx(2.0, abs=0.05)
+    assert shift[["a", "b"]].abs().max() < 0.05
+
+
+def test_a_decisive_time_shift_is_one_service_ahead_of_every_other_by_the_lead():
+    from bmeg.evaluation.rankers import DECISIVE_LEAD, decisive_shift
+
+    # a network delay: the delayed service's time grew 32x, the next one's 1.5x
+    assert decisive_shift(pd.Series({"a": 0.6, "b": 5.0, "c": -0.2})) == "b"
+    assert decisive_shift(pd.Series({"a": 3.0, "b": 3.0 + DECISIVE_LEAD * 0.9})) is None
+    assert decisive_shift(pd.Series({"a": np.nan, "b": 3.0, "c": 0.5})) == "b"
+    assert decisive_shift(pd.Series({"a": 9.0})) is None and decisive_shift(pd.Series(dtype=float)) is None
+    # on the two-callee forest: b's 8x slower network is decisive, front's slower sending is not b's
+    normal = NormalStats.from_forest(_front_and_two_callees(50, 200, 200))
+    assert decisive_shift(normal.service_shift(_front_and_two_callees(20, 200, 1_600))) == "b"
+    assert decisive_shift(normal.service_shift(_front_and_two_callees(20, 1_600, 1_600))) == "front"
+    assert decisive_shift(normal.service_shift(_front_and_two_callees(20, 200, 400))) is None  # 2x: not decisive
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.text("abcdef", min_size=1, max_size=3),
+                       st.floats(-20, 20, allow_nan=False), max_size=8))
+def test_a_decisive_service_is_the_largest_shift_and_leads_by_the_margin(shifts):
+    from bmeg.evaluation.rankers import DECISIVE_LEAD, decisive_shift
+
+    series = pd.Series(shifts, dtype=float)
+    found = decisive_shift(series)
+    ordered = sorted(shifts.values(), reverse=True)
+    if found is None:
+        assert len(ordered) < 2 or ordered[0] - ordered[1] < DECISIVE_LEAD
+    else:
+        assert shifts[found] == ordered[0] and ordered[0] - ordered[1] >= DECISIVE_LEAD

@@ -32,6 +32,8 @@ from bmeg.graphs import SpanForest
 STRUCTURE_FLOOR = 0.1
 #: ... plus this many times the service's own normal-period noise (`NormalStats.structure_noise`).
 NOISE_FACTOR = 2.0
+#: A service whose time shift (log2) exceeds every other service's by this much is decisive.
+DECISIVE_LEAD = 2.0
 
 
 def _ranking(scores: pd.Series) -> Ranking:
@@ -218,7 +220,9 @@ class BmegRanker:
     product, so a low GNN score cannot bury the service the time shift ranks first. Services
     whose structure moved beyond their own normal noise (`structure_changed`: a code fault)
     come before the others, by how far it moved; on simulated latency faults no service's
-    structure moves at all, so there the order is the fusion's."""
+    structure moves at all, so there the order is the fusion's. Then a decisive time shift
+    of a call gap (`decisive_shift` of the caller and callee parts) comes before the fusion's
+    order."""
 
     name = "bmeg"
 
@@ -227,12 +231,38 @@ class BmegRanker:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
-        fused = rank_fusion(normal.service_shift(window), gnn)
+        parts = normal.service_shift_parts(window)
+        fused = rank_fusion(parts.max(axis=1), gnn)
         structure = normal.structure_shift(window).reindex(fused.index).fillna(0.0)
         changed = structure_changed(structure, normal.structure_noise)
-        # services whose structure changed come first, by how much; then the rest, by rank fusion
-        first = structure[changed].sort_values(ascending=False, kind="stable")
-        return _ranking_in_order(pd.concat([first + 1.0 + fused.max(), fused[~changed]]))
+        # services whose structure changed come first, by how much; then a decisive time shift;
+        # then the rest, by rank fusion
+        first = structure[changed].sort_values(ascending=False, kind="stable") + 2.0 + fused.max()
+        rest = fused[~changed]
+        decisive = decisive_shift(parts[["caller", "callee"]].max(axis=1))
+        if decisive in rest.index:
+            rest = pd.concat([pd.Series({decisive: 1.0 + fused.max()}), rest.drop(decisive)])
+        return _ranking_in_order(pd.concat([first, rest]))
+
+
+def decisive_shift(shift: pd.Series, lead: float = DECISIVE_LEAD) -> str | None:
+    """The service whose time shift (log2) exceeds every other service's by at least `lead`, if
+    one does. `BmegRanker` gives it the shifts of the call gaps (the caller and callee parts of
+    `NormalStats.service_shift_parts`), not of a service's own self time.
+
+    A service whose calls' gaps grew 4x more than any other's is where the window's time went
+    (a network delay): the rank fusion let the GNN's ranking overturn it (on the testbed the
+    GNN often ranks the large orchestrators first) and lost network delays the time shift
+    alone found. Gaps only: a service's own self time also holds the wait for a free worker,
+    so a slow callee can lift its callers' (the testbed twin's simulated entry moved 12.6 log2
+    under a network delay two calls below it). Chosen on the testbed and simulated faults
+    (README, issue 12, session 6).
+    """
+    shift = shift.dropna()
+    if len(shift) < 2:
+        return None
+    top = shift.nlargest(2)
+    return str(top.index[0]) if top.iloc[0] - top.iloc[1] >= lead else None
 
 
 def structure_changed(shift: pd.Series, noise: pd.Series, floor: float = STRUCTURE_FLOOR,

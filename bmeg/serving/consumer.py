@@ -19,10 +19,12 @@ broker outage of any length is waited out by a loop that keeps running, and resu
 `heartbeat` is the time the loop last went round (`/healthz` on the metrics port fails when it
 is older than `liveness_timeout_s`). Whether the broker answers and the topic exists is asked
 on a thread of its own (`BrokerWatch`, once every `broker_check_s`), never by the loop; the
-assembler's idle clock counts only up to the broker's last answer, and after an outage every
-trace held gets a full idle timeout (`TraceAssembler.heard_from_broker`): spans queued in the
-senders' exporters meanwhile arrive only once the broker is back. A stop (SIGTERM) publishes every pending trace, waits for
-the broker, commits what is acknowledged and closes, all within `shutdown_timeout_s`.
+assembler's idle clock counts only up to the broker's last answer, and after an outage no
+trace finishes on idle time while the senders' exporters retry what they queued meanwhile
+(`TraceAssembler.heard_from_broker`); the producer is renewed then (kafka-python's, backed off
+from reconnecting, once sent nothing for minutes after the broker's return). A stop (SIGTERM)
+publishes every pending trace, waits for the broker, commits what is acknowledged and closes,
+all within `shutdown_timeout_s`.
 
 Consumers in one group share the partitions with the cooperative-sticky assignor (KIP-429):
 a rebalance moves only the partitions that change owner, and the others keep their traces and
@@ -190,7 +192,9 @@ class StreamConsumer:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
         self._beat()
         if self.assembler.heard_from_broker(self.broker.last_contact):
-            log.warning("the broker is back: each of the %d traces held gets a full idle timeout", len(self.assembler))
+            log.warning("the broker is back: no trace finishes on idle time for %.0f s (%d held)",
+                        self.assembler.recovery_s, len(self.assembler))
+            self.publisher.renew_producer("the broker is back after an outage")
         if not self._subscribed and not self._subscribe_once_the_topic_exists():
             time.sleep(self.config.poll_timeout_ms / 1e3)
             return

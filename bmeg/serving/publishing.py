@@ -242,15 +242,17 @@ class Publisher:
             else:
                 waiting.append(delivery)
         if refused_too_large:
-            self._renew_producer()
+            # kafka-python's sender treats a broker's MESSAGE_TOO_LARGE as fatal and fails every later batch with it
+            self.renew_producer("the broker refused a record as too large")
         return done, waiting
 
-    def _renew_producer(self) -> None:
-        """kafka-python's sender treats a broker's MESSAGE_TOO_LARGE as fatal and fails every
-        later batch with it: a new producer carries on (the old one's records are sent again)."""
+    def renew_producer(self, reason: str) -> None:
+        """Carry on with a new producer; the records the old one had not sent fail and are sent
+        again. Also after a broker outage: kafka-python's producer, which backed off reconnecting
+        meanwhile, once sent nothing for two minutes after the broker was back."""
         old, self.producer = self.producer, self.make_producer()
         old.close(timeout=1)
-        log.warning("the broker refused a record as too large: producer renewed")
+        log.warning("%s: producer renewed", reason)
 
     def _replace_too_large(self, send: _Send, error: Exception) -> _Send | None:
         if send.topic == self.topics.mitigations:  # its diagnosis goes to the dead-letter topic
