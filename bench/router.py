@@ -1,9 +1,10 @@
 """The GNN alone, the per-trace SVM alone, the routed detector and the self-time rule, judged on
 traces of fault draws the models never saw, and what each model costs; everything in one run.
 
-Per case, one detector is trained as `bmeg train` trains it (`fit_detector`: thresholds and the
-router's cuts chosen on validation traces, which share the training campaign's fault draws),
-then judged on *fresh* traces:
+Per case, one detector is trained as `bmeg train` trains it (`fit_detector`: thresholds chosen
+on validation traces, which share the training campaign's fault draws; the router's cuts on the
+faults of held-out services, by a probe detector fitted without them, judged by culprit F1 and
+trace F1, `bmeg.models.router.choose`), then judged on *fresh* traces:
 - synthetic (socialnet, hotelreservation, `single` scenario at imbalance 0.1): a second dataset
   generated with another seed, so other faults on other services at other times;
 - the testbed's labelled dataset (`--testbed DIR`, real faults on the running testbed): split by
@@ -18,8 +19,8 @@ largest, `TraceVectorizer(per_key_deviations=True)`; trained, thresholded and ra
 the best validation quality, even when the GNN alone ties it), and `self-time` (no model: a
 trace is flagged when some service's own time is far above its baseline, threshold chosen on
 validation like the models'; services ranked by the same own-time score as the SVM's). Each
-with BP, BR, NBR, AC@1 on the fresh traces and its validation quality (F1 x AC@1, the router's
-criterion).
+with BP, BR, NBR, AC@1 on the fresh traces; the router's decision (culprit F1 of the GNN alone
+and of the chosen cut on its decision traces, and its reason in words) is printed per case.
 
 Cost, per case, measured in this run on the same machine: training CPU time of the two GNN
 stages (their `fit` calls) against the trace SVM's `fit` on the same training traces; inference
@@ -86,7 +87,7 @@ def main() -> None:
                                          load_dataset(app, args.fresh, ratio, seed=99, progress=False))
     if args.testbed is not None:
         cases["testbed"] = split_by_time(read_dataset(args.testbed), TESTBED_TRAIN_SHARE, args.testbed_traces)
-    results = {name: run_case(name, train_set, fresh_set, args.epochs) for name, (train_set, fresh_set) in cases.items()}
+    results: dict[str, object] = {name: run_case(name, train_set, fresh_set, args.epochs) for name, (train_set, fresh_set) in cases.items()}
     if args.devset is not None:
         results["devset"] = devset_check(args.devset)
     results["wall_s"] = time.time() - started
@@ -117,9 +118,9 @@ def _subset(dataset: Dataset, ids: np.ndarray) -> Dataset:
 def run_case(name: str, train_set: Dataset, fresh_set: Dataset, epochs: int) -> dict:
     config = pipeline.TrainConfig(fit=pipeline.FitConfig(epochs=epochs, progress=False, device="cpu"))
     data = pipeline.label(train_set, config.seed)
-    gnn_train_s = _timed_gnn_fit()
+    timer = _timed_gnn_fit()
     detector, _, raw = pipeline.fit_detector(data, config, application=train_set.card["topology"]["name"])
-    gnn_train_s = gnn_train_s.total()
+    gnn_train_s = timer.total()
     svm_train_s = _svm_fit_seconds(detector, data, config)
 
     fresh = pipeline.label(fresh_set, config.seed)
@@ -157,10 +158,11 @@ def run_case(name: str, train_set: Dataset, fresh_set: Dataset, epochs: int) -> 
 
 
 class _timed_gnn_fit:
-    """CPU seconds spent in the trainer's `fit` (both GNN stages) while this object is alive."""
+    """CPU seconds spent in the trainer's first two `fit` calls (the served detector's two GNN
+    stages; the router's probe detector, fitted after them, is not counted) while this object is alive."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.seconds: list[float] = []
         self.original = pipeline.fit
 
         def fit(*args, **kwargs):
@@ -168,13 +170,13 @@ class _timed_gnn_fit:
             try:
                 return self.original(*args, **kwargs)
             finally:
-                self.seconds += time.process_time() - began
+                self.seconds.append(time.process_time() - began)
 
-        pipeline.fit = fit  # type: ignore[assignment]
+        pipeline.fit = fit
 
     def total(self) -> float:
-        pipeline.fit = self.original  # type: ignore[assignment]
-        return self.seconds
+        pipeline.fit = self.original
+        return sum(self.seconds[:2])
 
 
 def _svm_fit_seconds(detector: Detector, data: Labelled, config: pipeline.TrainConfig) -> float:
@@ -223,16 +225,16 @@ def _cheapest_within_tolerance(detector: Detector, raw: Scores, data: Labelled, 
 
 
 def _validation_candidates(detector: Detector, raw: Scores, data: Labelled) -> list[dict]:
+    """Every cut scored as `choose` scores it, on the served detector's validation traces."""
     from bmeg.models.router import choose
 
-    val, y = data.val, data.y[data.val]
+    val, y, th = data.val, data.y[data.val], detector.thresholds
     truth = true_services(data, raw)
     cost = detector.hparams["router_choice"]["cost_s_per_trace"]
-    verdicts = {"gnn": raw.gnn_anomaly[val] >= detector.thresholds["graph"],
-                "svm": raw.svm_anomaly[val] >= detector.thresholds["svm"]}
-    hits = {"gnn": pipeline._top1_hits(raw.gnn_service[val], raw.present[val], truth[val]),
-            "svm": pipeline._top1_hits(raw.svm_service[val], raw.present[val], truth[val])}
-    _, rows = choose(y, verdicts, hits, raw.num_services[val], raw.num_paths[val], cost, tolerance=0.0)
+    verdicts = {"gnn": raw.gnn_anomaly[val] >= th["graph"], "svm": raw.svm_anomaly[val] >= th["svm"]}
+    named = {model: pipeline.named_culprit(service[val], raw.present[val], truth[val], th[node])
+             for model, service, node in (("gnn", raw.gnn_service, "node"), ("svm", raw.svm_service, "svm_node"))}
+    _, rows, _ = choose(y, verdicts, named, raw.num_services[val], raw.num_paths[val], cost, tolerance=0.0)
     return rows
 
 
@@ -262,8 +264,9 @@ def _print_case(name: str, result: dict) -> None:
     print(f"\n== {name}: trained on {result['train_traces']} traces ({result['validation_bottlenecked']} bottlenecked "
           f"in validation), judged on {result['fresh_traces']} fresh traces ({result['fresh_bottlenecked']} bottlenecked)")
     if choice:
-        print(f"router on validation: GNN alone quality {choice['gnn_only']['quality']:.3f}, chosen "
-              f"{choice['chosen']['max_services']}/{choice['chosen']['max_paths']} quality {choice['chosen']['quality']:.3f}")
+        print(f"router: GNN alone culprit F1 {choice['gnn_only']['quality']:.3f} (trace F1 {choice['gnn_only']['f1']:.3f}), "
+              f"chosen {choice['chosen']['max_services']}/{choice['chosen']['max_paths']} culprit F1 "
+              f"{choice['chosen']['quality']:.3f}: {choice.get('why', '')}")
     print(f"{'model':<13} {'acc':>6} {'BP':>6} {'BR':>6} {'NBR':>6} {'AC@1':>6} {'AC@3':>6} {'to SVM':>7} {'us/trace':>9}")
     for model, row in result["rows"].items():
         cost = f"{row['us_per_trace']:9.0f}" if "us_per_trace" in row else f"{'-':>9}"

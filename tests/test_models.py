@@ -362,50 +362,90 @@ def test_distinct_paths_and_router_reasons():
 
 
 def test_router_takes_the_svm_only_where_it_is_measurably_better_then_the_cheapest():
-    y = np.array([1, 0, 1, 0, 1, 0, 1, 0])
-    services = np.array([2, 2, 2, 2, 9, 9, 9, 9])
-    paths = np.array([1, 1, 1, 1, 5, 5, 5, 5])
+    y = np.array([1, 0, 1, 0, 1, 0, 1, 0] * 8)
+    services = np.array([2, 2, 2, 2, 9, 9, 9, 9] * 8)
+    paths = np.array([1, 1, 1, 1, 5, 5, 5, 5] * 8)
     gnn = y.astype(bool)
     gnn_wrong_on_small = np.where(services <= 2, 1 - y, y).astype(bool)
     svm_good_on_small = np.where(services <= 2, y, 1 - y).astype(bool)
-    all_hit = {"gnn": np.ones(8, bool), "svm": np.ones(8, bool)}
+    all_named = {"gnn": np.ones(64), "svm": np.ones(64)}
     cheap_svm = {"gnn": 1e-3, "svm": 1e-4}
 
-    def chosen(svm_verdict, hits=all_hit, cost=cheap_svm, gnn_verdict=gnn):
-        return choose(y, {"gnn": gnn_verdict, "svm": svm_verdict}, hits, services, paths, cost)
+    def chosen(svm_verdict, named=all_named, cost=cheap_svm, gnn_verdict=gnn):
+        return choose(y, {"gnn": gnn_verdict, "svm": svm_verdict}, named, services, paths, cost)
 
     # as good as the GNN where it would go, and cheaper: a tie is no evidence, the GNN stays
-    assert chosen(svm_good_on_small)[0] == Router()
-    # better than the GNN on the small graphs: they go to the SVM
-    router, rows = chosen(svm_good_on_small, gnn_verdict=gnn_wrong_on_small)
-    assert router == Router(2, 1)
+    router, _, why = chosen(svm_good_on_small)
+    assert router == Router() and why.startswith("gnn: no cut")
+    # better than the GNN on the small graphs: they go to the SVM, and the reason says so
+    router, rows, why = chosen(svm_good_on_small, gnn_verdict=gnn_wrong_on_small)
+    assert router == Router(2, 1) and why.startswith("svm: at most 2 services and 1 distinct paths")
     assert min(row["cost_s_per_trace"] for row in rows if row["quality"] == 1.0) == pytest.approx(0.5 * 1e-4 + 0.5 * 1e-3)
-    assert chosen(np.zeros(8, dtype=bool))[0] == Router()  # cheaper but worse verdicts: never
-    assert chosen(svm_good_on_small, {"gnn": np.ones(8, bool), "svm": np.zeros(8, bool)},
-                  gnn_verdict=gnn_wrong_on_small)[0] == Router()  # better verdicts, worse ranking
+    assert chosen(np.zeros(64, dtype=bool))[0] == Router()  # cheaper but worse verdicts: never
+    assert chosen(svm_good_on_small, {"gnn": np.ones(64), "svm": np.zeros(64)},
+                  gnn_verdict=gnn_wrong_on_small)[0] == Router()  # better verdicts, worse culprits
 
 
 def test_router_needs_a_margin_above_the_tolerance_and_never_trades_quality_for_cost():
     """The decision bench/router.py re-measured on fresh fault draws (README, issue 17): the SVM
-    takes traces only when a cut beats the GNN alone by more than `tolerance` on validation; a
-    cut inside the tolerance, however much cheaper, leaves every trace on the GNN."""
-    y = np.array([1] * 10 + [0] * 10)
-    services = np.array([2] * 10 + [9] * 10)
-    paths = np.ones(20, dtype=np.int64)
+    takes traces only when a cut beats the GNN alone by more than `tolerance`; a cut inside the
+    tolerance, however much cheaper, leaves every trace on the GNN."""
+    y = np.array([1] * 100 + [0] * 100)
+    services = np.array([2] * 100 + [9] * 100)
+    paths = np.ones(200, dtype=np.int64)
     gnn = y.astype(bool)
-    gnn_hits = np.arange(20) != 0  # the GNN ranks one bottlenecked trace wrong: its quality is 0.9
+    gnn_named = (np.arange(200) % 10 != 0).astype(float)  # the GNN names one culprit in ten wrong: culprit F1 0.9
     cheap_svm = {"gnn": 1e-3, "svm": 1e-5}
-    svm_hits = np.ones(20, dtype=bool)  # the SVM ranks all ten right: the small cut's quality is 1.0
-    svm = np.where(services <= 2, y, 1).astype(bool)  # ... and flags every large trace: that cut's is 2/3
+    svm_named = np.ones(200)  # the SVM names them all right: the small cut's culprit F1 is 1.0
+    svm = np.where(services <= 2, y, 1).astype(bool)  # ... and flags every large trace: trace F1 2/3 sending those
 
     def chosen(tolerance):
-        hits = {"gnn": gnn_hits, "svm": svm_hits}
-        return choose(y, {"gnn": gnn, "svm": svm}, hits, services, paths, cheap_svm, tolerance)[0]
+        named = {"gnn": gnn_named, "svm": svm_named}
+        return choose(y, {"gnn": gnn, "svm": svm}, named, services, paths, cheap_svm, tolerance)[0]
 
     assert chosen(0.2) == Router()  # 1.0 - 0.9 = 0.1 is inside the tolerance: the GNN stays, cost aside
     assert chosen(0.05) == Router(2, 1)  # beyond it: the small traces go to the SVM
-    # the default tolerance (0.01) against a tie on both verdicts and ranking: the GNN stays
-    assert choose(y, {"gnn": gnn, "svm": gnn}, {"gnn": svm_hits, "svm": svm_hits}, services, paths, cheap_svm)[0] == Router()
+    # the default tolerance (0.01) against a tie on both verdicts and culprits: the GNN stays
+    assert choose(y, {"gnn": gnn, "svm": gnn}, {"gnn": svm_named, "svm": svm_named}, services, paths, cheap_svm)[0] == Router()
+
+
+def test_router_keeps_the_gnn_where_the_svm_names_culprits_with_scores_too_low_to_act_on():
+    """The closed loop's case (README, issue 17): on held-out faults the SVM flagged traces as
+    the GNN did and ranked the right service first, but scored it 0.13, and the loop's planner,
+    weighing the blame by that score, acted on nothing. Credit is the score, not a count."""
+    y = np.array([1] * 100 + [0] * 100)
+    services, paths = np.full(200, 3), np.full(200, 2)
+    verdicts = {"gnn": y.astype(bool), "svm": y.astype(bool)}
+    cheap_svm = {"gnn": 1e-3, "svm": 1e-5}
+    gnn_named = np.where(np.arange(200) % 2 == 0, 0.9, 0.0)  # right half the time, scored 0.9
+    assert choose(y, verdicts, {"gnn": gnn_named, "svm": np.full(200, 0.13)}, services, paths, cheap_svm)[0] == Router()
+    assert choose(y, verdicts, {"gnn": gnn_named, "svm": np.full(200, 0.95)}, services, paths, cheap_svm)[0] == Router(3, 2)
+
+
+def test_router_keeps_the_gnn_where_the_svm_loses_one_fault_source_while_winning_overall():
+    """The loop must handle each kind of fault: a lead on the common source (saturation) does not
+    buy a loss on a rarer one (misconfiguration, where the SVM's own-time score misses the queue)."""
+    y = np.array([1] * 120 + [0] * 120)
+    sources = np.array(["saturation"] * 90 + ["misconfiguration"] * 30 + [""] * 120, dtype=object)
+    services, paths = np.full(240, 3), np.full(240, 2)
+    verdicts = {"gnn": y.astype(bool), "svm": y.astype(bool)}
+    gnn_named = np.where(np.arange(240) % 2 == 0, 0.9, 0.0)
+    svm_named = np.where(sources == "saturation", 1.0, 0.0)
+    cost = {"gnn": 1e-3, "svm": 1e-5}
+    router, _, why = choose(y, verdicts, {"gnn": gnn_named, "svm": svm_named}, services, paths, cost, sources=sources)
+    assert router == Router() and "worse on faults of {'misconfiguration'" in why
+    assert choose(y, verdicts, {"gnn": gnn_named, "svm": svm_named}, services, paths, cost)[0] == Router(3, 2)
+
+
+def test_router_keeps_the_gnn_on_a_lead_that_a_resample_of_few_traces_undoes():
+    y = np.array([1] * 6 + [0] * 6)
+    services, paths = np.full(12, 3), np.full(12, 2)
+    verdicts = {"gnn": y.astype(bool), "svm": y.astype(bool)}
+    gnn_named = np.array([1.0] * 5 + [0.0] * 7)  # five of six culprits right against the SVM's six
+    router, _, why = choose(y, verdicts, {"gnn": gnn_named, "svm": np.ones(12)}, services, paths,
+                            {"gnn": 1e-3, "svm": 1e-5})
+    assert router == Router() and "not reliably better" in why
+    assert "not reliably better" in Router(why=why).reasons(np.array([3]), np.array([2]))[0]
 
 
 def _history_of(detector, traces: int) -> StreamHistory:

@@ -6,18 +6,26 @@ the SVM when it has at most `max_services` distinct services AND at most `max_pa
 paths (root-to-leaf sequences of (service, operation)); every other trace goes to the GNN
 stages. `max_services = -1` sends every trace to the GNN.
 
-The cuts are chosen at training time on validation traces (`choose`): the quality of a cut is
-its F1 on the trace verdicts times its AC@1 (the share of bottlenecked traces whose top-ranked
-service is a true bottleneck: a router that saved time by ranking services worse would not be
-"as good"). The GNN alone is kept unless some cut is better by more than `tolerance`
-(validation traces share the training campaign's fault draws, so a tie there says nothing about
-new faults); then, among the cuts within `tolerance` of the best quality, the one with the
-lowest measured cost per trace.
+The cuts are chosen at training time (`choose`) on decision traces whose faults the judged
+models never saw in training (`bmeg.training.pipeline.choose_router`: a probe detector fitted
+without the faults of some services, judged on those). What the closed loop acts on is the
+flag (which traces are slow) and the culprit (the service it acts on), so a cut's quality is
+its culprit F1: a flagged bottlenecked trace whose top-ranked service is a true bottleneck,
+scored at or above its model's node threshold, counts that score as a hit (the closed loop's
+planner weighs a blame by the model's score behind it: a right culprit scored 0.13 moves no
+action). The GNN alone is kept unless some cut
+(1) flags traces no worse (trace F1) than the GNN alone by more than `tolerance`, and names
+culprits no worse on any one fault source (the loop must handle each), (2) names culprits better
+overall by more than `tolerance`, and (3) is still ahead in 95% of paired resamples of
+the decision traces (a lead on a few dozen bottlenecked traces is no evidence); among such cuts
+within `tolerance` of the best, the cheapest per trace, measured. The reason, in words, travels
+with the router (`why`) into every GNN-routed trace's `route`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -53,6 +61,7 @@ def distinct_paths(forest: SpanForest, keys: np.ndarray) -> np.ndarray:
 class Router:
     max_services: int = -1  # -1: no trace goes to the SVM
     max_paths: int = -1
+    why: str = field(default="", compare=False)  # how the cuts were chosen, in words
 
     @classmethod
     def everything(cls) -> Router:
@@ -66,7 +75,8 @@ class Router:
     def reasons(self, services: np.ndarray, paths: np.ndarray) -> list[str]:
         """Per trace, why its model was chosen (the `route` of its diagnosis)."""
         if self.max_services < 0:
-            return ["gnn: every trace goes to the GNN (the SVM was not as good on validation traces)"] * len(services)
+            why = self.why or "gnn: the SVM was not measurably better on the decision traces"
+            return [f"gnn: every trace goes to the GNN ({why.removeprefix('gnn: ')})"] * len(services)
         reasons = []
         for s, p in zip(services.tolist(), paths.tolist()):
             if s > self.max_services:
@@ -77,47 +87,129 @@ class Router:
                 reasons.append(f"svm: {s} services <= {self.max_services} and {p} distinct paths <= {self.max_paths}")
         return reasons
 
-    def to_state(self) -> dict[str, int]:
-        return asdict(self)
+    def to_state(self) -> dict[str, int | str]:
+        return {"max_services": self.max_services, "max_paths": self.max_paths, "why": self.why}
 
     @classmethod
-    def from_state(cls, state: dict[str, int]) -> Router:
-        return cls(int(state["max_services"]), int(state["max_paths"]))
+    def from_state(cls, state: dict) -> Router:
+        return cls(int(state["max_services"]), int(state["max_paths"]), str(state.get("why", "")))
 
 
-def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], top1_hits: dict[str, np.ndarray], services: np.ndarray,
-           paths: np.ndarray, cost_s: dict[str, float], tolerance: float = 0.01) -> tuple[Router, list[dict]]:
-    """The router for validation traces with labels `y`, given each model's ("gnn", "svm")
-    verdicts [T], whether its top-ranked service is a true bottleneck [T] (read on the traces
-    with `y == 1`) and its cost in seconds per trace, measured.
+def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.ndarray], services: np.ndarray,
+           paths: np.ndarray, cost_s: dict[str, float], tolerance: float = 0.01, weights: np.ndarray | None = None,
+           confidence: float = 0.95, seed: int = 0, sources: np.ndarray | None = None) -> tuple[Router, list[dict], str]:
+    """The router for decision traces with labels `y`, given each model's ("gnn", "svm")
+    verdicts [T], its culprit credit [T] in [0, 1] (the score of its top-ranked service where
+    that is a true bottleneck scored as one, else 0; read on the traces with `y == 1`), its
+    cost in seconds per trace, measured, optional trace weights (default 1) and fault sources.
 
-    Every pair of cuts seen in the data is tried (plus "never the SVM"). "Never" wins while its
-    quality (F1 x AC@1) is within `tolerance` of the best; otherwise, among the cuts within
-    `tolerance` of the best, the cheapest wins, ties to the one sending fewer traces to the SVM. Returns the router and every candidate with its figures.
+    Every pair of cuts seen in the data is tried (plus "never the SVM"). A cut's quality is its
+    culprit F1 (`_culprit_f1`). A cut is eligible when its trace F1 is no worse than the GNN
+    alone's by more than `tolerance`, nor its culprit recall on the bottlenecked traces of any
+    one fault source (a lead on the common source must not hide a loss on a rarer one); "never" wins unless some eligible cut's quality beats it
+    by more than `tolerance`. Otherwise the cheapest eligible cut within `tolerance` of the best
+    quality is taken, ties to the one sending fewer traces to the SVM, if it holds up when the
+    decision traces are resampled (paired bootstrap, 200 draws with `seed`): in at least
+    `confidence` of the draws it names culprits better than the GNN alone and flags traces no
+    worse than `tolerance` below it; else the GNN alone stays. Returns the router, every
+    candidate with its figures and the reason in words.
     """
+    weights = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=np.float64)
+    sources = np.full(len(y), "", dtype=object) if sources is None else np.asarray(sources, dtype=object)
     candidates = [Router()] + [Router(int(s), int(p)) for s in np.unique(services) for p in np.unique(paths)]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for router in candidates:
-        to_svm = router.to_svm(services, paths)
-        predicted = np.where(to_svm, verdicts["svm"], verdicts["gnn"])
-        hits = np.where(to_svm, top1_hits["svm"], top1_hits["gnn"])[y == 1]
-        f1, ac1 = _f1(y, predicted), float(np.mean(hits)) if len(hits) else 1.0
-        share = float(np.mean(to_svm)) if len(to_svm) else 0.0
-        rows.append({**router.to_state(), "f1": f1, "ac1": ac1, "quality": f1 * ac1, "share_to_svm": share,
-                     "cost_s_per_trace": share * cost_s["svm"] + (1 - share) * cost_s["gnn"]})
-    best = max(row["quality"] for row in rows)
+        predicted, right = _routed(router.to_svm(services, paths), y, verdicts, named)
+        bottlenecked = weights[y == 1]
+        credit = float(np.sum(bottlenecked * right[y == 1]) / np.sum(bottlenecked)) if len(bottlenecked) else 1.0
+        share = float(np.mean(router.to_svm(services, paths))) if len(y) else 0.0
+        rows.append({"max_services": router.max_services, "max_paths": router.max_paths,
+                     "f1": _f1(y, predicted, weights), "culprit_credit": credit, "quality": _culprit_f1(y, predicted, right, weights),
+                     "share_to_svm": share, "cost_s_per_trace": share * cost_s["svm"] + (1 - share) * cost_s["gnn"],
+                     "by_source": _by_source(y, predicted, right, weights, sources)})
     gnn_alone = rows[0]
+    # The closed loop acts on the flag (which traces are slow) and on the culprit (the service
+    # it acts on): the SVM must name culprits better AND flag traces about as well.
+    flags_as_well = [row for row in rows if row["f1"] >= gnn_alone["f1"] - tolerance]
+    eligible = [row for row in flags_as_well if all(value >= gnn_alone["by_source"][source] - tolerance
+                                                    for source, value in row["by_source"].items())]
+    best = max(row["quality"] for row in eligible)
+    overall = max(flags_as_well, key=lambda row: row["quality"])
+    if gnn_alone["quality"] >= best - tolerance and overall["quality"] > gnn_alone["quality"] + tolerance:
+        worse = {source: f"{value:.3f} against {gnn_alone['by_source'][source]:.3f}"
+                 for source, value in overall["by_source"].items() if value < gnn_alone["by_source"][source] - tolerance}
+        return Router(), rows, (f"gnn: the cut ({overall['max_services']} services, {overall['max_paths']} paths) names "
+                                f"culprits better overall (culprit F1 {overall['quality']:.3f} against "
+                                f"{gnn_alone['quality']:.3f}) but worse on faults of {worse} (culprit recall)")
     if gnn_alone["quality"] >= best - tolerance:
         # A tie on validation traces, whose faults come from the training campaign's draws, is
         # no evidence for the SVM: on socialnet both scored 1.0 there, and on traces of fresh
         # fault draws the SVM then found 30 of 69 bottlenecked traces, the GNN 44. The SVM takes
         # traces only where it is measurably better.
-        return Router(), rows
-    eligible = [row for row in rows if row["quality"] >= best - tolerance]
-    chosen = min(eligible, key=lambda row: (row["cost_s_per_trace"], row["share_to_svm"]))
-    return Router(int(chosen["max_services"]), int(chosen["max_paths"])), rows
+        return Router(), rows, (f"gnn: no cut that flags traces as well (trace F1 >= {gnn_alone['f1']:.3f} - "
+                                f"{tolerance:g}) names culprits better than the GNN alone by more than {tolerance:g} "
+                                f"(culprit F1 {best:.3f} against {gnn_alone['quality']:.3f})")
+    row = min((row for row in eligible if row["quality"] >= best - tolerance),
+              key=lambda row: (row["cost_s_per_trace"], row["share_to_svm"]))
+    cut = Router(int(row["max_services"]), int(row["max_paths"]))
+    held = _bootstrap_share(y, weights, _routed(cut.to_svm(services, paths), y, verdicts, named),
+                            _routed(np.zeros(len(y), dtype=bool), y, verdicts, named), tolerance, seed)
+    figures = (f"culprit F1 {row['quality']:.3f} against the GNN alone's {gnn_alone['quality']:.3f}, trace F1 "
+               f"{row['f1']:.3f} against {gnn_alone['f1']:.3f}, ahead in {held:.0%} of resampled decision sets")
+    if held < confidence:
+        return Router(), rows, f"gnn: the best cut ({cut.max_services} services, {cut.max_paths} paths) is not " \
+                               f"reliably better: {figures} (needs {confidence:.0%})"
+    return cut, rows, f"svm: at most {cut.max_services} services and {cut.max_paths} distinct paths: {figures}"
 
 
-def _f1(y: np.ndarray, predicted: np.ndarray) -> float:
-    tp = float(np.sum(predicted & (y == 1)))
-    return 2 * tp / max(float(np.sum(predicted) + np.sum(y == 1)), 1.0)
+def _routed(to_svm: np.ndarray, y: np.ndarray, verdicts: dict[str, np.ndarray],
+            named: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Under a routing: each trace's verdict, and its culprit credit (0 on normal traces)."""
+    return (np.where(to_svm, verdicts["svm"], verdicts["gnn"]),
+            np.where(to_svm, named["svm"], named["gnn"]) * (y == 1))
+
+
+def culprit_recall_by_source(router: Router, y: np.ndarray, verdicts: dict[str, np.ndarray],
+                             named: dict[str, np.ndarray], services: np.ndarray, paths: np.ndarray,
+                             sources: np.ndarray) -> dict[str, float]:
+    """Per fault source, the culprit recall of traces routed by `router` (as `choose` reads it)."""
+    predicted, right = _routed(router.to_svm(services, paths), y, verdicts, named)
+    return _by_source(y, predicted, right, np.ones(len(y)), np.asarray(sources, dtype=object))
+
+
+def _by_source(y: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights: np.ndarray,
+               sources: np.ndarray) -> dict[str, float]:
+    """Culprit recall per fault source: the credit of flagged culprits over the bottlenecked traces."""
+    figures = {}
+    for source in sorted(set(sources[y == 1].tolist())):
+        mask = (y == 1) & (sources == source)
+        figures[str(source)] = float(np.sum(weights[mask] * predicted[mask] * right[mask]) / np.sum(weights[mask]))
+    return figures
+
+
+def _bootstrap_share(y: np.ndarray, weights: np.ndarray, cut: tuple[np.ndarray, np.ndarray],
+                     gnn: tuple[np.ndarray, np.ndarray], tolerance: float, seed: int, draws: int = 200) -> float:
+    """The share of paired resamples of the decision traces in which `cut` names culprits
+    better than `gnn` and flags traces no worse than `tolerance` below it."""
+    rng = np.random.default_rng(seed)
+    wins = 0
+    for _ in range(draws):
+        pick = rng.integers(0, len(y), len(y))
+        yy, ww = y[pick], weights[pick]
+        better = _culprit_f1(yy, cut[0][pick], cut[1][pick], ww) > _culprit_f1(yy, gnn[0][pick], gnn[1][pick], ww)
+        flags = _f1(yy, cut[0][pick], ww) >= _f1(yy, gnn[0][pick], ww) - tolerance
+        wins += int(better and flags)
+    return wins / draws
+
+
+def _culprit_f1(y: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights: np.ndarray) -> float:
+    """F1 of the culprits a router's diagnoses name: a flagged bottlenecked trace counts its
+    culprit credit as a hit (1 for a right culprit scored 1.0; the closed loop's planner weighs a
+    blame by the model's score behind it); every flagged trace is a claim, every bottlenecked
+    trace a target."""
+    hits = float(np.sum(weights * predicted * right))
+    return 2 * hits / max(float(np.sum(weights[predicted]) + np.sum(weights[y == 1])), 1e-12)
+
+
+def _f1(y: np.ndarray, predicted: np.ndarray, weights: np.ndarray) -> float:
+    return _culprit_f1(y, predicted, (y == 1).astype(np.float64), weights)

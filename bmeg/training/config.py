@@ -48,7 +48,8 @@ class TrainConfig:
     svm_C: float = 0.1  # the trace SVM's regularisation
     svm_max_services: int | None = None  # the router's cuts; None: chosen on validation
     svm_max_paths: int | None = None
-    router_tolerance: float = 0.01  # validation quality (F1 x AC@1) the router may give up for a cheaper model
+    router_holdout: float = 0.34  # share of faulted services held out for the router's decision; 0: none
+    router_tolerance: float = 0.01  # culprit F1 (and trace F1) the router may give up for a cheaper model
     fit: FitConfig = field(default_factory=FitConfig)
 
 

@@ -2,8 +2,16 @@
 
 The dataset is split 80/20 per class (the thesis's protocol); a fifth of the training part,
 again per class, is held out for validation: best epochs, thresholds and the router's cuts are
-chosen there, never on the test part. The router's cuts weigh each model's validation quality
-and its cost per trace, measured here on the validation traces (`bmeg.models.router.choose`).
+chosen there, never on the test part. The router's cuts weigh each model's quality and its cost
+per trace, measured here on the validation traces (`bmeg.models.router.choose`).
+
+The router's quality figures come from validation faults on services never faulted in the
+training it judges (`held_out_service_split`): validation traces share the training campaign's
+faulted services, where the GNN and the SVM score alike, while the faults a detector meets later
+are mostly on other services. So a share (`router_holdout`) of the faulted services is held
+out: a probe detector is fitted, as the real one, on the training traces without a fault on
+them, and both of its models are scored on the validation traces of those services' faults
+(and the normal ones). The detector served is fitted on all training traces, as before.
 
 Started by torchrun, every process runs this whole pipeline in torchrun's process group (the
 two GNN stages train under DDP across the processes, `bmeg.training.trainer`); only rank 0
@@ -30,7 +38,7 @@ from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.graphset import GraphSet
 from bmeg.models.inference import resolve_device
-from bmeg.models.router import Router, choose
+from bmeg.models.router import Router, choose, culprit_recall_by_source
 from bmeg.models.svm import (
     DEVIATIONS,
     FirmSVM,
@@ -114,8 +122,8 @@ def label(dataset: Dataset, seed: int) -> Labelled:
     return Labelled(forest, y, node_y, train_part, np.sort(val), test, traces)
 
 
-def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple[Detector, dict, Scores]:
-    """Fit every model; returns the detector, the learning histories and its raw scores on all traces."""
+def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[Detector, dict, Scores]:
+    """Fit every model on `data.train` (best epochs on `data.val`); thresholds and router unset."""
     forest, fit_config = data.forest, config.fit
     paths = critical_paths(forest)
     normal_train = data.train[data.y[data.train] == 0]
@@ -150,46 +158,158 @@ def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple
     detector.dgcnn.to(detector.device)
     detector.gcn.to(detector.device)
     raw = detector.score(forest, paths, all_models=True, replay=True)
-    detector = choose_operating_point(detector, raw, data, config)
     return detector, histories, raw
 
 
-def choose_operating_point(detector: Detector, raw: Scores, data: Labelled, config: TrainConfig) -> Detector:
-    """Thresholds and the router's cuts, on validation traces only."""
+def fit_detector(data: Labelled, config: TrainConfig, application: str) -> tuple[Detector, dict, Scores]:
+    """Fit every model; returns the detector, the learning histories and its raw scores on all traces."""
+    detector, histories, raw = _fit_models(data, config, application)
+    detector = replace(detector, thresholds=_thresholds(raw, data, config))
+    if config.svm_max_services is not None:
+        router = Router(config.svm_max_services, config.svm_max_paths if config.svm_max_paths is not None else 1 << 30)
+        return replace(detector, router=router), histories, raw
+    return choose_router(detector, raw, data, config, application), histories, raw
+
+
+def held_out_service_split(data: Labelled, services: np.ndarray, share: float,
+                           seed: int) -> tuple[Labelled, np.ndarray, list[str]] | None:
+    """The router's decision data: faults on services the fitting part never saw faulted.
+
+    Of the services with a bottleneck node in some training or validation trace, `share` (at
+    least one, never all) is held out, drawn with `seed`. Returns the fitting part (`data` with
+    `train` and `val` cut to the traces with no bottleneck on a held-out service), the decision
+    part (the normal validation traces, and every training or validation trace whose every
+    bottleneck is on a held-out service: the fitting part saw none of them) and the held-out
+    services; None when there are fewer than two faulted services or no such faults.
+    """
+    known = np.union1d(data.train, data.val)
+    rows = np.flatnonzero((data.node_y == 1) & np.isin(data.forest.trace_index, known))
+    frame = pd.DataFrame({"trace": data.forest.trace_index[rows], "service": np.asarray(services)[rows]})
+    faulted = np.array(sorted(frame["service"].unique()), dtype=object)
+    if len(faulted) < 2 or share <= 0:
+        return None
+    count = min(max(1, round(len(faulted) * share)), len(faulted) - 1)
+    held = sorted(np.random.default_rng(seed).choice(faulted, size=count, replace=False).tolist())
+    per_trace = frame.assign(held=frame["service"].isin(held)).groupby("trace")["held"].agg(["any", "all"])
+    any_held = np.zeros(data.forest.num_traces, dtype=bool)
+    all_held = np.zeros(data.forest.num_traces, dtype=bool)
+    any_held[per_trace.index] = per_trace["any"].to_numpy()
+    all_held[per_trace.index] = per_trace["all"].to_numpy()
+    faults = known[all_held[known]]
+    if len(faults) == 0:
+        return None
+    decision = np.union1d(data.val[data.y[data.val] == 0], faults)
+    fitting = replace(data, train=data.train[~any_held[data.train]], val=data.val[~any_held[data.val]])
+    return fitting, decision, held
+
+
+def decision_weights(data: Labelled, decision: np.ndarray) -> np.ndarray:
+    """float [D]: weights that give the decision traces the validation part's share of
+    bottlenecked traces (the decision part draws its faults from training traces too), so that
+    F1 weighs false alarms as often as the validation traces would."""
+    y, val_y = data.y[decision], data.y[data.val]
+    positives, negatives = int(np.sum(y == 1)), int(np.sum(y == 0))
+    if positives == 0 or negatives == 0 or not np.any(val_y == 0):
+        return np.ones(len(decision))
+    ratio = float(np.sum(val_y == 1)) / float(np.sum(val_y == 0))
+    return np.where(y == 1, ratio * negatives / positives, 1.0)
+
+
+def _thresholds(raw: Scores, data: Labelled, config: TrainConfig) -> dict[str, float]:
+    """Each model's trace and service thresholds, on `data.val` only."""
     val, y = data.val, data.y[data.val]
     truth = true_services(data, raw)
     anomalous_val = val[y == 1]
     node_truth = truth[anomalous_val][raw.present[anomalous_val]]
-    thresholds = {
+    return {
         "graph": threshold_for_precision(y, raw.gnn_anomaly[val], config.min_precision),
         "node": threshold_for_precision(node_truth, raw.gnn_service[anomalous_val][raw.present[anomalous_val]], 0.5),
         "svm": threshold_for_precision(y, raw.svm_anomaly[val], config.min_precision),
         "svm_node": threshold_for_precision(node_truth, raw.svm_service[anomalous_val][raw.present[anomalous_val]], 0.5),
     }
-    if config.svm_max_services is not None:
-        router = Router(config.svm_max_services, config.svm_max_paths if config.svm_max_paths is not None else 1 << 30)
-        return replace(detector, thresholds=thresholds, router=router)
-    cost = measure_cost(detector, data.forest, val, {"gnn": Router(), "svm": Router.everything()})
-    verdicts = {"gnn": raw.gnn_anomaly[val] >= thresholds["graph"], "svm": raw.svm_anomaly[val] >= thresholds["svm"]}
-    hits = {"gnn": _top1_hits(raw.gnn_service[val], raw.present[val], truth[val]),
-            "svm": _top1_hits(raw.svm_service[val], raw.present[val], truth[val])}
-    router, candidates = choose(y, verdicts, hits, raw.num_services[val], raw.num_paths[val], cost,
-                                config.router_tolerance)
+
+
+def choose_router(detector: Detector, raw: Scores, data: Labelled, config: TrainConfig, application: str) -> Detector:
+    """The router's cuts (`bmeg.models.router.choose`): each model's flags and culprits on
+    faults of held-out services, judged by a probe detector fitted without them
+    (`held_out_service_split`), or on the validation traces where no such split exists; the
+    cost measured on `detector` over the validation traces."""
+    services = node_services(data.forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+    split = held_out_service_split(data, services, config.router_holdout, config.seed)
+    judge, judge_raw, decision, weights = detector, raw, data.val, np.ones(len(data.val))
+    held: list[str] = []
+    if split is not None:
+        fitting, decision, held = split
+        weights = decision_weights(data, decision)
+        judge, _, judge_raw = _fit_models(fitting, config, application)
+        judge = replace(judge, thresholds=_thresholds(judge_raw, fitting, config))
+    y, truth, th = data.y[decision], true_services(data, judge_raw), judge.thresholds
+    sources = _fault_sources(data)
+    cost = measure_cost(detector, data.forest, data.val, {"gnn": Router(), "svm": Router.everything()})
+    verdicts = {"gnn": judge_raw.gnn_anomaly[decision] >= th["graph"], "svm": judge_raw.svm_anomaly[decision] >= th["svm"]}
+    named = {model: named_culprit(service[decision], judge_raw.present[decision], truth[decision], th[node])
+             for model, service, node in (("gnn", judge_raw.gnn_service, "node"), ("svm", judge_raw.svm_service, "svm_node"))}
+    router, candidates, why = choose(y, verdicts, named, judge_raw.num_services[decision], judge_raw.num_paths[decision],
+                                     cost, config.router_tolerance, weights, seed=config.seed,
+                                     sources=None if sources is None else sources[decision])
+    if sources is not None and router != Router():
+        router, why = _uncovered_sources_check(router, why, detector, raw, data, sources, set(sources[decision][y == 1]),
+                                               config.router_tolerance)
+    where = (f"faults on held-out services {held} (a probe detector fitted without them)" if held
+             else "validation traces (no held-out split: fewer than two faulted services)")
+    router = replace(router, why=f"{why}; decided on {len(decision)} traces, {int(np.sum(y == 1))} bottlenecked, of {where}")
     chosen = next(row for row in candidates if row["max_services"] == router.max_services
                   and row["max_paths"] == router.max_paths)
-    never = candidates[0]  # Router(): every trace to the GNN
-    detector = replace(detector, thresholds=thresholds, router=router)
+    detector = replace(detector, router=router)
     detector.hparams["router_choice"] = {
-        "cost_s_per_trace": cost, "tolerance": config.router_tolerance, "chosen": chosen, "gnn_only": never,
-        "best_f1": max(row["f1"] for row in candidates),
+        "cost_s_per_trace": cost, "tolerance": config.router_tolerance, "chosen": chosen, "gnn_only": candidates[0],
+        "best_f1": max(row["f1"] for row in candidates), "held_out_services": held,
+        "decision_traces": int(len(decision)), "decision_bottlenecked": int(np.sum(y == 1)), "why": router.why,
     }
     return detector
 
 
-def _top1_hits(service: np.ndarray, present: np.ndarray, truth: np.ndarray) -> np.ndarray:
-    """bool [T]: the trace's top-scored present service is a true bottleneck."""
-    top = np.argmax(np.where(present, service, -np.inf), axis=1)
-    return truth[np.arange(len(top)), top]
+def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: Scores, data: Labelled,
+                             sources: np.ndarray, covered: set, tolerance: float) -> tuple[Router, str]:
+    """The cut `choose` took, checked on the fault sources its decision traces lack: on the
+    validation faults of each (the served detector's scores; the training campaign's services),
+    it must name culprits no worse than the GNN alone by more than `tolerance`, else the GNN
+    alone stays. Where the held-out faults say nothing about a kind of fault, the validation
+    faults are the only evidence: in the closed loop's recipe the SVM's own-time scores name a
+    misconfigured worker pool's service at 0.13 (queueing is the callers' wait), and no
+    misconfiguration fell among the held-out services."""
+    val, y, th = data.val, data.y[data.val], detector.thresholds
+    truth = true_services(data, raw)
+    verdicts = {"gnn": raw.gnn_anomaly[val] >= th["graph"], "svm": raw.svm_anomaly[val] >= th["svm"]}
+    named = {model: named_culprit(service[val], raw.present[val], truth[val], th[node])
+             for model, service, node in (("gnn", raw.gnn_service, "node"), ("svm", raw.svm_service, "svm_node"))}
+    shape = (raw.num_services[val], raw.num_paths[val], sources[val])
+    gnn = culprit_recall_by_source(Router(), y, verdicts, named, *shape)
+    cut = culprit_recall_by_source(router, y, verdicts, named, *shape)
+    worse = {source: f"{cut[source]:.3f} against {gnn[source]:.3f}" for source in gnn
+             if source not in covered and cut[source] < gnn[source] - tolerance}
+    if not worse:
+        return router, why
+    return Router(), (f"gnn: {why.removeprefix('svm: ')}; but on validation faults of sources the held-out faults "
+                      f"lack it names culprits worse: {worse} (culprit recall)")
+
+
+def _fault_sources(data: Labelled) -> np.ndarray | None:
+    """Each trace's fault source (saturation, misconfiguration, ...) where the dataset says."""
+    if "fault_source" not in data.traces.column_names:
+        return None
+    return np.asarray(data.traces["fault_source"].to_numpy(zero_copy_only=False), dtype=object)
+
+
+def named_culprit(service: np.ndarray, present: np.ndarray, truth: np.ndarray, threshold: float) -> np.ndarray:
+    """float [T]: the score of the trace's top-scored present service where that service is a
+    true bottleneck scored at or above the model's node threshold (its diagnosis names it a
+    bottleneck), else 0: the culprit credit of `bmeg.models.router.choose`."""
+    scores = np.where(present, service, -np.inf)
+    top = np.argmax(scores, axis=1)
+    rows = np.arange(len(top))
+    named = truth[rows, top] & (scores[rows, top] >= threshold)
+    return np.where(named, np.clip(scores[rows, top], 0.0, 1.0), 0.0)
 
 
 def _fit_firm(forest: SpanForest, paths, services: np.ndarray, data: Labelled, config: TrainConfig) -> FirmSVM:

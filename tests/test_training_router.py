@@ -1,0 +1,72 @@
+"""The router's decision data: faults on services the fitting part never saw faulted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from builders import spans
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bmeg.graphs import assemble
+from bmeg.training.labelled import Labelled
+from bmeg.training.pipeline import decision_weights, held_out_service_split
+
+TRACES = 40
+SERVICES = ["a", "b", "c", "d", "e"]
+#: 40 traces of a root and two children: 120 nodes whose services and bottleneck labels are drawn.
+FOREST = assemble(pa.concat_tables([spans([("0", None, 0, 30), ("1", "0", 1, 10), ("2", "0", 12, 10)], f"t{t:02d}")
+                                    for t in range(TRACES)]))
+
+
+def _labelled(node_y: np.ndarray, in_val: np.ndarray) -> Labelled:
+    y = np.zeros(TRACES, dtype=np.int64)
+    y[FOREST.trace_index[node_y == 1]] = 1
+    traces = np.arange(TRACES)
+    return Labelled(FOREST, y, node_y, traces[~in_val], traces[in_val], np.array([], dtype=np.int64), pa.table({}))
+
+
+def _faulted(data: Labelled, services: np.ndarray, traces: np.ndarray) -> set[str]:
+    rows = (data.node_y == 1) & np.isin(FOREST.trace_index, traces)
+    return set(services[rows].tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(SERVICES), min_size=3 * TRACES, max_size=3 * TRACES),
+       st.lists(st.booleans(), min_size=3 * TRACES, max_size=3 * TRACES),
+       st.lists(st.booleans(), min_size=TRACES, max_size=TRACES), st.floats(0.01, 0.99), st.integers(0, 9))
+def test_no_decision_trace_is_faulted_on_a_service_faulted_in_the_fitting_part(names, bottleneck, in_val, share, seed):
+    services = np.array(names, dtype=object)
+    data = _labelled(np.array(bottleneck, dtype=np.int64), np.array(in_val))
+    split = held_out_service_split(data, services, share, seed)
+    faulted = _faulted(data, services, np.union1d(data.train, data.val))
+    if split is None:
+        return
+    fitting, decision, held = split
+    assert 1 <= len(held) < len(faulted)
+    seen = _faulted(data, services, np.union1d(fitting.train, fitting.val))
+    assert not seen & set(held)
+    assert not _faulted(data, services, decision) & seen
+    assert _faulted(data, services, decision) <= set(held)
+    assert set(decision) <= set(data.val) | set(data.train) and set(fitting.val) <= set(data.val)
+    assert set(fitting.train) <= set(data.train)
+    assert not set(decision) & (set(fitting.train) | set(fitting.val)) - set(data.val[data.y[data.val] == 0])
+    assert np.any(data.y[decision] == 1)
+    assert set(decision[data.y[decision] == 0]) == set(data.val[data.y[data.val] == 0])  # the normal validation traces
+    weights = decision_weights(data, decision)
+    y = data.y[decision]
+    if np.any(y == 0) and np.any(data.y[data.val] == 0):  # weighted, the decision part has validation's share of faults
+        share = np.sum(weights[y == 1]) / np.sum(weights[y == 0])
+        assert share == pytest.approx(np.sum(data.y[data.val] == 1) / np.sum(data.y[data.val] == 0))
+
+
+def test_no_split_without_two_faulted_services():
+    services = np.array(["a"] * 3 * TRACES, dtype=object)
+    node_y = np.zeros(3 * TRACES, dtype=np.int64)
+    node_y[::7] = 1
+    in_val = np.arange(TRACES) % 3 == 0
+    assert held_out_service_split(_labelled(node_y, in_val), services, 0.34, 0) is None
+    services[::14] = "b"
+    fitting, decision, held = held_out_service_split(_labelled(node_y, in_val), services, 0.34, 0)
+    assert len(held) == 1 and len(decision) and len(fitting.train)
