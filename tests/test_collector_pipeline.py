@@ -230,10 +230,10 @@ def test_a_broker_outage_of_150_s_is_waited_out_and_sigterm_exits_promptly_durin
     lost, split = lost_and_split(diagnoses, spans)
     print(f'outage of 150 s: {len(lost)} lost, {len(split)} split of {len(trace_ids)} traces')  # the README's figure (-s)
     assert not lost, sorted(lost)[:5]
-    # Traces whose pieces straddle the outage's start are finished by the idle timeout while the
-    # rest waits in the Collector: 0 and 13 of 300 were split in two runs (169 with the Collector's
-    # default 10 queue consumers); 15 with the idle clock held to the broker's answers (README).
-    assert len(split) <= len(trace_ids) // 10, sorted(split)[:5]
+    # Before the consumer waited out the Collector's retries after an outage, traces whose pieces
+    # straddled it were split (0-15 of 300 a run; 169 with the Collector's default 10 queue
+    # consumers); since, 0 in each of 4 runs (README). A little slack for a loaded machine.
+    assert len(split) <= len(trace_ids) // 100, sorted(split)[:5]
 
 
 def _consume(run_dir: Path, bootstrap: str, topic: str, name: str, log: Path, extra: list[str]) -> subprocess.Popen:
