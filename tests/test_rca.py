@@ -328,3 +328,31 @@ def test_a_decisive_service_is_the_largest_shift_and_leads_by_the_margin(shifts)
         assert len(ordered) < 2 or ordered[0] - ordered[1] < DECISIVE_LEAD
     else:
         assert shifts[found] == ordered[0] and ordered[0] - ordered[1] >= DECISIVE_LEAD
+
+
+def test_diagnose_given_a_normal_period_ranks_the_window_with_bmegs_ranker(shop, trained_run):
+    """`bmeg diagnose --window --normal`: the product's window ranking is the ranker the harness
+    measures as `bmeg` (before, the detector's mean node score alone: what traces spend time on)."""
+    import bmeg
+
+    normal, folder = shop
+    window = TraceFiles(folder).window(EPOCH + 60 * 10**9, EPOCH + 80 * 10**9)
+    diagnosis = bmeg.diagnose(window, model=trained_run, window=True, normal=normal)
+    ranking = diagnosis.ranking
+    assert ranking is not None and {entry.service for entry in ranking} == {"web", "cart", "pay", "stock"}
+    assert ranking[0].service == "pay" and ranking[0].bottleneck and not any(entry.bottleneck for entry in ranking[1:])
+    assert [entry.score for entry in ranking] == [1.0 / rank for rank in range(1, len(ranking) + 1)]
+    assert len(diagnosis.traces) == rpc_view(window).num_traces
+
+
+def test_the_diagnose_command_takes_a_normal_period(shop, trained_run, tmp_path):
+    from click.testing import CliRunner
+
+    from bmeg.cli import main
+
+    normal, folder = shop
+    write_spans(normal, tmp_path / "normal.parquet", "parquet")
+    result = CliRunner().invoke(main, ["diagnose", str(folder), "--model", str(trained_run),
+                                       "--normal", str(tmp_path / "normal.parquet"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["ranking"][0]["service"] == "pay"

@@ -77,8 +77,12 @@ def _given(**options) -> dict:
 @click.option("--model", "run_dir", type=click.Path(path_type=Path), default=None, help="Run directory of `bmeg train`.")
 @click.option("--format", "input_format", default=None, help="Input format (default: detected).")
 @click.option("--window", is_flag=True, help="Also rank services over all the traces given.")
+@click.option("--normal", "normal_path", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Traces of a fault-free period of the same application: the window's ranking compares "
+                   "with it (bmeg's ranker, as `bmeg evaluate rca` measures it). Implies --window.")
 @json_option
-def diagnose(source: Path, run_dir: Path | None, input_format: str | None, window: bool, as_json: bool) -> None:
+def diagnose(source: Path, run_dir: Path | None, input_format: str | None, window: bool, normal_path: Path | None,
+             as_json: bool) -> None:
     """Diagnose the traces in SOURCE (a file or a folder of trace files)."""
     import bmeg
     from bmeg.models.checkpoint import CheckpointError
@@ -86,7 +90,8 @@ def diagnose(source: Path, run_dir: Path | None, input_format: str | None, windo
     from bmeg.traces.io import read_spans
 
     try:
-        diagnosis = bmeg.diagnose(read_spans(source, format=input_format), model=run_dir, window=window)
+        normal = None if normal_path is None else read_spans(normal_path, format=input_format)
+        diagnosis = bmeg.diagnose(read_spans(source, format=input_format), model=run_dir, window=window, normal=normal)
     except (CheckpointError, TraceInputError) as error:
         raise click.ClickException(str(error)) from error
     if as_json:
