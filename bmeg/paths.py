@@ -12,6 +12,10 @@ from importlib.resources import files
 from pathlib import Path
 
 
+#: In a run directory of `bmeg bootstrap`: the normal traces a window is ranked against.
+NORMAL_TRACES_FILE = "normal.parquet"
+
+
 def shipped_folder(package: str, folder: str) -> Path:
     """The folder `folder` shipped inside `package` (e.g. `bmeg.faultinject`, `topologies`)."""
     return Path(str(files(package).joinpath(folder)))

@@ -8,7 +8,9 @@ read the real application: its per-operation baselines are refitted on the real 
 traces the twin came from, and its stage-1 thresholds are raised until at most
 `false_alarm_rate` of the later, held-back real normal traces are flagged
 (`bmeg.training.calibration`). The run directory holds the model (as `bmeg train` writes it,
-with a `calibration` entry in its metrics), `twin.yaml`, and the generated data under `data/`.
+with a `calibration` entry in its metrics), `twin.yaml`, the generated data under `data/`, and
+the normal traces the twin was fitted from (`bmeg.paths.NORMAL_TRACES_FILE`): `bmeg diagnose --window` ranks a
+window against them (`bmeg.evaluation.rankers.window_ranking`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from bmeg.faultinject.codefaults import code_fault_dataset
 from bmeg.evaluation.rankers import with_normal_baselines
 from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
+from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RATE
-from bmeg.traces.io import read_spans
+from bmeg.traces.io import read_spans, write_spans
 
 #: Scenarios the dataset is generated from, one shard each, sharing the traces equally with a
 #: third shard of code faults (`bmeg.faultinject.codefaults`): without it the model never sees
@@ -52,6 +55,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     spec = fit_twin(fitting, name="twin", description=f"twin fitted from {normal_traces}")
     twin_file = out / "twin.yaml"
     twin_file.write_text(spec.to_yaml())
+    write_spans(fitting, out / NORMAL_TRACES_FILE, "parquet")
     shard_traces = traces // (len(SCENARIOS) + 1)
     for index, scenario in enumerate(SCENARIOS):  # a seed each: the shards' trace ids must differ
         generate_dataset(out / "data" / scenario, topology=twin_file, traces=shard_traces,
