@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from bmeg.models.checkpoint import CheckpointError
+from bmeg.models.history import StreamedDetector
 from bmeg.serving.model_process import ModelProcess
 from bmeg.serving.payloads import Limits, Payload, RequestRefused, diagnose_payloads
 from bmeg.traces import to_otlp_proto_bytes
@@ -33,8 +34,10 @@ def test_the_child_diagnoses_as_the_detector_does_in_process(model_process, dete
     limits = Limits(max_spans=10_000, max_batch_spans=10_000)
 
     assert (model_process.application, model_process.version) == (detector.application, detector.version)
-    # A fresh in-process detector: the SVM's window of recent traces must start equal too.
-    fresh = type(detector).load(detector.run_dir, device="cpu")
+    # A fresh in-process detector holding the stream's history as the child does (the third
+    # payload's trace reads the first two's): a plain Detector reads none, and its scores differ
+    # wherever the history features count (this test's model since the router's session-6 training).
+    fresh = StreamedDetector(type(detector).load(detector.run_dir, device="cpu"))
     in_child = model_process.diagnose_payloads(payloads, False, limits)
     in_process = diagnose_payloads(fresh, payloads, False, limits)
     assert [a.diagnosis for a in in_child] == [a.diagnosis for a in in_process]
