@@ -246,9 +246,7 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
     y, truth, th = data.y[decision], true_services(data, judge_raw), judge.thresholds
     sources = _fault_sources(data)
     cost = measure_cost(detector, data.forest, data.val, {"gnn": Router(), "svm": Router.everything()})
-    verdicts = {"gnn": judge_raw.gnn_anomaly[decision] >= th["graph"], "svm": judge_raw.svm_anomaly[decision] >= th["svm"]}
-    named = {model: named_culprit(service[decision], judge_raw.present[decision], truth[decision], th[node])
-             for model, service, node in (("gnn", judge_raw.gnn_service, "node"), ("svm", judge_raw.svm_service, "svm_node"))}
+    verdicts, named = _verdicts_and_culprits(judge_raw, decision, truth, th)
     router, candidates, why = choose(y, verdicts, named, judge_raw.num_services[decision], judge_raw.num_paths[decision],
                                      cost, config.router_tolerance, weights, seed=config.seed,
                                      sources=None if sources is None else sources[decision])
@@ -278,11 +276,8 @@ def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: 
     faults are the only evidence: in the closed loop's recipe the SVM's own-time scores name a
     misconfigured worker pool's service at 0.13 (queueing is the callers' wait), and no
     misconfiguration fell among the held-out services."""
-    val, y, th = data.val, data.y[data.val], detector.thresholds
-    truth = true_services(data, raw)
-    verdicts = {"gnn": raw.gnn_anomaly[val] >= th["graph"], "svm": raw.svm_anomaly[val] >= th["svm"]}
-    named = {model: named_culprit(service[val], raw.present[val], truth[val], th[node])
-             for model, service, node in (("gnn", raw.gnn_service, "node"), ("svm", raw.svm_service, "svm_node"))}
+    val, y = data.val, data.y[data.val]
+    verdicts, named = _verdicts_and_culprits(raw, val, true_services(data, raw), detector.thresholds)
     shape = (raw.num_services[val], raw.num_paths[val], sources[val])
     gnn = culprit_recall_by_source(Router(), y, verdicts, named, *shape)
     cut = culprit_recall_by_source(router, y, verdicts, named, *shape)
@@ -292,6 +287,15 @@ def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: 
         return router, why
     return Router(), (f"gnn: {why.removeprefix('svm: ')}; but on validation faults of sources the held-out faults "
                       f"lack it names culprits worse: {worse} (culprit recall)")
+
+
+def _verdicts_and_culprits(raw: Scores, traces: np.ndarray, truth: np.ndarray,
+                           thresholds: dict[str, float]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Each model's ("gnn", "svm") trace verdicts and culprit credit (`named_culprit`) on `traces`."""
+    verdicts = {"gnn": raw.gnn_anomaly[traces] >= thresholds["graph"], "svm": raw.svm_anomaly[traces] >= thresholds["svm"]}
+    named = {model: named_culprit(service[traces], raw.present[traces], truth[traces], thresholds[node])
+             for model, service, node in (("gnn", raw.gnn_service, "node"), ("svm", raw.svm_service, "svm_node"))}
+    return verdicts, named
 
 
 def _fault_sources(data: Labelled) -> np.ndarray | None:
