@@ -4,9 +4,12 @@ on the batch's spans): each trace's evidence must be the one it gets when diagno
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pyarrow.compute as pc
 
 from bmeg.diagnosis import Diagnosis, TraceDiagnosis, single_trace_json
+from bmeg.mitigation.planner import suggest, trace_hints
 from bmeg.traces import span_table
 from builders import many_traces, star_trace, tiny_detector
 
@@ -53,6 +56,22 @@ def test_the_consumers_json_is_the_typed_diagnosis_byte_for_byte():
     for trace, typed in zip(document["traces"], diagnosis.traces, strict=True):
         one = Diagnosis(model_version=diagnosis.model_version, application=diagnosis.application, traces=[typed])
         assert single_trace_json(document, trace) == one.model_dump_json().encode()
+
+
+def test_an_anomalous_traces_hints_from_plain_values_are_those_suggest_gives_it():
+    """The consumer publishes an anomalous trace with `trace_hints` laid into its plain values:
+    the same bytes as the typed one-trace diagnosis through `suggest`."""
+    # untrained: its scores vary from run to run; with these thresholds every trace is flagged
+    # and every service it ranks is named, so each one gets hints
+    detector = replace(tiny_detector(), thresholds={"graph": 0.0, "svm": 0.0, "node": 0.0, "svm_node": 0.0})
+    document = detector.diagnosis_document(_batch_with_an_odd_trace())
+    anomalous = [trace for trace in document["traces"] if trace["anomalous"]]
+    assert len(anomalous) == 7
+    for trace in anomalous:
+        one = Diagnosis.model_validate({**document, "traces": [trace]})
+        trace["mitigations"] = trace_hints(trace)
+        assert single_trace_json(document, trace) == suggest(one).model_dump_json().encode()
+    assert all(trace["mitigations"] for trace in anomalous)
 
 
 def _evidence(trace: TraceDiagnosis) -> dict:
