@@ -129,14 +129,6 @@ class _DetectorScores:
         return held[1]
 
 
-def _mean_over(scores, weights: np.ndarray, values: np.ndarray) -> pd.Series:
-    """Per service, the mean of `values` [T, S] over the traces where it is present, weighted by trace."""
-    present = scores.present & (weights[:, None] > 0)
-    seen = (weights[:, None] * present).sum(axis=0)
-    mean = (weights[:, None] * values * present).sum(axis=0) / np.maximum(seen, 1e-12)
-    return pd.Series(mean[seen > 0], index=np.asarray(scores.services)[seen > 0])
-
-
 class FirmSvmRanker:
     """FIRM: the detector's FIRM SVM culprit score of each service on the critical path (RI and CI
     over the window's traces), averaged over the traces where the service is on the path."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -40,8 +40,10 @@ from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.traces import TraceInputError
 from bmeg.traces.io import read_spans
 
-if TYPE_CHECKING:
-    from bmeg.models.detector import Detector, Scores
+#: `bmeg.models.detector.Detector` and its `Scores`, by duck type: the detector module uses this
+#: one, never the other way round.
+Detector = Any
+Scores = Any
 
 #: `Diagnosis.window_method` of a window ranked by `WindowRanker` against a normal period.
 WINDOW_NORMAL_PERIOD = "normal-period"
