@@ -65,6 +65,19 @@ def test_a_bootstrapped_model_ranks_a_window_against_the_normal_traces_it_kept(b
     assert harness.name == "bmeg" and [service for service, _ in measured] == [s.service for s in expected]
 
 
+def test_a_bootstrapped_runs_window_is_scored_once(bootstrapped, monkeypatch):
+    """The traces' own scores serve the window's ranking: its baselines are the kept period's."""
+    recorded, _, run_dir, _, _ = bootstrapped
+    scored = []
+    original = Detector.score
+    monkeypatch.setattr(Detector, "score", lambda self, forest, *a, **k: scored.append(forest.num_traces)
+                        or original(self, forest, *a, **k))
+    bmeg.diagnose(recorded.spans, model=run_dir, window=True)
+    kept = rpc_view(read_spans(run_dir / NORMAL_TRACES_FILE, format="parquet")).num_traces
+    window = rpc_view(recorded.spans).num_traces
+    assert sorted(scored) == sorted([kept, window])  # the normal period once, the window once
+
+
 def test_the_rest_window_ranking_is_the_commands(bootstrapped, tmp_path):
     """`POST /diagnose?window=true` ranks a window as `bmeg diagnose --window` does on the same
     traces and run: against the run's normal traces, read once when the model loads."""
