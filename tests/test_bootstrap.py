@@ -19,6 +19,7 @@ from bmeg.models.normal import NormalStats
 from bmeg.models.window import WindowRanker
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.serving.app import create_app
+from bmeg.serving.model_process import ModelProcess
 from bmeg.traces import to_otlp_proto_bytes
 from bmeg.traces.io import read_spans, write_spans
 from serving_fixtures import KEY_HEADER, keyed_settings
@@ -114,3 +115,17 @@ def test_without_normal_traces_the_window_is_ranked_by_the_mean_node_score_and_s
     command = CliRunner().invoke(main, ["diagnose", str(tmp_path / "window.parquet"), "--model", str(bare), "--window"])
     assert command.exit_code == 0, command.output
     assert "by the mean node score: no normal traces" in " ".join(command.output.split())
+
+
+@pytest.mark.integration  # spawns a torch process: seconds
+def test_the_model_process_ranks_a_window_against_the_runs_normal_traces(bootstrapped):
+    """`bmeg serve --model-process`: the child reads the run's normal traces when it loads and
+    ranks a window as `bmeg.diagnose` does."""
+    recorded, _, run_dir, _, _ = bootstrapped
+    child = ModelProcess(run_dir, device="cpu")
+    try:
+        ranked = child.diagnose(recorded.spans, window=True)
+    finally:
+        child.close()
+    expected = bmeg.diagnose(recorded.spans, model=run_dir, window=True)
+    assert ranked.window_method == "normal-period" and ranked.ranking == expected.ranking
