@@ -356,3 +356,18 @@ def test_the_diagnose_command_takes_a_normal_period(shop, trained_run, tmp_path)
                                        "--normal", str(tmp_path / "normal.parquet"), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["ranking"][0]["service"] == "pay"
+    assert json.loads(result.output)["window_method"] == "normal-period"
+
+
+def test_an_empty_normal_period_is_refused_clearly(shop, trained_run, tmp_path):
+    """A normal period with no trace compares with nothing: a clear error, not a crash."""
+    from click.testing import CliRunner
+
+    from bmeg.cli import main
+
+    normal, folder = shop
+    write_spans(normal.slice(0, 0), tmp_path / "empty.parquet", "parquet")
+    result = CliRunner().invoke(main, ["diagnose", str(folder), "--model", str(trained_run),
+                                       "--normal", str(tmp_path / "empty.parquet")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert "the normal period holds no complete trace" in result.output, result.output
