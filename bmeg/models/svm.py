@@ -254,14 +254,17 @@ def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: 
     robust z-score of each of `CULPRIT_FEATURES` over the service's nodes (0, the baseline,
     where it has none).
 
-    - own_time: self time of its nodes, except a client span with a server span of another
-      service below it: that span's self time is the call's gap, the callee's (below);
-    - queue: the wait of a server span whose parent is a client span of another service, from
-      the client's start to the server's: the request's network leg and the callee's queue;
+    - own_time: self time of its nodes, except a client span with a server span below it: that
+      span's self time is the call's gap, the callee's (below);
+    - queue: the wait of a server span whose parent is a client span, from the client's start
+      to the server's: the request's network leg and the callee's queue;
     - caller_gap: that client span's self time, seen from the callee's side.
+
+    (Where a client span is named after its callee, as the testbed's stores and peers are by
+    `node_services`, its gap was the callee's own time and is now its caller_gap.)
     """
     parent = np.maximum(forest.parent, 0)
-    callee = (forest.parent >= 0) & (codes[parent] != codes) & (kind[parent] == "client")
+    callee = (forest.parent >= 0) & (kind[parent] == "client") & (kind == "server")
     gap_span = np.zeros(len(codes), dtype=bool)
     gap_span[parent[callee]] = True
     blocks = []
