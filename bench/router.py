@@ -17,8 +17,9 @@ before: each baseline deviation's largest per (service, operation) key instead o
 largest, `TraceVectorizer(per_key_deviations=True)`; trained, thresholded and ranked as `svm`), `routed` (the router that `choose` picked),
 `cheapest-tie` (the router the earlier rule picked: the cheapest cut within the tolerance of
 the best validation quality, even when the GNN alone ties it), and `self-time` (no model: a
-trace is flagged when some service's own time is far above its baseline, threshold chosen on
-validation like the models'; the score and the ranking are the SVM path's culprit score). Each
+trace is flagged when some service's SVM-path culprit score (`CulpritScorer`; before it, its own
+time against its baseline) is high, threshold chosen on validation like the models'; services
+ranked by the same score). Each
 with BP, BR, NBR, AC@1 on the fresh traces; the router's decision (culprit F1 of the GNN alone
 and of the chosen cut on its decision traces, and its reason in words) is printed per case.
 

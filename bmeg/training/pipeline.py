@@ -276,9 +276,9 @@ def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: 
     validation faults of each (the served detector's scores; the training campaign's services),
     it must name culprits no worse than the GNN alone by more than `tolerance`, else the GNN
     alone stays. Where the held-out faults say nothing about a kind of fault, the validation
-    faults are the only evidence: in the closed loop's recipe the SVM's own-time scores name a
-    misconfigured worker pool's service at 0.13 (queueing is the callers' wait), and no
-    misconfiguration fell among the held-out services."""
+    faults are the only evidence: in the closed loop's recipe the SVM's own-time scores (before
+    `CulpritScorer`) named a misconfigured worker pool's service at 0.13 (queueing is the
+    callers' wait), and no misconfiguration fell among the held-out services."""
     val, y = data.val, data.y[data.val]
     verdicts, named = _verdicts_and_culprits(raw, val, true_services(data, raw), detector.thresholds)
     shape = (raw.num_services[val], raw.num_paths[val], sources[val])
