@@ -26,6 +26,7 @@ from bmeg.diagnosis import Diagnosis
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
 from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import self_time_ns
+from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
@@ -34,6 +35,7 @@ from bmeg.models.graphset import GraphSet
 from bmeg.models.history import Observation, StreamHistory
 from bmeg.models.inference import limit_cpu_threads, predict_proba, resolve_device
 from bmeg.models.router import Router, distinct_paths
+from bmeg.models.window import WINDOW_MEAN_NODE_SCORE, WINDOW_NORMAL_PERIOD, WindowRanker
 from bmeg.models.svm import (
     CulpritScorer,
     FirmSVM,
@@ -233,17 +235,22 @@ class Detector:
 
     # -- diagnosis ---------------------------------------------------------------------------
     def diagnose(self, spans: pa.Table | SpanForest, window: bool = False,
-                 history: StreamHistory | None = None, replay: bool = False) -> Diagnosis:
+                 history: StreamHistory | None = None, replay: bool = False,
+                 ranker: WindowRanker | None = None) -> Diagnosis:
         """Diagnose every trace of a span table (or an assembled forest). Each trace reads
         `history` as it was before this call; the traces are then recorded into it. With
         `replay` the spans are a recorded stream (a file, a dataset): each trace also reads the
-        earlier traces among them, as it would have read them live, never the later ones."""
+        earlier traces among them, as it would have read them live, never the later ones.
+        With `window`, the services are also ranked over all the traces: by `ranker` (bmeg's
+        ranker against a normal period, `bmeg.models.window`) when given, else by the mean node
+        score; `window_method` says which."""
         # Plain values for every trace, validated in one pydantic call: building ~30 small
         # models per trace one by one cost as much as running the models.
-        return Diagnosis.model_validate(self.diagnosis_document(spans, window, history, replay))
+        return Diagnosis.model_validate(self.diagnosis_document(spans, window, history, replay, ranker))
 
     def diagnosis_document(self, spans: pa.Table | SpanForest, window: bool = False,
-                           history: StreamHistory | None = None, replay: bool = False) -> dict:
+                           history: StreamHistory | None = None, replay: bool = False,
+                           ranker: WindowRanker | None = None) -> dict:
         """The `Diagnosis` as plain values, laid out as `Diagnosis.model_dump()` lays it out.
         `diagnose` validates it; an output that only serialises it (the Kafka consumer, with
         `bmeg.diagnosis.single_trace_json`) skips building the typed objects."""
@@ -253,11 +260,25 @@ class Detector:
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
             history.record(scores.observation.of(self.services))
+        ranking, method = None, None
+        if window and ranker is not None:
+            ranking, method = self._ranked_against_normal(ranker, forest, scores, replay), WINDOW_NORMAL_PERIOD
+        elif window:
+            ranking, method = self._window_ranking(scores), WINDOW_MEAN_NODE_SCORE
         return {
             "model_version": self.version, "application": self.application,
             "traces": self._trace_diagnoses(forest, scores, paths),
-            "ranking": self._window_ranking(scores) if window else None,
+            "ranking": ranking, "window_method": method,
         }
+
+    def _ranked_against_normal(self, ranker: WindowRanker, forest: SpanForest, scores: Scores,
+                               replay: bool) -> list[dict]:
+        """`ranker`'s ranking of the window as plain values. The traces' scores serve it when
+        they are what the ranker would compute (replayed, by the same baselines, on a forest
+        with no internal spans to fold), so a bootstrapped run's window is scored once."""
+        view = rpc_view(forest)
+        reuse = replay and view is forest and ranker.scores_reusable(self.encoder)
+        return [entry.model_dump() for entry in ranker.ranking(view, scores if reuse else None)]
 
     def _trace_diagnoses(self, forest: SpanForest, scores: Scores, paths: CriticalPaths) -> list[dict]:
         """Each trace's `TraceDiagnosis` as a dict, every field in order; the per-service work is
@@ -318,7 +339,8 @@ class Detector:
         return warnings
 
     def _window_ranking(self, scores: Scores) -> list[dict]:
-        """Services over the window: mean score over the anomalous traces (all, weighted, if none)."""
+        """Services over the window with no normal period at hand: mean score over the anomalous
+        traces (all, weighted, if none)."""
         weights = scores.anomalous.astype(float) if scores.anomalous.any() else scores.anomaly
         seen = np.maximum((weights[:, None] * scores.present).sum(axis=0), 1e-12)
         mean = (weights[:, None] * scores.service).sum(axis=0) / seen
