@@ -37,11 +37,13 @@ from bmeg.models.inference import limit_cpu_threads, predict_proba, resolve_devi
 from bmeg.models.router import Router, distinct_paths
 from bmeg.models.window import WINDOW_MEAN_NODE_SCORE, WINDOW_NORMAL_PERIOD, WindowRanker
 from bmeg.models.svm import (
+    CulpritScorer,
     FirmSVM,
     TraceSVM,
     TraceVectorizer,
     critical_path_frame,
     firm_features,
+    service_deviations,
 )
 from bmeg.paths import cache_dir
 from bmeg.version import __version__
@@ -52,8 +54,9 @@ def default_run_dir(application: str = "socialnet") -> Path:
     return cache_dir() / "runs" / application
 
 
-#: The self-time z-score at which an SVM-routed trace's service scores 0.5 (the p90 of a normal
-#: node is at z = 1 by construction of the baselines, `bmeg.models.features`).
+#: The self-time z-score at which an SVM-routed trace's service scores 0.5 in a detector saved
+#: without a `CulpritScorer` (the p90 of a normal node is at z = 1 by construction of the
+#: baselines, `bmeg.models.features`).
 SVM_SERVICE_Z = 3.0
 #: How many ranked services a trace's diagnosis lists.
 TOP_SERVICES = 5
@@ -70,7 +73,7 @@ class Scores:
     gnn_node: np.ndarray  # [N] GCN P(bottleneck) of each node (NaN where the GNN did not run)
     gnn_service: np.ndarray  # [T, S] max GCN node score per service (0 where absent)
     svm_anomaly: np.ndarray  # [T] trace SVM P(anomalous)
-    svm_service: np.ndarray  # [T, S] own-time deviation score of each service, for SVM-routed traces (0 where absent)
+    svm_service: np.ndarray  # [T, S] CulpritScorer's P(culprit) of each service, for SVM-routed traces (0 where absent)
     present: np.ndarray  # bool [T, S]
     num_paths: np.ndarray  # [T] distinct root-to-leaf paths
     to_svm: np.ndarray  # bool [T]: routed to the SVM
@@ -103,6 +106,7 @@ class Detector:
     metrics: dict
     device: torch.device = torch.device("cpu")
     run_dir: Path | None = None
+    culprit: CulpritScorer | None = None  # where in an SVM-routed trace (None: own time, as saved before it)
 
     @property
     def version(self) -> str:
@@ -177,20 +181,36 @@ class Detector:
             return anomaly, service
         vectors = self.trace_vectors(forest, x, keys)[traces]
         anomaly[traces] = self.svm.predict_proba(vectors)[:, 1]
-        service[traces] = self._own_time_scores(forest, x, codes, present.shape)[traces]
+        service[traces] = self._culprit_scores(forest, x, codes, present, traces)
         return anomaly, service
 
-    def _own_time_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray,
-                         shape: tuple[int, int]) -> np.ndarray:
-        """[T, S] for SVM-routed traces: how far each service's own time sits above its normal
-        baseline (its nodes' largest self-time z-score, through a logistic centred at
-        `SVM_SERVICE_Z`). A slow service lengthens every caller above it, its own time only."""
+    def _culprit_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, present: np.ndarray,
+                        traces: np.ndarray) -> np.ndarray:
+        """[len(traces), S] for SVM-routed traces: P(culprit) of each present service from its
+        deviations in own time, queue and its callers' gap (`CulpritScorer`; 0 where absent).
+        A detector saved without one (before it existed) scores own time only, as it did: its
+        largest self-time z-score through a logistic centred at `SVM_SERVICE_Z`."""
         if "z_log_self_time_us" not in self.encoder.names:  # thesis features: no baselines to compare with
-            return np.full(shape, 0.5)
-        z = x[:, self.encoder.names.index("z_log_self_time_us")].astype(np.float64)
-        largest = np.full(shape, -np.inf)
-        np.maximum.at(largest, (forest.trace_index, codes), z)
-        return np.where(np.isfinite(largest), 1.0 / (1.0 + np.exp(-(largest - SVM_SERVICE_Z))), 0.0)
+            return np.full((len(traces), present.shape[1]), 0.5)
+        z_self = x[:, self.encoder.names.index("z_log_self_time_us")].astype(np.float64)
+        if self.culprit is None:
+            largest = np.full(present.shape, -np.inf)
+            np.maximum.at(largest, (forest.trace_index, codes), z_self)
+            own = largest[traces]
+            return np.where(np.isfinite(own), 1.0 / (1.0 + np.exp(-(own - SVM_SERVICE_Z))), 0.0)
+        features = self.culprit_features(forest, x, codes, present.shape[1])[traces]
+        scores = np.zeros(features.shape[:2])
+        mask = present[traces]
+        if mask.any():
+            scores[mask] = self.culprit.predict_proba(features[mask])[:, 1]
+        return scores
+
+    def culprit_features(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int) -> np.ndarray:
+        """`CulpritScorer`'s input: [T, width, 3] (`service_deviations`) from the GNN's node features `x`."""
+        column = self.encoder.names.index
+        return service_deviations(forest, codes, width, forest.spans["kind"].to_numpy(zero_copy_only=False),
+                                  x[:, column("z_log_self_time_us")].astype(np.float64),
+                                  x[:, column("z_log_wait_us")].astype(np.float64))
 
     def trace_vectors(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """The trace SVM's input: [T, vectorizer columns] from the GNN's node features `x`."""
@@ -339,6 +359,7 @@ class Detector:
             "router": self.router.to_state(), "firm_window": self.firm_window,
             "services": self.services, "service_baseline_us": self.service_baseline_us,
             "hparams": self.hparams, "metrics": self.metrics,
+            "culprit": None if self.culprit is None else self.culprit.to_state(),
         }
         save_checkpoint(Path(run_dir), state)
         return replace(self, run_dir=Path(run_dir))
@@ -356,6 +377,7 @@ class Detector:
             vectorizer = TraceVectorizer.from_state(state["vectorizer"])
             svm, firm = TraceSVM.from_state(state["svm"]), FirmSVM.from_state(state["firm"])
             router = Router.from_state(state["router"])
+            culprit = None if state.get("culprit") is None else CulpritScorer.from_state(state["culprit"])
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"{run_dir} does not fit this bmeg ({error}): retrain with `bmeg train`") from error
         target = resolve_device(device)
@@ -366,7 +388,7 @@ class Detector:
             gcn=gcn.to(target).eval(), vectorizer=vectorizer, svm=svm, firm=firm, thresholds=state["thresholds"],
             router=router, firm_window=state["firm_window"], services=state["services"],
             service_baseline_us=state["service_baseline_us"], hparams=hparams, metrics=state["metrics"],
-            device=target, run_dir=Path(run_dir),
+            device=target, run_dir=Path(run_dir), culprit=culprit,
         )
 
 
