@@ -33,8 +33,8 @@ RATE = 100.0
 #: one fault of each source on the target; a pool of 1 plus a cache of 4 entries, so that the
 #: misconfiguration shows at this rate (each operation takes ~1 ms: a pool of 1 alone barely queues)
 FAULTS: dict[str, dict] = {
-    "interference": {"factor": 10.0},
-    "saturation": {"capacity": 0.05},
+    "interference": {"factor": 20.0},
+    "saturation": {"capacity": 0.6},
     "network": {"delay_ms": 30.0, "jitter_ms": 2.0},
     "misconfiguration": {"pool_size": 1, "hit_ratio": 0.1},
     "background": {"pause_ms": 150.0, "every_ms": 300.0},
