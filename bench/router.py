@@ -12,13 +12,14 @@ trace F1, `bmeg.models.router.choose`), then judged on *fresh* traces:
   faults), each thinned to every k-th trace in time order to stay under `--testbed-traces`.
 
 Rows per case: `gnn` (the GNN stages on every trace), `svm` (the trace SVM on every trace, its
-services ranked by own time against the baseline), `svm-per-key` (the trace SVM as it was
+services ranked by the `CulpritScorer`: own time, queue and callers' gap against the baselines), `svm-per-key` (the trace SVM as it was
 before: each baseline deviation's largest per (service, operation) key instead of the trace's
 largest, `TraceVectorizer(per_key_deviations=True)`; trained, thresholded and ranked as `svm`), `routed` (the router that `choose` picked),
 `cheapest-tie` (the router the earlier rule picked: the cheapest cut within the tolerance of
 the best validation quality, even when the GNN alone ties it), and `self-time` (no model: a
-trace is flagged when some service's own time is far above its baseline, threshold chosen on
-validation like the models'; services ranked by the same own-time score as the SVM's). Each
+trace is flagged when some service's SVM-path culprit score (`CulpritScorer`; before it, its own
+time against its baseline) is high, threshold chosen on validation like the models'; services
+ranked by the same score). Each
 with BP, BR, NBR, AC@1 on the fresh traces; the router's decision (culprit F1 of the GNN alone
 and of the chosen cut on its decision traces, and its reason in words) is printed per case.
 

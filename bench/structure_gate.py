@@ -20,7 +20,7 @@ decide differently: the gate is the only part of the ranker that changed, so whe
 differs, `rca-sim`'s bmeg figures are the same under both (the GNN is not needed).
 
 Gates: `fixed` (the bar before, a shift of 0.05), `FLOOR+FACTORxnoise`
-(`bmeg.evaluation.rankers.structure_changed`, noise from `NormalStats.structure_noise`), and
+(`bmeg.models.window.structure_changed`, noise from `NormalStats.structure_noise`), and
 `no gate` (the rank fusion alone).
 """
 
@@ -34,8 +34,8 @@ import numpy as np
 import pandas as pd
 
 from bmeg.evaluation.faults import read_fault_list
-from bmeg.evaluation.normal import NormalStats
-from bmeg.evaluation.rankers import decisive_shift, rank_fusion, structure_changed
+from bmeg.models.normal import NormalStats
+from bmeg.models.window import decisive_shift, rank_fusion, structure_changed
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.graphs.rpc import rpc_view
 from bmeg.traces.io import read_spans

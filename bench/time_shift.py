@@ -9,7 +9,7 @@ smallest shift of its calls (now) and as their median (before), and of the self-
 (`NormalStats.exclusive_increase`). No model is needed: these are the rules the ranker fuses with
 the GNN's ranking. `--simulated` simulates the faults `bmeg evaluate rca-sim --window-seconds 10`
 does (`simulated_faults`, a 20-s normal period, seed 0). The last line of each data set says, for
-the `DECISIVE_LEAD` rule of `bmeg.evaluation.rankers.decisive_shift` (on the call gaps' parts, as the ranker), in how many fault windows a
+the `DECISIVE_LEAD` rule of `bmeg.models.window.decisive_shift` (on the call gaps' parts, as the ranker), in how many fault windows a
 service led by that much and in how many of them it was a faulty one (that of the fault or of one
 injected at the same time: the testbed injects 2-3 at once).
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 import pandas as pd
 
 from bmeg.evaluation.faults import read_fault_list
-from bmeg.evaluation.normal import NormalStats
-from bmeg.evaluation.rankers import decisive_shift
+from bmeg.models.normal import NormalStats
+from bmeg.models.window import decisive_shift
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.graphs.rpc import rpc_view
 from bmeg.traces.io import read_spans

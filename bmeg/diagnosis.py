@@ -67,6 +67,12 @@ class Diagnosis(BaseModel):
     ranking: list[ServiceScore] | None = Field(
         None, description="Services ranked over all the traces given (window mode)."
     )
+    window_method: Literal["normal-period", "mean-node-score"] | None = Field(
+        None, description="How the window was ranked (window mode): `normal-period`, bmeg's ranker against a "
+                          "fault-free period of the application (the normal traces a `bmeg bootstrap` run keeps, "
+                          "or `--normal`); `mean-node-score`, the detector's mean node score, with no normal "
+                          "period at hand (a `bmeg train` run): weaker, it follows where traces spend their time."
+    )
 
     @property
     def anomalous(self) -> list[TraceDiagnosis]:
@@ -79,4 +85,4 @@ def single_trace_json(document: dict[str, Any], trace: dict[str, Any]) -> bytes:
     layout (`Detector.diagnosis_document`); the bytes are those `model_dump_json()` writes, made
     by pydantic's own serialiser without building the typed objects (the consumer's hot path)."""
     return pydantic_core.to_json({"model_version": document["model_version"], "application": document["application"],
-                                  "traces": [trace], "ranking": None})
+                                  "traces": [trace], "ranking": None, "window_method": None})

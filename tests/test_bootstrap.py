@@ -1,18 +1,28 @@
 """`bmeg.evaluation.bootstrap`: normal traces -> twin -> trained, calibrated model on disk."""
 
 import json
+import shutil
 
 import pyarrow.compute as pc
 import pytest
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
 
 import bmeg
 from bmeg.datasets.loader import load_dataset
 from bmeg.evaluation.bootstrap import bootstrap
-from bmeg.evaluation.rankers import window_ranking
+from bmeg.cli import main
+from bmeg.evaluation.rankers import default_rankers
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
+from bmeg.models.normal import NormalStats
+from bmeg.models.window import WindowRanker
 from bmeg.paths import NORMAL_TRACES_FILE
+from bmeg.serving.app import create_app
+from bmeg.serving.model_process import ModelProcess
+from bmeg.traces import to_otlp_proto_bytes
 from bmeg.traces.io import read_spans, write_spans
+from serving_fixtures import KEY_HEADER, keyed_settings
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +50,82 @@ def test_bootstrap_writes_a_calibrated_model_that_loads(bootstrapped):
 
 def test_a_bootstrapped_model_ranks_a_window_against_the_normal_traces_it_kept(bootstrapped):
     """`bmeg diagnose --window` on a bootstrapped model compares the window with the normal
-    traces the twin came from (kept in the run directory), as `bmeg evaluate rca` does."""
+    traces the twin came from (kept in the run directory) with the ranker `bmeg evaluate rca`
+    measures as `bmeg`."""
     recorded, normal_file, run_dir, _, _ = bootstrapped
     kept = read_spans(run_dir / NORMAL_TRACES_FILE, format="parquet")
     assert 0 < kept.num_rows < read_spans(normal_file).num_rows  # the part the twin was fitted from
 
     diagnosis = bmeg.diagnose(recorded.spans, model=run_dir, window=True)
-    expected = window_ranking(Detector.load(run_dir), rpc_view(recorded.spans), rpc_view(kept))
+    expected = WindowRanker(Detector.load(run_dir), kept).ranking(recorded.spans)
     assert diagnosis.ranking == expected and diagnosis.ranking[0].bottleneck
+    assert diagnosis.window_method == "normal-period"
+    # the harness's `bmeg` row ranks the same window the same way
+    harness = default_rankers(Detector.load(run_dir), rpc_view(kept), published=False)[0]
+    measured = harness.rank(rpc_view(recorded.spans), NormalStats.from_forest(rpc_view(kept)))
+    assert harness.name == "bmeg" and [service for service, _ in measured] == [s.service for s in expected]
+
+
+def test_a_bootstrapped_runs_window_is_scored_once(bootstrapped, monkeypatch):
+    """The traces' own scores serve the window's ranking: its baselines are the kept period's."""
+    recorded, _, run_dir, _, _ = bootstrapped
+    scored = []
+    original = Detector.score
+    monkeypatch.setattr(Detector, "score", lambda self, forest, *a, **k: scored.append(forest.num_traces)
+                        or original(self, forest, *a, **k))
+    bmeg.diagnose(recorded.spans, model=run_dir, window=True)
+    kept = rpc_view(read_spans(run_dir / NORMAL_TRACES_FILE, format="parquet")).num_traces
+    window = rpc_view(recorded.spans).num_traces
+    assert sorted(scored) == sorted([kept, window])  # the normal period once, the window once
+
+
+def test_the_rest_window_ranking_is_the_commands(bootstrapped, tmp_path):
+    """`POST /diagnose?window=true` ranks a window as `bmeg diagnose --window` does on the same
+    traces and run: against the run's normal traces, read once when the model loads."""
+    recorded, _, run_dir, _, _ = bootstrapped
+    window = recorded.spans.filter(pc.is_in(recorded.spans["trace_id"],
+                                            value_set=recorded.traces["trace_id"].slice(0, 150)))
+    body = to_otlp_proto_bytes(window)
+    (tmp_path / "window.pb").write_bytes(body)
+    command = CliRunner().invoke(main, ["diagnose", str(tmp_path / "window.pb"), "--model", str(run_dir),
+                                        "--window", "--json"])
+    assert command.exit_code == 0, command.output
+    expected = json.loads(command.output)
+
+    with TestClient(create_app(Detector.load(run_dir, device="cpu"), keyed_settings()), headers=KEY_HEADER) as client:
+        ranker = client.app.state.slot.model.window_ranker
+        answers = [client.post("/diagnose?window=true", content=body,
+                               headers={"content-type": "application/x-protobuf"}) for _ in range(2)]
+        assert client.app.state.slot.model.window_ranker is ranker  # built at load, not per request
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["window_method"] == expected["window_method"] == "normal-period"
+        assert answer.json()["ranking"] == expected["ranking"]
+
+
+def test_without_normal_traces_the_window_is_ranked_by_the_mean_node_score_and_says_so(bootstrapped, tmp_path):
+    """A run that keeps no normal traces (as `bmeg train` writes one) falls back, and says so."""
+    recorded, _, run_dir, _, _ = bootstrapped
+    bare = tmp_path / "run"
+    shutil.copytree(run_dir, bare, ignore=shutil.ignore_patterns(NORMAL_TRACES_FILE, "data"))
+    write_spans(recorded.spans, tmp_path / "window.parquet", "parquet")
+
+    diagnosis = bmeg.diagnose(recorded.spans, model=bare, window=True)
+    assert diagnosis.window_method == "mean-node-score" and diagnosis.ranking
+    command = CliRunner().invoke(main, ["diagnose", str(tmp_path / "window.parquet"), "--model", str(bare), "--window"])
+    assert command.exit_code == 0, command.output
+    assert "by the mean node score: no normal traces" in " ".join(command.output.split())
+
+
+@pytest.mark.integration  # spawns a torch process: seconds
+def test_the_model_process_ranks_a_window_against_the_runs_normal_traces(bootstrapped):
+    """`bmeg serve --model-process`: the child reads the run's normal traces when it loads and
+    ranks a window as `bmeg.diagnose` does."""
+    recorded, _, run_dir, _, _ = bootstrapped
+    child = ModelProcess(run_dir, device="cpu")
+    try:
+        ranked = child.diagnose(recorded.spans, window=True)
+    finally:
+        child.close()
+    expected = bmeg.diagnose(recorded.spans, model=run_dir, window=True)
+    assert ranked.window_method == "normal-period" and ranked.ranking == expected.ranking

@@ -1,12 +1,16 @@
 """The diagnoses the consumer publishes are built for a whole batch at once (`Detector.diagnose`
-on the batch's spans): each trace's evidence must be the one it gets when diagnosed alone.
-(The model's scores may move a little with the batch: features are scaled over it.)"""
+on the batch's spans): each trace's evidence, scores and verdict must be those it gets when
+diagnosed alone (scores up to float32 rounding)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pyarrow.compute as pc
+import pytest
 
 from bmeg.diagnosis import Diagnosis, TraceDiagnosis, single_trace_json
+from bmeg.mitigation.planner import suggest, trace_hints
 from bmeg.traces import span_table
 from builders import many_traces, star_trace, tiny_detector
 
@@ -45,6 +49,20 @@ def test_a_trace_diagnosed_in_a_batch_gets_the_diagnosis_it_gets_alone():
     assert all(s.baseline_us is None and s.ratio is None for s in slow.latencies[1:])  # only svc1 has a baseline
 
 
+def test_a_traces_verdict_and_scores_do_not_depend_on_its_batch():
+    """The consumer scores a batch in one model call: each trace's scores must be those it gets
+    alone (up to float32 rounding in the batched matrix products), so its verdict is too."""
+    detector = tiny_detector()
+    table = _batch_with_an_odd_trace()
+    batch = detector.diagnose(table)
+    for trace in batch.traces:
+        (alone,) = detector.diagnose(table.filter(pc.equal(table["trace_id"], trace.trace_id))).traces
+        assert trace.anomalous == alone.anomalous
+        assert trace.anomaly_score == pytest.approx(alone.anomaly_score, abs=1e-5)
+        assert [s.service for s in trace.bottlenecks] == [s.service for s in alone.bottlenecks]
+        assert [s.score for s in trace.bottlenecks] == pytest.approx([s.score for s in alone.bottlenecks], abs=1e-5)
+
+
 def test_the_consumers_json_is_the_typed_diagnosis_byte_for_byte():
     detector = tiny_detector()
     document = detector.diagnosis_document(_batch_with_an_odd_trace(), window=True)
@@ -53,6 +71,22 @@ def test_the_consumers_json_is_the_typed_diagnosis_byte_for_byte():
     for trace, typed in zip(document["traces"], diagnosis.traces, strict=True):
         one = Diagnosis(model_version=diagnosis.model_version, application=diagnosis.application, traces=[typed])
         assert single_trace_json(document, trace) == one.model_dump_json().encode()
+
+
+def test_an_anomalous_traces_hints_from_plain_values_are_those_suggest_gives_it():
+    """The consumer publishes an anomalous trace with `trace_hints` laid into its plain values:
+    the same bytes as the typed one-trace diagnosis through `suggest`."""
+    # untrained: its scores vary from run to run; with these thresholds every trace is flagged
+    # and every service it ranks is named, so each one gets hints
+    detector = replace(tiny_detector(), thresholds={"graph": 0.0, "svm": 0.0, "node": 0.0, "svm_node": 0.0})
+    document = detector.diagnosis_document(_batch_with_an_odd_trace())
+    anomalous = [trace for trace in document["traces"] if trace["anomalous"]]
+    assert len(anomalous) == 7
+    for trace in anomalous:
+        one = Diagnosis.model_validate({**document, "traces": [trace]})
+        trace["mitigations"] = trace_hints(trace)
+        assert single_trace_json(document, trace) == suggest(one).model_dump_json().encode()
+    assert all(trace["mitigations"] for trace in anomalous)
 
 
 def _evidence(trace: TraceDiagnosis) -> dict:

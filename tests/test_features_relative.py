@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bmeg.evaluation.rankers import node_score_shift, rank_fusion
+from bmeg.models.window import node_score_shift, rank_fusion
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
 from bmeg.graphs import assemble

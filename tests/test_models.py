@@ -25,6 +25,7 @@ from bmeg.models.router import Router, choose, distinct_paths
 from bmeg.models.svm import (
     PATH,
     START,
+    CulpritScorer,
     FirmSVM,
     TraceSVM,
     TraceVectorizer,
@@ -252,7 +253,8 @@ def test_checkpoint_with_other_features_is_rejected(tmp_path):
         Detector.load(tmp_path)
 
 
-@pytest.mark.parametrize("make", [lambda: TraceSVM(), lambda: FirmSVM(max_samples=200)], ids=["TraceSVM", "FirmSVM"])
+@pytest.mark.parametrize("make", [lambda: TraceSVM(), lambda: FirmSVM(max_samples=200), lambda: CulpritScorer()],
+                         ids=["TraceSVM", "FirmSVM", "CulpritScorer"])
 def test_svms_follow_the_scikit_learn_contract(make):
     from sklearn.utils.estimator_checks import check_estimator
 
@@ -342,6 +344,101 @@ def test_trace_svm_flags_a_fault_on_a_service_never_faulted_in_training():
         flagged[per_key] = svm.predict(vectorizer.transform(*traces(50, 1))).mean()
     assert flagged[False] > 0.9
     assert flagged[True] < 0.5
+
+
+def _rpc_traces(count: int, rng: np.random.Generator, fault: tuple[str, str] | None = None,
+                start: int = 0) -> dict[str, list]:
+    """front calls a, b and c in turn, each through a client span (service front) over the
+    callee's server span. `fault` = (service, "own") makes the callee's own time 20x;
+    (service, "queue") makes its request wait 20x longer before its server span starts (a
+    worker pool too small: its own time unchanged)."""
+    spans: dict[str, list] = {key: [] for key in ("trace_id", "span_id", "parent_id", "service", "operation",
+                                                  "start_ns", "duration_ns", "kind")}
+
+    def add(trace: str, span: str, parent: str | None, service: str, operation: str, begin: float, duration: float,
+            kind: str) -> None:
+        for key, value in zip(spans, (trace, f"{trace}-{span}", parent and f"{trace}-{parent}", service, operation,
+                                      int(begin * 1000), int(duration * 1000), kind)):
+            spans[key].append(value)
+
+    for t in range(start, start + count):
+        trace, clock, children = f"q{t:05d}", 10.0, []
+        for callee in ("a", "b", "c"):
+            wait, own, back = rng.lognormal(np.log(20), 0.1), rng.lognormal(np.log(300), 0.1), rng.lognormal(np.log(20), 0.1)
+            if fault == (callee, "own"):
+                own *= 20
+            if fault == (callee, "queue"):
+                wait *= 20
+            children.append((callee, clock, wait, own, back))
+            clock += wait + own + back + 5
+        add(trace, "r", None, "front", "GET /", 0, clock + 10, "server")
+        for callee, begin, wait, own, back in children:
+            add(trace, f"c-{callee}", "r", "front", f"{callee}.call", begin, wait + own + back, "client")
+            add(trace, f"s-{callee}", f"c-{callee}", callee, f"{callee}.call", begin + wait, own, "server")
+    return spans
+
+
+def test_svm_path_names_a_queued_service_whose_own_time_is_unchanged():
+    """Why the SVM path's culprit score reads the queue and the callers' gap: in a pool-limited
+    service the requests wait before its server span starts, its own time unchanged. Scored by
+    own time alone, the wait shows as the caller's client span's self time and the caller is
+    blamed; `service_deviations` moves that gap to the callee and adds its queue, and a
+    `CulpritScorer` trained on own-time faults of a and queue faults of b names c, queued,
+    a service never faulted in training."""
+    from dataclasses import replace
+
+
+    rng = np.random.default_rng(0)
+    encoder = FeatureEncoder().fit(assemble(span_table(_rpc_traces(200, rng))))
+    base = tiny_detector()
+    detector = replace(base, encoder=encoder, router=Router.everything())
+
+    def features(spans: dict[str, list]) -> tuple[np.ndarray, list[str], np.ndarray]:
+        forest = assemble(span_table(spans))
+        x = encoder.transform(forest)
+        codes, names = pd.factorize(forest.spans["service"].to_numpy(zero_copy_only=False))
+        return detector.culprit_features(forest, x, codes, len(names)), list(names), forest
+
+    queued, names, forest = features(_rpc_traces(30, rng, ("c", "queue"), start=1000))
+    c, front = names.index("c"), names.index("front")
+    own, queue, gap = (queued[:, c, j] for j in range(3))
+    assert np.all(np.abs(own) < 5) and np.all(queue > 10) and np.all(gap > 10)
+    assert np.all(np.abs(queued[:, front, 0]) < 5)  # the caller's own time: its gap is the callee's
+    rows, labels = [], []
+    for service, kind in (("a", "own"), ("b", "queue")):
+        X, train_names, _ = features(_rpc_traces(40, rng, (service, kind), start=2000 if kind == "own" else 3000))
+        rows.append(X.reshape(-1, 3))
+        labels.append(np.tile(np.array(train_names) == service, len(X)))
+    detector = replace(detector, culprit=CulpritScorer().fit(np.vstack(rows), np.concatenate(labels).astype(int)))
+    served = detector.score(forest)
+    assert served.to_svm.all()
+    assert np.all(np.argmax(served.svm_service, axis=1) == served.services.index("c"))
+    assert np.all(served.svm_service[:, served.services.index("c")] > 0.9)
+    own_time_only = replace(detector, culprit=None).score(forest)  # a checkpoint saved before: own time
+    assert not np.any(np.argmax(own_time_only.svm_service, axis=1) == own_time_only.services.index("c"))
+
+
+def test_detector_culprit_scorer_round_trips_and_older_checkpoints_load(tmp_path):
+    from dataclasses import replace
+
+    from bmeg.models.checkpoint import load_checkpoint, save_checkpoint
+    from bmeg.models.detector import Detector
+
+    rng = np.random.default_rng(1)
+    scorer = CulpritScorer().fit(rng.normal(size=(60, 3)) + np.r_[np.zeros(40), np.full(20, 3.0)][:, None],
+                                 np.r_[np.zeros(40), np.ones(20)].astype(int))
+    detector = replace(tiny_detector(), culprit=scorer, router=Router.everything())
+    detector.save(tmp_path / "new")
+    again = Detector.load(tmp_path / "new", device="cpu", application="toy")
+    assert again.culprit is not None and np.allclose(again.culprit.coef_, scorer.coef_)
+    spans = span_table(many_traces(3, slow=1))
+    assert np.allclose(again.score(assemble(spans)).svm_service, detector.score(assemble(spans)).svm_service)
+    state = load_checkpoint(tmp_path / "new", application="toy")
+    del state["culprit"]  # as a checkpoint written before the culprit scorer
+    save_checkpoint(tmp_path / "old", state)
+    old = Detector.load(tmp_path / "old", device="cpu", application="toy")
+    assert old.culprit is None
+    assert old.diagnose(spans).traces[1].bottlenecks[0].service == "svc1"  # own time against the baseline
 
 
 def test_distinct_paths_and_router_reasons():

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bmeg.evaluation.faults import InjectedFault, read_fault_list, service_from_pod
-from bmeg.evaluation.normal import NormalStats
+from bmeg.models.normal import NormalStats
 from bmeg.evaluation.rankers import MicroRankRanker, SelfTimeRanker, TraceRCARanker, default_rankers
 from bmeg.evaluation.rca import report, run_rca
 from bmeg.evaluation.windows import TraceFiles
@@ -240,7 +240,7 @@ def _cache_and_api(misses: list[bool], api_errors: list[bool]):
 
 
 def test_the_structure_gate_fires_beyond_a_services_own_normal_noise():
-    from bmeg.evaluation.rankers import STRUCTURE_FLOOR, structure_changed
+    from bmeg.models.window import STRUCTURE_FLOOR, structure_changed
 
     # the normal period: cache misses drift by time (10% of requests, then 40%), api never fails
     n = 400
@@ -301,7 +301,7 @@ def test_a_delay_on_one_of_two_calls_is_the_callees_and_on_both_the_callers():
 
 
 def test_a_decisive_time_shift_is_one_service_ahead_of_every_other_by_the_lead():
-    from bmeg.evaluation.rankers import DECISIVE_LEAD, decisive_shift
+    from bmeg.models.window import DECISIVE_LEAD, decisive_shift
 
     # a network delay: the delayed service's time grew 32x, the next one's 1.5x
     assert decisive_shift(pd.Series({"a": 0.6, "b": 5.0, "c": -0.2})) == "b"
@@ -319,7 +319,7 @@ def test_a_decisive_time_shift_is_one_service_ahead_of_every_other_by_the_lead()
 @given(st.dictionaries(st.text("abcdef", min_size=1, max_size=3),
                        st.floats(-20, 20, allow_nan=False), max_size=8))
 def test_a_decisive_service_is_the_largest_shift_and_leads_by_the_margin(shifts):
-    from bmeg.evaluation.rankers import DECISIVE_LEAD, decisive_shift
+    from bmeg.models.window import DECISIVE_LEAD, decisive_shift
 
     series = pd.Series(shifts, dtype=float)
     found = decisive_shift(series)
@@ -356,3 +356,18 @@ def test_the_diagnose_command_takes_a_normal_period(shop, trained_run, tmp_path)
                                        "--normal", str(tmp_path / "normal.parquet"), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["ranking"][0]["service"] == "pay"
+    assert json.loads(result.output)["window_method"] == "normal-period"
+
+
+def test_an_empty_normal_period_is_refused_clearly(shop, trained_run, tmp_path):
+    """A normal period with no trace compares with nothing: a clear error, not a crash."""
+    from click.testing import CliRunner
+
+    from bmeg.cli import main
+
+    normal, folder = shop
+    write_spans(normal.slice(0, 0), tmp_path / "empty.parquet", "parquet")
+    result = CliRunner().invoke(main, ["diagnose", str(folder), "--model", str(trained_run),
+                                       "--normal", str(tmp_path / "empty.parquet")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert "the normal period holds no complete trace" in result.output, result.output

@@ -76,7 +76,9 @@ def _given(**options) -> dict:
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.option("--model", "run_dir", type=click.Path(path_type=Path), default=None, help="Run directory of `bmeg train`.")
 @click.option("--format", "input_format", default=None, help="Input format (default: detected).")
-@click.option("--window", is_flag=True, help="Also rank services over all the traces given.")
+@click.option("--window", is_flag=True, help="Also rank services over all the traces given: against the normal "
+              "traces a `bmeg bootstrap` run keeps (or --normal), else by the mean node score (the output's "
+              "window_method says which).")
 @click.option("--normal", "normal_path", type=click.Path(exists=True, path_type=Path), default=None,
               help="Traces of a fault-free period of the same application: the window's ranking compares "
                    "with it (bmeg's ranker, as `bmeg evaluate rca` measures it). Implies --window.")
@@ -112,7 +114,16 @@ def print_diagnosis(diagnosis) -> None:
     ]
     print_table(rows, title=f"Diagnosis by {diagnosis.model_version}")
     if diagnosis.ranking:
-        print_table([s.model_dump() for s in diagnosis.ranking[:10]], title="Services over the window")
+        print_table([s.model_dump() for s in diagnosis.ranking[:10]],
+                    title=f"Services over the window ({WINDOW_METHOD_WORDS[diagnosis.window_method or '']})")
+
+
+#: How `print_diagnosis` names each `Diagnosis.window_method`.
+WINDOW_METHOD_WORDS = {
+    "normal-period": "ranked against the normal period",
+    "mean-node-score": "by the mean node score: no normal traces; give --normal or a `bmeg bootstrap` run",
+    "": "",
+}
 
 
 @click.group("experiment")

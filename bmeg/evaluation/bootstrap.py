@@ -10,7 +10,7 @@ traces the twin came from, and its stage-1 thresholds are raised until at most
 (`bmeg.training.calibration`). The run directory holds the model (as `bmeg train` writes it,
 with a `calibration` entry in its metrics), `twin.yaml`, the generated data under `data/`, and
 the normal traces the twin was fitted from (`bmeg.paths.NORMAL_TRACES_FILE`): `bmeg diagnose --window` ranks a
-window against them (`bmeg.evaluation.rankers.window_ranking`).
+window against them (`bmeg.models.window.WindowRanker`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bmeg.datasets.generate import generate_dataset
 from bmeg.faultinject.codefaults import code_fault_dataset
-from bmeg.evaluation.rankers import with_normal_baselines
+from bmeg.models.window import with_normal_baselines
 from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
 from bmeg.paths import NORMAL_TRACES_FILE

@@ -21,7 +21,8 @@ from datetime import UTC, datetime
 from tqdm import tqdm
 
 from bmeg.evaluation.faults import InjectedFault
-from bmeg.evaluation.normal import NormalStats, Ranker
+from bmeg.evaluation.rankers import Ranker
+from bmeg.models.normal import NormalStats
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bmeg.evaluation.normal import NormalStats, Ranking
+from bmeg.models.normal import NormalStats, Ranking
 from bmeg.graphs import SpanForest
 
 #: The RCAEval methods the harness runs, by ranker name.

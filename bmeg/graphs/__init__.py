@@ -9,6 +9,7 @@ from bmeg.graphs.callgraph import (
     call_graph,
     call_graphs,
     node_services,
+    operation_key_array,
     operation_keys,
     storage_service,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "call_graphs",
     "critical_paths",
     "node_services",
+    "operation_key_array",
     "operation_keys",
     "storage_service",
     "trace_paths",

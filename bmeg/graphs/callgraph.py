@@ -69,8 +69,14 @@ def operation_keys(forest: SpanForest, services: np.ndarray | None = None) -> np
     own service: a store's client span is then keyed by the store. The separator is refused in
     names at the door (`bmeg.serving.payloads`), so keys never collide.
     """
+    return operation_key_array(forest, services).to_numpy(zero_copy_only=False)
+
+
+def operation_key_array(forest: SpanForest, services: np.ndarray | None = None) -> pa.Array:
+    """`operation_keys` as one Arrow string array: looked up and grouped in Arrow, no Python strings made."""
     service = forest.spans["service"] if services is None else pa.array(services, pa.string())
-    return pc.binary_join_element_wise(service, forest.spans["operation"], "\x1f").to_numpy(zero_copy_only=False)
+    keys = pc.binary_join_element_wise(service, forest.spans["operation"], "\x1f")
+    return keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
 
 
 def node_services(

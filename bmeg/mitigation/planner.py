@@ -28,7 +28,7 @@ import functools
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -137,21 +137,28 @@ def gather_evidence(diagnosis: Diagnosis, catalogue: Catalogue | None = None, ex
 def named_evidence(diagnosis: Diagnosis) -> list[Evidence]:
     """Every service the diagnosis names a bottleneck in an anomalous trace (or, without any,
     in its window ranking), as named: what hints for a person reading it are about."""
-    anomalous = diagnosis.anomalous
+    return _named_evidence(
+        [[(entry.service, entry.score) for entry in trace.bottlenecks if entry.bottleneck] for trace in diagnosis.anomalous],
+        [(entry.service, entry.score) for entry in diagnosis.ranking or [] if entry.bottleneck],
+        [(latency.service, latency.ratio) for trace in diagnosis.traces for latency in trace.latencies
+         if latency.ratio is not None])
+
+
+def _named_evidence(named: list[list[tuple[str, float]]], ranked: list[tuple[str, float]],
+                    ratios: list[tuple[str, float]]) -> list[Evidence]:
+    """`named_evidence` from plain values: each anomalous trace's named (service, score) pairs,
+    the window ranking's, and every trace's (service, latency ratio) pairs."""
     scores: dict[str, list[float]] = {}
-    for trace in anomalous:
-        for entry in trace.bottlenecks:
-            if entry.bottleneck:
-                scores.setdefault(entry.service, []).append(entry.score)
-    for entry in diagnosis.ranking or []:
-        if entry.bottleneck and entry.service not in scores:
-            scores[entry.service] = [entry.score]
-    ratios: dict[str, list[float]] = {}
-    for trace in diagnosis.traces:
-        for latency in trace.latencies:
-            if latency.ratio is not None:
-                ratios.setdefault(latency.service, []).append(latency.ratio)
-    return _ranked([_evidence(service, values, len(values), 0, ratios, len(anomalous)) for service, values in scores.items()])
+    for trace in named:
+        for service, score in trace:
+            scores.setdefault(service, []).append(score)
+    for service, score in ranked:
+        if service not in scores:
+            scores[service] = [score]
+    by_service: dict[str, list[float]] = {}
+    for service, ratio in ratios:
+        by_service.setdefault(service, []).append(ratio)
+    return _ranked([_evidence(service, values, len(values), 0, by_service, len(named)) for service, values in scores.items()])
 
 
 def _evidence(service: str, scores: list[float], blamed: int, inherited: int, ratios: dict[str, list[float]],
@@ -308,8 +315,6 @@ def with_hints(diagnosis: Diagnosis, decisions: list[Decision]) -> Diagnosis:
 def _decide(evidence: Evidence, catalogue: Catalogue, telemetry: ServiceTelemetry | None, policy: PlannerPolicy) -> Decision:
     strength = evidence.score * math.sqrt(evidence.share)
     seen = _latency_words(evidence)
-    kind = catalogue.kind_of(evidence.service)
-    stateful = kind is not None and kind.name in STATEFUL_KINDS
 
     def decide(source: Source, action: Action, certainty: float, why: str, **target) -> Decision:
         return Decision(evidence.service, source, action, round(strength * certainty, 4), f"{seen}; {why}", target, evidence)
@@ -329,7 +334,7 @@ def _decide(evidence: Evidence, catalogue: Catalogue, telemetry: ServiceTelemetr
                       "no utilization is known, so the source is unclear; scaling out helps both "
                       "saturation and a noisy neighbour", replicas=replicas + 1)
     if utilization >= policy.saturated_utilization:
-        return _saturation(decide, telemetry, utilization, stateful, policy)
+        return _saturation(decide, telemetry, utilization, _is_store(evidence.service, catalogue), policy)
     cores = telemetry.cpu_limit_cores
     if cores is not None and cores < 1 and utilization >= policy.throttled_utilization:
         return decide("saturation", "scale_up", 0.8,
@@ -353,7 +358,8 @@ def _decide(evidence: Evidence, catalogue: Catalogue, telemetry: ServiceTelemetr
         return decide("interference", "migrate", 0.6,
                       f"latency is up while CPU is only {utilization:.0%} busy and no parameter is off: "
                       "likely contention from a neighbour (LLC, memory bandwidth, I/O); move it away")
-    return _saturation(decide, telemetry, utilization, stateful, policy, certainty=0.6)
+    return _saturation(decide, telemetry, utilization, _is_store(evidence.service, catalogue), policy,
+                       certainty=0.6)
 
 
 def _saturation(decide, telemetry: ServiceTelemetry, utilization: float, stateful: bool,
@@ -426,6 +432,19 @@ def suggest(diagnosis: Diagnosis, catalogue: Catalogue | None = None) -> Diagnos
         return diagnosis
     catalogue = catalogue or _default_catalogue()
     return with_hints(diagnosis, [_decide(e, catalogue, None, PlannerPolicy()) for e in named_evidence(diagnosis)])
+
+
+def trace_hints(trace: dict[str, Any]) -> list[dict[str, str]]:
+    """The hints `suggest` gives one anomalous trace diagnosed alone, from the trace as plain
+    values (one of `Detector.diagnosis_document`'s traces), as plain values: the Kafka consumer
+    publishes every anomalous trace with its hints, and validating the typed diagnosis for
+    `suggest` and dumping it again cost ~95 µs per trace (bench/stream.py, py-spy)."""
+    named = [(entry["service"], entry["score"]) for entry in trace["bottlenecks"] if entry["bottleneck"]]
+    ratios = [(latency["service"], latency["ratio"]) for latency in trace["latencies"] if latency["ratio"] is not None]
+    catalogue = _default_catalogue()
+    decisions = {e.service: _decide(e, catalogue, None, PlannerPolicy()) for e in _named_evidence([named], [], ratios)}
+    return [{"service": service, "action": decisions[service].action, "reason": decisions[service].reason}
+            for service, _ in named if service in decisions]
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from bmeg.diagnosis import Diagnosis
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
 from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import self_time_ns
+from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
@@ -34,12 +35,15 @@ from bmeg.models.graphset import GraphSet
 from bmeg.models.history import Observation, StreamHistory
 from bmeg.models.inference import limit_cpu_threads, predict_proba, resolve_device
 from bmeg.models.router import Router, distinct_paths
+from bmeg.models.window import WINDOW_MEAN_NODE_SCORE, WINDOW_NORMAL_PERIOD, WindowRanker
 from bmeg.models.svm import (
+    CulpritScorer,
     FirmSVM,
     TraceSVM,
     TraceVectorizer,
     critical_path_frame,
     firm_features,
+    service_deviations,
 )
 from bmeg.paths import cache_dir
 from bmeg.version import __version__
@@ -50,8 +54,9 @@ def default_run_dir(application: str = "socialnet") -> Path:
     return cache_dir() / "runs" / application
 
 
-#: The self-time z-score at which an SVM-routed trace's service scores 0.5 (the p90 of a normal
-#: node is at z = 1 by construction of the baselines, `bmeg.models.features`).
+#: The self-time z-score at which an SVM-routed trace's service scores 0.5 in a detector saved
+#: without a `CulpritScorer` (the p90 of a normal node is at z = 1 by construction of the
+#: baselines, `bmeg.models.features`).
 SVM_SERVICE_Z = 3.0
 #: How many ranked services a trace's diagnosis lists.
 TOP_SERVICES = 5
@@ -68,7 +73,7 @@ class Scores:
     gnn_node: np.ndarray  # [N] GCN P(bottleneck) of each node (NaN where the GNN did not run)
     gnn_service: np.ndarray  # [T, S] max GCN node score per service (0 where absent)
     svm_anomaly: np.ndarray  # [T] trace SVM P(anomalous)
-    svm_service: np.ndarray  # [T, S] own-time deviation score of each service, for SVM-routed traces (0 where absent)
+    svm_service: np.ndarray  # [T, S] CulpritScorer's P(culprit) of each service, for SVM-routed traces (0 where absent)
     present: np.ndarray  # bool [T, S]
     num_paths: np.ndarray  # [T] distinct root-to-leaf paths
     to_svm: np.ndarray  # bool [T]: routed to the SVM
@@ -101,6 +106,7 @@ class Detector:
     metrics: dict
     device: torch.device = torch.device("cpu")
     run_dir: Path | None = None
+    culprit: CulpritScorer | None = None  # where in an SVM-routed trace (None: own time, as saved before it)
 
     @property
     def version(self) -> str:
@@ -175,20 +181,36 @@ class Detector:
             return anomaly, service
         vectors = self.trace_vectors(forest, x, keys)[traces]
         anomaly[traces] = self.svm.predict_proba(vectors)[:, 1]
-        service[traces] = self._own_time_scores(forest, x, codes, present.shape)[traces]
+        service[traces] = self._culprit_scores(forest, x, codes, present, traces)
         return anomaly, service
 
-    def _own_time_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray,
-                         shape: tuple[int, int]) -> np.ndarray:
-        """[T, S] for SVM-routed traces: how far each service's own time sits above its normal
-        baseline (its nodes' largest self-time z-score, through a logistic centred at
-        `SVM_SERVICE_Z`). A slow service lengthens every caller above it, its own time only."""
+    def _culprit_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, present: np.ndarray,
+                        traces: np.ndarray) -> np.ndarray:
+        """[len(traces), S] for SVM-routed traces: P(culprit) of each present service from its
+        deviations in own time, queue and its callers' gap (`CulpritScorer`; 0 where absent).
+        A detector saved without one (before it existed) scores own time only, as it did: its
+        largest self-time z-score through a logistic centred at `SVM_SERVICE_Z`."""
         if "z_log_self_time_us" not in self.encoder.names:  # thesis features: no baselines to compare with
-            return np.full(shape, 0.5)
-        z = x[:, self.encoder.names.index("z_log_self_time_us")].astype(np.float64)
-        largest = np.full(shape, -np.inf)
-        np.maximum.at(largest, (forest.trace_index, codes), z)
-        return np.where(np.isfinite(largest), 1.0 / (1.0 + np.exp(-(largest - SVM_SERVICE_Z))), 0.0)
+            return np.full((len(traces), present.shape[1]), 0.5)
+        z_self = x[:, self.encoder.names.index("z_log_self_time_us")].astype(np.float64)
+        if self.culprit is None:
+            largest = np.full(present.shape, -np.inf)
+            np.maximum.at(largest, (forest.trace_index, codes), z_self)
+            own = largest[traces]
+            return np.where(np.isfinite(own), 1.0 / (1.0 + np.exp(-(own - SVM_SERVICE_Z))), 0.0)
+        features = self.culprit_features(forest, x, codes, present.shape[1])[traces]
+        scores = np.zeros(features.shape[:2])
+        mask = present[traces]
+        if mask.any():
+            scores[mask] = self.culprit.predict_proba(features[mask])[:, 1]
+        return scores
+
+    def culprit_features(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int) -> np.ndarray:
+        """`CulpritScorer`'s input: [T, width, 3] (`service_deviations`) from the GNN's node features `x`."""
+        column = self.encoder.names.index
+        return service_deviations(forest, codes, width, forest.spans["kind"].to_numpy(zero_copy_only=False),
+                                  x[:, column("z_log_self_time_us")].astype(np.float64),
+                                  x[:, column("z_log_wait_us")].astype(np.float64))
 
     def trace_vectors(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """The trace SVM's input: [T, vectorizer columns] from the GNN's node features `x`."""
@@ -213,17 +235,22 @@ class Detector:
 
     # -- diagnosis ---------------------------------------------------------------------------
     def diagnose(self, spans: pa.Table | SpanForest, window: bool = False,
-                 history: StreamHistory | None = None, replay: bool = False) -> Diagnosis:
+                 history: StreamHistory | None = None, replay: bool = False,
+                 ranker: WindowRanker | None = None) -> Diagnosis:
         """Diagnose every trace of a span table (or an assembled forest). Each trace reads
         `history` as it was before this call; the traces are then recorded into it. With
         `replay` the spans are a recorded stream (a file, a dataset): each trace also reads the
-        earlier traces among them, as it would have read them live, never the later ones."""
+        earlier traces among them, as it would have read them live, never the later ones.
+        With `window`, the services are also ranked over all the traces: by `ranker` (bmeg's
+        ranker against a normal period, `bmeg.models.window`) when given, else by the mean node
+        score; `window_method` says which."""
         # Plain values for every trace, validated in one pydantic call: building ~30 small
         # models per trace one by one cost as much as running the models.
-        return Diagnosis.model_validate(self.diagnosis_document(spans, window, history, replay))
+        return Diagnosis.model_validate(self.diagnosis_document(spans, window, history, replay, ranker))
 
     def diagnosis_document(self, spans: pa.Table | SpanForest, window: bool = False,
-                           history: StreamHistory | None = None, replay: bool = False) -> dict:
+                           history: StreamHistory | None = None, replay: bool = False,
+                           ranker: WindowRanker | None = None) -> dict:
         """The `Diagnosis` as plain values, laid out as `Diagnosis.model_dump()` lays it out.
         `diagnose` validates it; an output that only serialises it (the Kafka consumer, with
         `bmeg.diagnosis.single_trace_json`) skips building the typed objects."""
@@ -233,11 +260,25 @@ class Detector:
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
             history.record(scores.observation.of(self.services))
+        ranking, method = None, None
+        if window and ranker is not None:
+            ranking, method = self._ranked_against_normal(ranker, forest, scores, replay), WINDOW_NORMAL_PERIOD
+        elif window:
+            ranking, method = self._window_ranking(scores), WINDOW_MEAN_NODE_SCORE
         return {
             "model_version": self.version, "application": self.application,
             "traces": self._trace_diagnoses(forest, scores, paths),
-            "ranking": self._window_ranking(scores) if window else None,
+            "ranking": ranking, "window_method": method,
         }
+
+    def _ranked_against_normal(self, ranker: WindowRanker, forest: SpanForest, scores: Scores,
+                               replay: bool) -> list[dict]:
+        """`ranker`'s ranking of the window as plain values. The traces' scores serve it when
+        they are what the ranker would compute (replayed, by the same baselines, on a forest
+        with no internal spans to fold), so a bootstrapped run's window is scored once."""
+        view = rpc_view(forest)
+        reuse = replay and view is forest and ranker.scores_reusable(self.encoder)
+        return [entry.model_dump() for entry in ranker.ranking(view, scores if reuse else None)]
 
     def _trace_diagnoses(self, forest: SpanForest, scores: Scores, paths: CriticalPaths) -> list[dict]:
         """Each trace's `TraceDiagnosis` as a dict, every field in order; the per-service work is
@@ -298,7 +339,8 @@ class Detector:
         return warnings
 
     def _window_ranking(self, scores: Scores) -> list[dict]:
-        """Services over the window: mean score over the anomalous traces (all, weighted, if none)."""
+        """Services over the window with no normal period at hand: mean score over the anomalous
+        traces (all, weighted, if none)."""
         weights = scores.anomalous.astype(float) if scores.anomalous.any() else scores.anomaly
         seen = np.maximum((weights[:, None] * scores.present).sum(axis=0), 1e-12)
         mean = (weights[:, None] * scores.service).sum(axis=0) / seen
@@ -317,6 +359,7 @@ class Detector:
             "router": self.router.to_state(), "firm_window": self.firm_window,
             "services": self.services, "service_baseline_us": self.service_baseline_us,
             "hparams": self.hparams, "metrics": self.metrics,
+            "culprit": None if self.culprit is None else self.culprit.to_state(),
         }
         save_checkpoint(Path(run_dir), state)
         return replace(self, run_dir=Path(run_dir))
@@ -334,6 +377,7 @@ class Detector:
             vectorizer = TraceVectorizer.from_state(state["vectorizer"])
             svm, firm = TraceSVM.from_state(state["svm"]), FirmSVM.from_state(state["firm"])
             router = Router.from_state(state["router"])
+            culprit = None if state.get("culprit") is None else CulpritScorer.from_state(state["culprit"])
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"{run_dir} does not fit this bmeg ({error}): retrain with `bmeg train`") from error
         target = resolve_device(device)
@@ -344,7 +388,7 @@ class Detector:
             gcn=gcn.to(target).eval(), vectorizer=vectorizer, svm=svm, firm=firm, thresholds=state["thresholds"],
             router=router, firm_window=state["firm_window"], services=state["services"],
             service_baseline_us=state["service_baseline_us"], hparams=hparams, metrics=state["metrics"],
-            device=target, run_dir=Path(run_dir),
+            device=target, run_dir=Path(run_dir), culprit=culprit,
         )
 
 

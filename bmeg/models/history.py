@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from bmeg.models.window import WindowRanker
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -64,6 +66,9 @@ class StreamedDetector:
 
     `diagnose` passes the history to `Detector.diagnose`, which reads it and records the batch
     into it. Calls must be serialised (they change the history); the detector itself is shared.
+    A window (`diagnose(window=True)`) is ranked against the normal traces the detector's run
+    keeps (`bmeg.models.window.WindowRanker.of_run`, read here, once, when the model loads),
+    else by the mean node score; the window's ranking never reads the stream's history.
     """
 
     def __init__(self, detector: Any):
@@ -71,6 +76,7 @@ class StreamedDetector:
         self.history = StreamHistory(visits=detector.encoder.history)
         self.application: str = detector.application
         self.run_dir = detector.run_dir
+        self.window_ranker = WindowRanker.of_run(detector)
 
     @property
     def version(self) -> str:
@@ -82,4 +88,5 @@ class StreamedDetector:
         return list(self.detector.services)
 
     def diagnose(self, spans: Any, window: bool = False) -> Any:
-        return self.detector.diagnose(spans, window=window, history=self.history)
+        return self.detector.diagnose(spans, window=window, history=self.history,
+                                      ranker=self.window_ranker if window else None)

@@ -7,9 +7,18 @@ training time (`TraceVectorizer`): each key's self time in the trace, log-scaled
 against the normal baselines, whichever nodes they are on (self time, duration, wait: the
 deviations the GNN gets, `bmeg.models.features`). A class-weighted linear SVM separates bottlenecked from normal
 traces (linear: trained in seconds, applied as one dot product per trace). It says whether a
-trace is bottlenecked, not where: the detector ranks an SVM-routed trace's services by their own
-time against its baseline. (Its per-key weights were tried as that ranking and missed faults on
-keys rarely faulted in training: AC@1 0.66 against 0.90 for the GNN on socialnet.)
+trace is bottlenecked, not where: `CulpritScorer` says where. (The SVM's per-key weights were
+tried as that ranking and missed faults on keys rarely faulted in training: AC@1 0.66 against
+0.90 for the GNN on socialnet.)
+
+**CulpritScorer** (where in an SVM-routed trace): per (trace, service), the service's largest
+robust z-scores against the normal baselines in three places (`service_deviations`): its own
+time, the queue before its server spans start, and its callers' client-side gap to it. A
+class-weighted logistic regression over the three, fitted on the (trace, service) pairs of
+bottlenecked training traces, gives P(culprit). Own time alone misses a queue: a worker pool
+that is too small shows as the wait before the server span starts and as the caller's client
+span's self time, not as the service's own time (and that gap, counted as the caller's own
+time, blamed the caller). The weights are shared by every service, like the GNN's.
 
 **FirmSVM** (Qiu et al., FIRM, OSDI'20), kept for what FIRM used it for: which service on the
 critical path of a slow window is the culprit. For each trace and each service on its critical
@@ -20,7 +29,7 @@ path, over a window of traces:
 An RBF SVM classifies (RI, CI) as culprit or not. These features are the window's, shared by
 every trace in it, so FirmSVM ranks services over a window; it does not judge single traces.
 
-Both follow scikit-learn's estimator contract (`random_state`, `decision_function`,
+All three follow scikit-learn's estimator contract (`random_state`, `decision_function`,
 `predict_proba`, learned state ending in `_`, `check_is_fitted`) and keep their learned state
 as plain arrays (`to_state` / `from_state`): a model file holds no pickle.
 """
@@ -32,6 +41,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.linear_model import LogisticRegression
 from sklearn.svm import SVC, LinearSVC
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
@@ -42,6 +52,8 @@ from bmeg.graphs.critical_path import CriticalPaths
 PATH, START = "__path__", "__start__"
 #: The GNN features whose largest values over a trace's nodes the trace vector takes.
 DEVIATIONS = ("z_log_self_time_us", "z_log_duration_us", "z_log_wait_us")
+#: The columns of `service_deviations`, in order.
+CULPRIT_FEATURES = ("own_time", "queue", "caller_gap")
 
 
 # -- the per-trace SVM ----------------------------------------------------------------------
@@ -230,6 +242,71 @@ class TraceSVM(_MarginClassifier):
         svm.fit(X, y)
         self.coef_ = svm.coef_[0].copy()
         self.intercept_ = float(svm.intercept_[0])
+
+    def _margin(self, X: np.ndarray) -> np.ndarray:
+        return X @ self.coef_ + self.intercept_
+
+
+# -- where in an SVM-routed trace ------------------------------------------------------------
+def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: np.ndarray, z_self: np.ndarray,
+                       z_wait: np.ndarray) -> np.ndarray:
+    """float [T, width, 3]: per trace and service (node service codes `codes`), the largest
+    robust z-score of each of `CULPRIT_FEATURES` over the service's nodes (0, the baseline,
+    where it has none).
+
+    - own_time: self time of its nodes, except a client span with a server span below it: that
+      span's self time is the call's gap, the callee's (below);
+    - queue: the wait of a server span whose parent is a client span, from the client's start
+      to the server's: the request's network leg and the callee's queue;
+    - caller_gap: that client span's self time, seen from the callee's side.
+
+    (Where a client span is named after its callee, as the testbed's stores and peers are by
+    `node_services`, its gap was the callee's own time and is now its caller_gap.)
+    """
+    parent = np.maximum(forest.parent, 0)
+    callee = (forest.parent >= 0) & (kind[parent] == "client") & (kind == "server")
+    gap_span = np.zeros(len(codes), dtype=bool)
+    gap_span[parent[callee]] = True
+    blocks = []
+    for values, mask in ((z_self, ~gap_span), (z_wait, callee), (z_self[parent], callee)):
+        largest = np.full((forest.num_traces, width), -np.inf)
+        rows = np.flatnonzero(mask)
+        np.maximum.at(largest, (forest.trace_index[rows], codes[rows]), values[rows])
+        blocks.append(np.where(np.isfinite(largest), largest, 0.0))
+    return np.stack(blocks, axis=-1)
+
+
+class CulpritScorer(_MarginClassifier):
+    """Class-weighted logistic regression over `service_deviations` rows: is the service the culprit?
+
+    Parameters
+    ----------
+    C : float
+        Inverse regularisation strength.
+    random_state : int
+
+    Attributes
+    ----------
+    coef_ : ndarray [n_features], weights of the standardised features; intercept_ : float.
+
+    Examples
+    --------
+    >>> X = np.array([[0.1, 0.0, 0.2], [0.3, 0.1, 0.0], [0.2, 6.0, 5.0], [7.0, 0.1, 0.0]])
+    >>> CulpritScorer().fit(X, [0, 0, 1, 1]).predict([[0.0, 5.0, 4.0]]).tolist()
+    [1]
+    """
+
+    _state_arrays = ("coef_", "intercept_")
+
+    def __init__(self, C: float = 1.0, random_state: int | None = 0):
+        self.C = C
+        self.random_state = random_state
+
+    def _fit(self, X: np.ndarray, y: np.ndarray) -> None:
+        model = LogisticRegression(C=self.C, class_weight="balanced", random_state=self.random_state, max_iter=1_000)
+        model.fit(X, y)
+        self.coef_ = model.coef_[0].copy()
+        self.intercept_ = float(model.intercept_[0])
 
     def _margin(self, X: np.ndarray) -> np.ndarray:
         return X @ self.coef_ + self.intercept_

@@ -453,7 +453,7 @@ class StreamConsumer:
         with self.metrics.batch_seconds.time():
             results = diagnose_batch(self.detector, batch, history=self.history)
         self.metrics.partial.inc(sum(trace.partial for trace in batch))
-        return [self.publisher.publish(trace, results.get(trace.trace_id)) for trace in batch]
+        return self.publisher.publish_all(batch, results)
 
     def _count(self) -> None:
         counts = self.publisher.counts.take()

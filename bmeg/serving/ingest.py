@@ -156,8 +156,8 @@ class OtlpIngest:
                 results = self.with_model(partial(diagnose_batch, batch=batch))
             except RuntimeError as error:  # no model loaded (yet): the traces are dead-lettered with the reason
                 results = {trace.trace_id: f"diagnosis failed: {error}" for trace in batch}
-            self._unsent += [(publisher.publish(trace, results.get(trace.trace_id)), trace.spans)
-                             for trace in batch]
+            self._unsent += [(delivery, trace.spans)
+                             for delivery, trace in zip(publisher.publish_all(batch, results), batch, strict=True)]
 
     def _settle(self, publisher: Publisher) -> None:
         if not self._unsent:

@@ -35,10 +35,11 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError, KafkaTimeoutError, MessageSizeTooLargeError
 from kafka.producer.future import FutureRecordMetadata
 
-from bmeg.diagnosis import Diagnosis, single_trace_json
-from bmeg.mitigation.planner import suggest
+from bmeg.diagnosis import single_trace_json
+from bmeg.mitigation.planner import trace_hints
 from bmeg.models.history import StreamHistory
-from bmeg.serving.assembler import PendingTrace
+from bmeg.serving.assembler import PendingTrace, spans_of
+from bmeg.serving.partitioning import BatchPartitioner
 from bmeg.traces import TraceInputError, to_otlp_proto_bytes
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def diagnose_batch(detector, batch: list[PendingTrace],
     `bmeg.models.detector.Detector` read with the stream's `history` (the consumer's), or any model
     with `diagnose` that keeps its own (the server's `StreamedDetector`, its model process)."""
     try:
-        document = _document(detector, pa.concat_tables([part for t in batch for part in t.parts]), history)
+        document = _document(detector, spans_of(batch), history)
     except Exception as error:  # noqa: BLE001 - a bad trace must not stop the stream: find it
         if len(batch) == 1:
             return {batch[0].trace_id: _reason(error, batch[0].trace_id)}
@@ -87,14 +88,14 @@ def _document(detector, spans: pa.Table, history: StreamHistory | None) -> dict[
 
 
 def _output(document: dict[str, Any], trace: dict[str, Any], partial: bool) -> DiagnosedTrace:
+    """Serialised straight from the plain values, with the hints `suggest` gives an anomalous
+    trace (`trace_hints`: the same bytes as the typed diagnosis through `suggest`, tested)."""
     trace["partial"] = partial
-    if not trace["anomalous"]:  # the common case: serialised straight from the plain values
+    if not trace["anomalous"]:
         return DiagnosedTrace(single_trace_json(document, trace), False, False)
-    # Hints need the typed diagnosis (the planner reads it); anomalous traces are the few.
-    typed = suggest(Diagnosis.model_validate(
-        {"model_version": document["model_version"], "application": document["application"], "traces": [trace]}))
-    bottleneck = any(score.bottleneck for score in typed.traces[0].bottlenecks)
-    return DiagnosedTrace(typed.model_dump_json().encode(), True, bottleneck and not partial)
+    trace["mitigations"] = trace_hints(trace)
+    bottleneck = any(entry["bottleneck"] for entry in trace["bottlenecks"])
+    return DiagnosedTrace(single_trace_json(document, trace), True, bottleneck and not partial)
 
 
 def _reason(error: Exception, trace_id: str) -> str:
@@ -150,8 +151,9 @@ class PublishCounts:
 def make_producer(bootstrap: str, **overrides) -> KafkaProducer:
     # One message per diagnosis: big batches spare kafka-python a network-thread wake-up per send.
     # max_block_ms bounds `send` when the broker is away (metadata, full buffer): the loop must go on.
+    # The partitioner hashes a batch's trace ids at once (`Publisher.publish_all`).
     settings: dict[str, Any] = dict(bootstrap_servers=bootstrap, acks="all", linger_ms=50, batch_size=512 * 1024,
-                                    max_block_ms=1_000)
+                                    max_block_ms=1_000, partitioner=BatchPartitioner())
     return KafkaProducer(**{**settings, **overrides})
 
 
@@ -169,6 +171,13 @@ class Publisher:
         self._away_until = float("-inf")  # a send timed out: no more blocking sends until then
 
     # -- what a trace owes ---------------------------------------------------------------------
+    def publish_all(self, traces: list[PendingTrace], outcomes: dict[str, DiagnosedTrace | str]) -> list[Delivery]:
+        """`publish` each trace with its outcome (`diagnose_batch`'s), their keys hashed at once."""
+        partitioner = self.producer.config["partitioner"]
+        if isinstance(partitioner, BatchPartitioner):
+            partitioner.prime([trace.trace_id.encode() for trace in traces])
+        return [self.publish(trace, outcomes.get(trace.trace_id)) for trace in traces]
+
     def publish(self, trace: PendingTrace, outcome: DiagnosedTrace | str | None) -> Delivery:
         """Send a trace's diagnosis (and its forward to mitigation), or its dead letter."""
         delivery = Delivery(set(trace.sources))

@@ -41,6 +41,7 @@ from bmeg.models.inference import resolve_device
 from bmeg.models.router import Router, choose, culprit_recall_by_source
 from bmeg.models.svm import (
     DEVIATIONS,
+    CulpritScorer,
     FirmSVM,
     TraceSVM,
     TraceVectorizer,
@@ -155,6 +156,8 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
         hparams=hparams, metrics={}, device=resolve_device(fit_config.device),
     )
     detector.svm.fit(detector.trace_vectors(forest, graphs.x, keys)[data.train], data.y[data.train])
+    if "z_log_self_time_us" in encoder.names:  # the thesis's features have no baselines to deviate from
+        detector = replace(detector, culprit=_fit_culprit(detector, forest, graphs.x, services, data, config))
     detector.dgcnn.to(detector.device)
     detector.gcn.to(detector.device)
     raw = detector.score(forest, paths, all_models=True, replay=True)
@@ -273,9 +276,9 @@ def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: 
     validation faults of each (the served detector's scores; the training campaign's services),
     it must name culprits no worse than the GNN alone by more than `tolerance`, else the GNN
     alone stays. Where the held-out faults say nothing about a kind of fault, the validation
-    faults are the only evidence: in the closed loop's recipe the SVM's own-time scores name a
-    misconfigured worker pool's service at 0.13 (queueing is the callers' wait), and no
-    misconfiguration fell among the held-out services."""
+    faults are the only evidence: in the closed loop's recipe the SVM's own-time scores (before
+    `CulpritScorer`) named a misconfigured worker pool's service at 0.13 (queueing is the
+    callers' wait), and no misconfiguration fell among the held-out services."""
     val, y = data.val, data.y[data.val]
     verdicts, named = _verdicts_and_culprits(raw, val, true_services(data, raw), detector.thresholds)
     shape = (raw.num_services[val], raw.num_paths[val], sources[val])
@@ -314,6 +317,21 @@ def named_culprit(service: np.ndarray, present: np.ndarray, truth: np.ndarray, t
     rows = np.arange(len(top))
     named = truth[rows, top] & (scores[rows, top] >= threshold)
     return np.where(named, np.clip(scores[rows, top], 0.0, 1.0), 0.0)
+
+
+def _fit_culprit(detector: Detector, forest: SpanForest, x: np.ndarray, services: np.ndarray, data: Labelled,
+                 config: TrainConfig) -> CulpritScorer:
+    """The SVM path's culprit scorer on the (service, bottlenecked training trace) pairs: culprit or not."""
+    codes, names = pd.factorize(services)
+    traces = data.train[data.y[data.train] == 1]
+    present = np.zeros((forest.num_traces, len(names)), dtype=bool)
+    present[forest.trace_index, codes] = True
+    truth = np.zeros_like(present)
+    rows = np.flatnonzero(data.node_y == 1)
+    truth[forest.trace_index[rows], codes[rows]] = True
+    features = detector.culprit_features(forest, x, codes, len(names))[traces]
+    mask = present[traces]
+    return CulpritScorer(random_state=config.seed).fit(features[mask], truth[traces][mask].astype(np.int64))
 
 
 def _fit_firm(forest: SpanForest, paths, services: np.ndarray, data: Labelled, config: TrainConfig) -> FirmSVM:

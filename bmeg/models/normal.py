@@ -1,9 +1,9 @@
-"""What a root-cause ranker compares a window with, and the interface every ranker follows.
+"""What a window of traces is compared with: statistics of a fault-free period.
 
 `NormalStats.from_forest` summarises a fault-free period (in the RPC view, see
-`bmeg.graphs.rpc.rpc_view`); a `Ranker`'s `rank(window, normal)` returns a `Ranking`,
-`[(service, score), ...]`, most suspicious first (`bmeg.evaluation.rankers` holds bmeg's and the
-internal baselines, `bmeg.evaluation.rcaeval` the published ones).
+`bmeg.graphs.rpc.rpc_view`); the window ranker (`bmeg.models.window`) and the evaluation
+harness's rankers (`bmeg.evaluation.rankers`) compare a window with it. A ranking is a
+`Ranking`, `[(service, score), ...]`, most suspicious first.
 
 Shared definitions: a span is *anomalous* when its duration is above the normal period's p95
 of its (service, operation); a trace is anomalous when its root is. A span's *exclusive* time
@@ -14,7 +14,7 @@ callee's queues) counts for the service it called.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -33,7 +33,6 @@ MIN_EXCLUSIVE_NS = 10_000
 NOISE_SLICES = 10
 #: ... of at least this many traces each.
 NOISE_MIN_TRACES = 50
-
 
 
 def exclusive_time(forest: SpanForest) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +131,6 @@ class NormalStats:
         callee = (edges - caller.reindex(edges.index.get_level_values("service")).to_numpy()).groupby(level="callee").median()
         return pd.concat({"own": servers, "caller": caller, "callee": callee}, axis=1)
 
-
     def structure_shift(self, forest: SpanForest) -> pd.Series:
         """Per service, how far its operations' structure moved from the normal period: per
         operation, |mean children - normal mean| / max(normal mean, 1) plus the rise of the
@@ -214,8 +212,3 @@ def _own_times(forest: SpanForest) -> pd.DataFrame:
     return pd.DataFrame({"service": service, "key": operation_keys(forest), "client": is_client & calls,
                          "callee": callee, "ns": np.maximum(self_time_ns(forest), MIN_EXCLUSIVE_NS).astype(float)})
 
-
-class Ranker(Protocol):
-    name: str
-
-    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking: ...

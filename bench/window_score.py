@@ -1,0 +1,154 @@
+"""The GNN's window score, normalised four ways, in one run of the root-cause harness:
+
+    python bench/window_score.py --model RUN --traces D/spans.parquet --faults D/fault_list.json \
+        --normal D/normal.parquet [--window-minutes 0.1]          # the testbed dataset D
+    python bench/window_score.py --model RUN --simulated RUN/twin.yaml [--window-seconds 10]
+
+Each variant replaces `bmeg.models.window.node_score_shift` (the GNN's per-service window score
+against the normal period) and is scored twice on the same windows: alone (as `bmeg-gnn`) and
+inside bmeg's combined ranker (`combined_ranking`). Variants, per service over its nodes (visits):
+- `diff` (today's): the window's mean node score minus the normal period's mean;
+- `z`: that difference over the standard deviation of the service's node scores in the normal
+  period (a service whose score varies a lot with no fault must move more);
+- `logit`: the difference of the two means on the log-odds scale (a service the model always
+  scores near 1, a large orchestrator, cannot gain much on the plain scale, nor lose it);
+- `quantile`: each window node's score as its quantile among the service's normal node scores,
+  averaged, minus 0.5 (a service's level and spread both taken out).
+All are means over visits, so none rewards a service for being visited often. The self-time
+rule is printed beside them. Prints AC@1 / Avg@5 per fault group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+import bmeg.models.window as window_module
+from bmeg.evaluation.faults import read_fault_list
+from bmeg.evaluation.rankers import SelfTimeRanker, _DetectorScores, _ranking
+from bmeg.evaluation.rca import report, run_rca
+from bmeg.evaluation.windows import TraceFiles
+from bmeg.graphs import SpanForest
+from bmeg.graphs.rpc import rpc_view
+from bmeg.models.detector import Detector
+from bmeg.models.normal import NormalStats, Ranking
+from bmeg.models.window import combined_ranking, node_score_shift, with_normal_baselines
+from bmeg.traces.io import read_spans
+
+LOGIT_CLIP = 1e-4
+MIN_SPREAD = 0.01
+
+
+def _nodes(scores: Any) -> pd.DataFrame:
+    frame = pd.DataFrame({"service": scores.node_services, "score": scores.gnn_node})
+    return frame.dropna()
+
+
+def z_shift(window_scores: Any, normal_scores: Any) -> pd.Series:
+    normal = _nodes(normal_scores).groupby("service")["score"]
+    spread = normal.std().clip(lower=MIN_SPREAD)
+    diff = node_score_shift(window_scores, normal_scores)
+    return diff / spread.reindex(diff.index).fillna(MIN_SPREAD).to_numpy()
+
+
+def logit_shift(window_scores: Any, normal_scores: Any) -> pd.Series:
+    def logit(p: pd.Series) -> pd.Series:
+        p = p.clip(LOGIT_CLIP, 1 - LOGIT_CLIP)
+        return np.log(p / (1 - p))
+
+    window = _nodes(window_scores).groupby("service")["score"].mean()
+    normal = _nodes(normal_scores).groupby("service")["score"].mean().reindex(window.index).fillna(LOGIT_CLIP)
+    return logit(window) - logit(normal).to_numpy()
+
+
+def quantile_shift(window_scores: Any, normal_scores: Any) -> pd.Series:
+    normal = {service: np.sort(group.to_numpy()) for service, group in _nodes(normal_scores).groupby("service")["score"]}
+    nodes = _nodes(window_scores)
+    out = {}
+    for service, group in nodes.groupby("service")["score"]:
+        reference = normal.get(service)
+        if reference is None or len(reference) == 0:
+            out[service] = 0.5
+            continue
+        below = np.searchsorted(reference, group.to_numpy(), side="left")
+        at_or_below = np.searchsorted(reference, group.to_numpy(), side="right")
+        out[service] = float(((below + at_or_below) / 2 / len(reference)).mean()) - 0.5
+    return pd.Series(out, dtype=float)
+
+
+VARIANTS: dict[str, Callable[[Any, Any], pd.Series]] = {
+    "diff": node_score_shift, "z": z_shift, "logit": logit_shift, "quantile": quantile_shift,
+}
+
+
+class GnnVariant:
+    def __init__(self, scores: _DetectorScores, variant: str):
+        self.scores, self.variant, self.name = scores, variant, f"gnn-{variant}"
+
+    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
+        return _ranking(VARIANTS[self.variant](self.scores(window), self.scores(normal.forest)))
+
+
+class BmegVariant:
+    def __init__(self, scores: _DetectorScores, variant: str):
+        self.scores, self.variant, self.name = scores, variant, f"bmeg-{variant}"
+
+    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
+        # combined_ranking reads the module's node_score_shift: swapped for this call only
+        window_module.node_score_shift = VARIANTS[self.variant]  # type: ignore[assignment]
+        try:
+            return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest))
+        finally:
+            window_module.node_score_shift = node_score_shift  # type: ignore[assignment]
+
+
+def rankers(detector: Detector, normal: SpanForest) -> list:
+    scores = _DetectorScores(with_normal_baselines(detector, normal))
+    return [*(BmegVariant(scores, v) for v in VARIANTS), *(GnnVariant(scores, v) for v in VARIANTS), SelfTimeRanker()]
+
+
+def table(summary: dict, names: list[str]) -> None:
+    groups = {"latency": summary["latency_faults"], **summary["by_type"], "all": summary["overall"]}
+    print("method | " + " | ".join(f"{g} ({next(iter(v.values()))['n']})" for g, v in groups.items()))
+    for name in names:
+        cells = [f"{v[name]['ac1']:.2f} / {v[name]['avg5']:.2f}" for v in groups.values()]
+        print(f"{name} | " + " | ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--traces", type=Path)
+    parser.add_argument("--faults", type=Path)
+    parser.add_argument("--normal", type=Path)
+    parser.add_argument("--window-minutes", type=float, default=0.1)
+    parser.add_argument("--pod-suffix-parts", type=int, default=2)
+    parser.add_argument("--simulated", type=Path, default=None, help="a topology (a twin): simulated faults instead")
+    parser.add_argument("--window-seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    detector = Detector.load(args.model, device="cpu")
+    with tempfile.TemporaryDirectory() as out:
+        if args.simulated is not None:
+            from bmeg.evaluation.simulated import simulated_faults
+            from bmeg.faultinject import load_topology
+
+            sim = simulated_faults(load_topology(args.simulated), Path(out), normal_s=20.0,
+                                   window_s=args.window_seconds, seed=0)
+            normal, traces, fault_list, minutes, suffix = sim.normal, sim.traces, sim.fault_list, sim.window_minutes, 0
+        else:
+            normal, traces, fault_list = read_spans(args.normal), args.traces, args.faults
+            minutes, suffix = args.window_minutes, args.pod_suffix_parts
+        normal_forest = rpc_view(normal)
+        chosen = rankers(detector, normal_forest)
+        results = run_rca(TraceFiles(traces), read_fault_list(fault_list, suffix), normal, chosen, minutes, progress=True)
+    table(report(results, [r.name for r in chosen]), [r.name for r in chosen])
+
+
+if __name__ == "__main__":
+    main()
