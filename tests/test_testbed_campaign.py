@@ -33,8 +33,8 @@ RATE = 100.0
 #: one fault of each source on the target; a pool of 1 plus a cache of 4 entries, so that the
 #: misconfiguration shows at this rate (each operation takes ~1 ms: a pool of 1 alone barely queues)
 FAULTS: dict[str, dict] = {
-    "interference": {"factor": 10.0},
-    "saturation": {"capacity": 0.05},
+    "interference": {"factor": 20.0},
+    "saturation": {"capacity": 0.6},
     "network": {"delay_ms": 30.0, "jitter_ms": 2.0},
     "misconfiguration": {"pool_size": 1, "hit_ratio": 0.1},
     "background": {"pause_ms": 150.0, "every_ms": 300.0},
@@ -101,7 +101,10 @@ def test_each_source_changes_the_target_and_not_the_others(bed):
                                 "bottleneck_nodes": int(labels.span_bottleneck[during].sum())}
         # slower, or changed: a cache too small sends reads to the stores (a pool of 1 barely
         # queues at this rate, each operation taking ~1 ms); a code fault makes error spans
-        changed = {"misconfiguration": store_share[0] > max(0.8, store_share[1] + 0.2), "code": errors > 0.5}.get(fault.source, ratio > 1.3)
+        # the CPU faults at least 3x (they were asserted above 1.3x while they barely showed;
+        # measured 7.9x-17x under the hog, 125x-183x under the quota)
+        changed = {"misconfiguration": store_share[0] > max(0.8, store_share[1] + 0.2), "code": errors > 0.5,
+                   "interference": ratio > 3.0, "saturation": ratio > 3.0}.get(fault.source, ratio > 1.3)
         assert changed, (fault.source, report)
         assert labels.span_bottleneck[target].sum() > 0, (fault.source, report)
         assert set(frame.caller_service[labels.span_bottleneck & during].tolist()) == {TARGET}

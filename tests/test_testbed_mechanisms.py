@@ -64,14 +64,17 @@ def test_saturation_cuts_the_quota_and_undo_restores_it(bed):
     time.sleep(0.3)
     normal = _cpu_rate(cgroup)
     apply_fault(testbed, state, "f1", "text-service", "saturation", {"capacity": 0.2}, time.time() + 30)
-    assert system.quota_cores(cgroup) == pytest.approx(0.1)
+    # capacity x twice what it has used per second (a hog under a 0.5-core limit: ~0.5)
+    cut_to = state.faults["f1"]["cut_cores"]
+    assert system.quota_cores(cgroup) == pytest.approx(cut_to, rel=1e-3) and 0.05 < cut_to <= 0.2 + 1e-6
     throttled = system.throttled_s(cgroup)
     cut = _cpu_rate(cgroup)
     # the kernel throttled the hungry process: a bound that holds however loaded the machine is
     assert system.throttled_s(cgroup) - throttled > 0.5
     undo_fault(testbed, state, "f1")
     assert system.quota_cores(cgroup) == pytest.approx(DEFAULT_QUOTA_CORES)
-    assert cut <= 0.13 and normal <= DEFAULT_QUOTA_CORES + 0.03, (normal, cut)
+    assert system.period_us(cgroup) == CFS_PERIOD_US
+    assert cut <= cut_to + 0.03 and normal <= DEFAULT_QUOTA_CORES + 0.03, (normal, cut)
 
 
 def test_interference_runs_a_hog_on_the_targets_cpu_only_while_active(bed):
@@ -195,12 +198,13 @@ def test_repair_undoes_what_a_sigkilled_campaign_left(bed):
     campaign.wait()
     left = TestbedState.load(testbed.run)
     assert set(left.faults) == {"a", "b", "c"}
-    assert system.quota_cores(cgroup) == pytest.approx(0.05)
+    # a sleeping process has used ~nothing: the kernel's smallest quota, 1 ms per 1-s period
+    assert system.quota_cores(cgroup) == pytest.approx(0.001) and system.period_us(cgroup) == 1_000_000
     hog = system.ProcessRecord(**left.faults["b"]["hog"])
     assert hog.alive()
     done = undo_all(testbed, left)
     assert len(done) == 3
-    assert system.quota_cores(cgroup) == pytest.approx(DEFAULT_QUOTA_CORES)
+    assert system.quota_cores(cgroup) == pytest.approx(DEFAULT_QUOTA_CORES) and system.period_us(cgroup) == CFS_PERIOD_US
     assert not hog.alive() and not Path(left.faults.get("b", {}).get("cgroup", "/nonexistent")).exists()
     time.sleep(0.1)
     assert system.process_state(record.pid) == "S"

@@ -8,13 +8,15 @@ from collections import Counter
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bmeg.faultinject.errors import SpecError
 from bmeg.faultinject.scenario import Fault, plan_faults, scenario_path
 from bmeg.faultinject.spec import load_topology
 from bmeg.faultinject.testbed.campaign import load_testbed_scenario, with_code_faults
-from bmeg.faultinject.testbed.deployment import CODE_OPERATIONS
-from bmeg.faultinject.testbed.faults import code_operation
+from bmeg.faultinject.testbed.deployment import CFS_PERIOD_US, CODE_OPERATIONS
+from bmeg.faultinject.testbed.faults import SATURATION_HEADROOM, code_operation, saturation_quota
 
 
 def test_dataset_campaign_draws_every_source_thirty_times_in_seventeen_episodes():
@@ -49,3 +51,19 @@ def test_code_operation_needs_one():
     assert code_operation("unique-id-service", "/compose_unique_id") == "/compose_unique_id"
     with pytest.raises(Exception, match="needs an operation"):
         code_operation("nginx-web-server", 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.floats(0.0, 2.0), demand=st.floats(0.0, 4.0))
+def test_saturation_quota_follows_demand_within_the_kernels_limits(capacity, demand):
+    """The cut follows what the service uses (capacity < 1: it cannot keep up); the kernel's
+    1-ms minimum quota per period (1 ms - 1 s) holds, with the period lengthened only as needed."""
+    cores, period = saturation_quota(capacity, demand)
+    demand = SATURATION_HEADROOM * demand
+    assert CFS_PERIOD_US <= period <= 1_000_000
+    assert cores * period >= 1000 - 1e-6
+    assert cores == pytest.approx(max(capacity * demand, 1000 / period))
+    if capacity * demand * CFS_PERIOD_US >= 1000:
+        assert period == CFS_PERIOD_US
+    elif capacity * demand >= 0.001:
+        assert cores == pytest.approx(capacity * demand)

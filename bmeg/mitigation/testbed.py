@@ -111,12 +111,15 @@ class TestbedFault:
 #: the shipped closed-loop scenarios: post-storage-service is on every read path (60% home
 #: timelines, 30% user timelines), so its trouble shows in the end-to-end tail
 SCENARIOS: dict[str, TestbedFault] = {
-    # its CPU quota cut to 0.025 of a core, 60-70% used at 50 req/s: the container's limit too
-    # small for the load (at 0.015 of a core scale-out replicas with that quota were throttled
-    # as badly: CFS throttles each request that needs more than the quota per 100-ms period)
-    "saturation": TestbedFault("post-storage-service", "saturation", {"capacity": 0.05}),
-    # a stress-ng hog on its CPU with 9x its cgroup's shares: it keeps ~1/10 of the CPU it wants
-    "interference": TestbedFault("post-storage-service", "interference", {"factor": 10.0}),
+    # its CPU quota cut to 1.2 x the CPU it has used (capacity 0.6 x twice its demand;
+    # faults.saturation_quota): throttled on every burst. Cut to 0.025 of a core (the 0.5-core
+    # limit x 0.05) it used 60-70% of it and the fault barely showed; to 1.4 x its demand the
+    # controller saw no fault under a load average of 7; to 0.8 x a backlog of seconds grew, and
+    # traces that slow reach the controller too late (it acted 32 s in)
+    "saturation": TestbedFault("post-storage-service", "saturation", {"capacity": 0.6}),
+    # a stress-ng hog on its CPU with 19x its cgroup's shares: it keeps ~1/20 of the CPU it wants
+    # (9x barely showed above other users' load: measured, README)
+    "interference": TestbedFault("post-storage-service", "interference", {"factor": 20.0}),
     # a worker pool and store pool of 1 (and, by the fault's mechanism, its post cache cut to 4
     # items): a thread-pool misconfiguration; a pool of 1 on home-timeline-service did not show
     # above the machine's noise at 50 req/s

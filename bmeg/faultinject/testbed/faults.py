@@ -5,7 +5,11 @@
 | interference      | a `stress-ng --cpu 1` hog pinned to the target's CPU, in a cgroup whose   | kill the hog, remove its   |
 |                   | `cpu.shares` is (factor - 1) x the service's: the target keeps ~1/factor  | cgroup                     |
 |                   | of its CPU while both want it (its CPU neighbours lose as much)           |                            |
-| saturation        | the target's `cpu.cfs_quota_us` cut to `capacity` x its quota             | the quota restored         |
+| saturation        | the target's `cpu.cfs_quota_us` cut to `capacity` x twice the CPU it has  | quota and period restored  |
+|                   | used per second since it started (its demand): 1 leaves the headroom a   |                            |
+|                   | limit needs for bursts, 0.5 its average use, below it cannot keep up;    |                            |
+|                   | the CFS period lengthened (up to 1 s) so the quota stays >= the kernel's |                            |
+|                   | 1-ms minimum                                                              |                            |
 | network           | the delay (ms +- jitter) set on the target's front proxy, which every     | delay 0                    |
 |                   | caller goes through (`bandwidth_kbit`: the front proxy restarted with its |                            |
 |                   | upstream through a relay in a network namespace shaped by `tc tbf`)       | proxy restored, netns gone |
@@ -32,7 +36,6 @@ from pathlib import Path
 from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.deployment import (
     CFS_PERIOD_US,
-    DEFAULT_QUOTA_CORES,
     CACHES,
     CODE_OPERATIONS,
     SERVICES,
@@ -49,6 +52,10 @@ SERVICE_SHARES = 1024
 SMALL_CACHE_ITEMS = 4
 #: hogs and pausers end by themselves this long after the fault should have: a safety net
 SAFETY_MARGIN_S = 30.0
+#: a saturation fault's capacity 1 is this many times the service's average CPU use
+SATURATION_HEADROOM = 2.0
+#: the longest CFS period a saturation fault sets (the kernel's maximum)
+SATURATION_MAX_PERIOD_US = 1_000_000
 TESTBED_SOURCES = ("interference", "saturation", "network", "misconfiguration", "background", "code")
 
 
@@ -148,17 +155,36 @@ def _undo_interference(testbed, state, fault_id, undo) -> None:
 # --- saturation: the CPU quota cut -------------------------------------------------------
 
 
+def saturation_quota(capacity: float, demand_cores: float) -> tuple[float, int]:
+    """(quota in cores, CFS period in us) for a service that used `demand_cores` on average.
+
+    The cut is relative to what the service uses, not to its limit: the services use 0.003-0.04
+    of a core, so a cut of the 0.5-core limit to 0.025 left most of them unthrottled (measured:
+    the dataset's saturation faults did not slow their services). `capacity` x twice the demand:
+    the span exporter's batches and the GC come in bursts, so a quota of the average use alone
+    (0.5) throttles every burst, and 0.4 of it (0.8 x the demand) built a backlog of seconds in
+    a 40-s fault (measured: p95 1.5-2 s, 40% of requests failed). The kernel takes no quota
+    below 1 ms per period, so a small quota gets a longer period (at most 1 s; below 0.001 of
+    a core the quota stays 1 ms per second)."""
+    cores = max(0.0, capacity) * SATURATION_HEADROOM * demand_cores
+    period = CFS_PERIOD_US if cores * CFS_PERIOD_US >= 1000 else min(SATURATION_MAX_PERIOD_US, int(1000 / max(cores, 1e-9)) + 1)
+    return max(cores, 1000 / period), period
+
+
 def _saturation(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
     cgroup = Path(record.cgroup or testbed.cgroup(undo["service"]))
-    before = system.quota_cores(cgroup)
-    undo["cgroup"], undo["quota_cores"] = str(cgroup), before
+    undo["cgroup"], undo["quota_cores"], undo["period_us"] = str(cgroup), system.quota_cores(cgroup), system.period_us(cgroup)
     state.save()
-    system.set_quota(cgroup, (before or DEFAULT_QUOTA_CORES) * float(parameters.get("capacity", 0.2)))
+    cores, period = saturation_quota(float(parameters.get("capacity", 0.2)), system.cpu_demand_cores(record, cgroup))
+    undo["cut_cores"] = round(cores, 6)
+    system.set_period(cgroup, period)
+    system.set_quota(cgroup, cores)
 
 
 def _undo_saturation(testbed, state, fault_id, undo) -> None:
     cgroup = Path(undo.get("cgroup", ""))
     if "quota_cores" in undo and cgroup.is_dir():
+        system.set_period(cgroup, undo.get("period_us", CFS_PERIOD_US))
         system.set_quota(cgroup, undo["quota_cores"])
 
 

@@ -187,6 +187,15 @@ def set_quota(path: Path, cores: float | None) -> None:
     (path / "cpu.cfs_quota_us").write_text(str(quota))
 
 
+def set_period(path: Path, period_us: int) -> None:
+    """The CFS period (1 ms - 1 s); the quota keeps its microseconds, so set it afterwards."""
+    (path / "cpu.cfs_period_us").write_text(str(min(1_000_000, max(1000, int(period_us)))))
+
+
+def period_us(path: Path) -> int:
+    return int((path / "cpu.cfs_period_us").read_text())
+
+
 def quota_cores(path: Path) -> float | None:
     quota = int((path / "cpu.cfs_quota_us").read_text())
     if quota < 0:
@@ -206,6 +215,13 @@ def cpu_usage_s(path: Path) -> float:
         fields = text[text.rindex(")") + 2 :].split()
         ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_demand_cores(record: ProcessRecord, cgroup: Path) -> float:
+    """The CPU the processes in `cgroup` used per second since `record` started (its demand)."""
+    boot_age = float(Path("/proc/uptime").read_text().split()[0])
+    age = boot_age - record.ticks / os.sysconf("SC_CLK_TCK")
+    return cpu_usage_s(cgroup) / age if age > 0 else 0.0
 
 
 def throttled_s(path: Path) -> float:
