@@ -57,13 +57,37 @@ def test_a_bootstrapped_model_ranks_a_window_against_the_normal_traces_it_kept(b
     assert 0 < kept.num_rows < read_spans(normal_file).num_rows  # the part the twin was fitted from
 
     diagnosis = bmeg.diagnose(recorded.spans, model=run_dir, window=True)
-    expected = WindowRanker(Detector.load(run_dir), kept).ranking(recorded.spans)
+    expected, health = WindowRanker(Detector.load(run_dir), kept).ranking(recorded.spans)
     assert diagnosis.ranking == expected and diagnosis.ranking[0].bottleneck
+    assert health is not None and diagnosis.window_health == health and not health.healthy
     assert diagnosis.window_method == "normal-period"
     # the harness's `bmeg` row ranks the same window the same way
     harness = default_rankers(Detector.load(run_dir), rpc_view(kept), published=False)[0]
     measured = harness.rank(rpc_view(recorded.spans), NormalStats.from_forest(rpc_view(kept)))
     assert harness.name == "bmeg" and [service for service, _ in measured] == [s.service for s in expected]
+
+
+def test_a_healthy_window_names_no_bottleneck_and_a_faulty_one_is_ranked_as_before(bootstrapped):
+    """Normal traces the run did not keep (held back) change nothing: the window is healthy and
+    no service is its bottleneck. The recording's anomalous traces are ranked as without the
+    answer: the same order, the first the bottleneck."""
+    recorded, normal_file, run_dir, _, _ = bootstrapped
+    kept = read_spans(run_dir / NORMAL_TRACES_FILE, format="parquet")
+    normal = read_spans(normal_file)
+    held_back = normal.filter(pc.invert(pc.is_in(normal["trace_id"], value_set=pc.unique(kept["trace_id"]))))
+    assert held_back.num_rows
+    ranker = WindowRanker(Detector.load(run_dir, device="cpu"), kept)
+
+    ranking, health = ranker.ranking(held_back)
+    assert health is not None and health.healthy and ranking and not any(entry.bottleneck for entry in ranking)
+    assert health.time_shift <= health.time_bound and health.calibration_windows > 1
+
+    anomalous = recorded.traces.filter(recorded.traces["anomalous"])["trace_id"]
+    faulty = recorded.spans.filter(pc.is_in(recorded.spans["trace_id"], value_set=anomalous))
+    ranking, health = ranker.ranking(faulty)
+    assert health is not None and not health.healthy and health.time_shift > health.time_bound
+    assert [entry.service for entry in ranking] == [service for service, _ in ranker.rank(rpc_view(faulty))]
+    assert ranking[0].bottleneck and not any(entry.bottleneck for entry in ranking[1:])
 
 
 def test_a_bootstrapped_runs_window_is_scored_once(bootstrapped, monkeypatch):

@@ -112,6 +112,20 @@ class WindowRanker:
                 for rank, (service, _) in enumerate(ranked, start=1)], health
 
 
+class WindowDetector:
+    """A detector whose window diagnoses are ranked against its run's normal traces when it keeps
+    some (`WindowRanker.of_run`: a run of `bmeg bootstrap`), else by its mean node score: what
+    the mitigation loops diagnose a window with. `window_method` says which."""
+
+    def __init__(self, detector: Detector):
+        self.detector, self.ranker = detector, WindowRanker.of_run(detector)
+        self.version: str = detector.version
+        self.window_method = WINDOW_MEAN_NODE_SCORE if self.ranker is None else WINDOW_NORMAL_PERIOD
+
+    def diagnose(self, spans: pa.Table, window: bool = False) -> Any:
+        return self.detector.diagnose(spans, window=window, ranker=self.ranker if window else None)
+
+
 @dataclass(frozen=True)
 class WindowShift:
     """How far a window moved from a normal period, in the quantities `combined_ranking` orders by."""
