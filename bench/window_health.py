@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+import bmeg.models.window as window_module
 from bmeg.evaluation.faults import read_fault_list
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.graphs import SpanForest
@@ -85,7 +86,10 @@ def main() -> None:
     parser.add_argument("--simulated", type=Path, help="a topology (a twin): simulated faults instead")
     parser.add_argument("--window-seconds", type=float, default=10.0)
     parser.add_argument("--healthy-windows", type=int, default=40, help="simulated: fault-free episodes")
+    parser.add_argument("--splits", type=int, default=window_module.CALIBRATION_SPLITS,
+                        help="held-back windows at most this share of the held-back part (compare choices)")
     args = parser.parse_args()
+    window_module.CALIBRATION_SPLITS = args.splits
     with tempfile.TemporaryDirectory() as out:
         normal, healthy, faults = simulated(args, Path(out)) if args.simulated else testbed(args)
     normal_forest = rpc_view(normal)
@@ -95,7 +99,10 @@ def main() -> None:
     healthy = [w for w in healthy if w.num_traces]
     calm = [bound.check(stats, w) for w in healthy]
     print(f"healthy windows called healthy: {sum(h.healthy for h in calm)}/{len(calm)} "
-          f"(traces per window: median {sorted(w.num_traces for w in healthy)[len(healthy) // 2]})")
+          f"(traces per window: median {sorted(w.num_traces for w in healthy)[len(healthy) // 2]}; over the bound: "
+          f"time {sum(h.time_shift > h.time_bound for h in calm)}, gap {sum(h.gap_lead > h.gap_bound for h in calm)}, "
+          f"structure {sum(h.structure_excess > h.structure_bound for h in calm)}; held-back windows of "
+          f"{sorted({h.calibration_traces for h in calm})} traces)")
     ranker = None if args.model is None else WindowRanker(Detector.load(args.model, device="cpu"), normal)
     groups: dict[str, list[tuple[bool, bool | None]]] = defaultdict(list)
     for service, kind, window in faults:
