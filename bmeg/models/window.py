@@ -66,6 +66,10 @@ HEALTH_QUANTILE = 0.99
 CALIBRATION_WINDOWS = 40
 #: ... each at most this share of the held-back part, so that they are not nearly all the same traces.
 CALIBRATION_SPLITS = 4
+#: A normal period whose held-back windows would hold fewer traces than this gives no answer:
+#: means over a handful of traces vary so much that the bound would call faulty windows healthy
+#: (16-trace windows: a bound of 4.7 log2, above a Hotel Reservation window with 30% of faults).
+MIN_CALIBRATION_TRACES = 64
 
 
 class WindowRanker:
@@ -104,8 +108,8 @@ class WindowRanker:
     def ranking(self, window: pa.Table | SpanForest,
                 window_scores: Scores | None = None) -> tuple[list[ServiceScore], WindowHealth | None]:
         """The window's services ranked, each scored by the reciprocal of its rank, and whether
-        anything changed in it (`HealthBound`; None when the normal period is too short to hold
-        any back). The first is the bottleneck, unless the window is healthy: then none is."""
+        anything changed in it (`HealthBound`; None when the normal period is too short to
+        calibrate it: then the first is the bottleneck, as before). The first is the bottleneck, unless the window is healthy: then none is."""
         view = rpc_view(window)
         ranked = self.rank(view, window_scores)
         health = None if self.health is None else self.health.check(self.stats, view)
@@ -179,8 +183,9 @@ class HealthBound:
 
     @classmethod
     def of(cls, normal: SpanForest, held_back: float = HELD_BACK) -> HealthBound | None:
-        """The bound of a normal period (RPC view), or None when it has under two traces to split."""
-        if normal.num_traces < 2:
+        """The bound of a normal period (RPC view), or None when it is too short to hold back
+        `CALIBRATION_SPLITS` windows of `MIN_CALIBRATION_TRACES` traces."""
+        if round(normal.num_traces * held_back) < CALIBRATION_SPLITS * MIN_CALIBRATION_TRACES:
             return None
         order = np.argsort(normal.start_ns[normal.root], kind="stable")
         count = min(max(round(normal.num_traces * held_back), 1), normal.num_traces - 1)
