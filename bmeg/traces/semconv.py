@@ -32,9 +32,6 @@ DB_SYSTEM_KEYS = ("db.system.name", DB_SYSTEM)
 SERVER_ADDRESS_KEYS = ("server.address", "net.peer.name")
 #: Resource attributes naming the replica that ran a span, most specific first.
 INSTANCE_KEYS = ("service.instance.id", "k8s.pod.name", "host.name")
-#: Substrings of every key above that `peer_and_db_system` reads: a span whose attributes
-#: contain none of them needs no decoding (`db.system` is in both database keys).
-KEY_NEEDLES = (b"peer.name", PEER_SERVICE.encode(), DB_SYSTEM.encode())
 
 
 def status_of_code(code: object) -> str | None:
