@@ -61,6 +61,22 @@ class TraceDiagnosis(BaseModel):
                                              "(they never arrived): never handed to mitigation.")
 
 
+class WindowHealth(BaseModel):
+    """Whether anything changed in a window against a normal period, by bounds calibrated on that
+    period's own held-back traces (`bmeg.models.window.HealthBound`)."""
+
+    healthy: bool = Field(description="No shift above its bound: nothing changed, no service is a bottleneck.")
+    time_shift: float = Field(description="The largest time shift of a service (log2 against the normal period).")
+    time_bound: float
+    gap_lead: float = Field(description="How far (log2) the largest call-gap shift leads the second largest.")
+    gap_bound: float
+    structure_excess: float = Field(description="The largest structure shift beyond the ranker's noise gate.")
+    structure_bound: float
+    service: str | None = Field(None, description="The service with the largest time shift.")
+    calibration_traces: int = Field(description="Traces per held-back window the bounds were calibrated on.")
+    calibration_windows: int
+
+
 class Diagnosis(BaseModel):
     model_version: str
     application: str
@@ -73,6 +89,10 @@ class Diagnosis(BaseModel):
                           "fault-free period of the application (the normal traces a `bmeg bootstrap` run keeps, "
                           "or `--normal`); `mean-node-score`, the detector's mean node score, with no normal "
                           "period at hand (a `bmeg train` run): weaker, it follows where traces spend their time."
+    )
+    window_health: WindowHealth | None = Field(
+        None, description="With `normal-period`: whether the window changed at all; when healthy, no service "
+                          "in `ranking` is marked a bottleneck."
     )
 
     @property
@@ -89,5 +109,6 @@ def single_trace_json(document: dict[str, Any], trace: dict[str, Any]) -> bytes:
     `Z` as pydantic writes them, and a value orjson does not know (a numpy scalar) is first made
     plain by pydantic."""
     return orjson.dumps({"model_version": document["model_version"], "application": document["application"],
-                         "traces": [trace], "ranking": None, "window_method": None},
+                         "traces": [trace], "ranking": None, "window_method": None,
+                         "window_health": None},
                         default=pydantic_core.to_jsonable_python, option=orjson.OPT_UTC_Z)

@@ -13,10 +13,12 @@ from bmeg.datasets.loader import load_dataset
 from bmeg.evaluation.bootstrap import bootstrap
 from bmeg.cli import main
 from bmeg.evaluation.rankers import default_rankers
+from bmeg.faultinject import load_topology
+from bmeg.faultinject.twin import simulated_spans
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats
-from bmeg.models.window import WindowRanker
+from bmeg.models.window import WindowDetector, WindowRanker
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.serving.app import create_app
 from bmeg.serving.model_process import ModelProcess
@@ -57,13 +59,64 @@ def test_a_bootstrapped_model_ranks_a_window_against_the_normal_traces_it_kept(b
     assert 0 < kept.num_rows < read_spans(normal_file).num_rows  # the part the twin was fitted from
 
     diagnosis = bmeg.diagnose(recorded.spans, model=run_dir, window=True)
-    expected = WindowRanker(Detector.load(run_dir), kept).ranking(recorded.spans)
+    expected, health = WindowRanker(Detector.load(run_dir), kept).ranking(recorded.spans)
     assert diagnosis.ranking == expected and diagnosis.ranking[0].bottleneck
+    # 200-odd kept traces are too few to calibrate "nothing changed": ranked as before, no answer
+    assert health is None and diagnosis.window_health is None
     assert diagnosis.window_method == "normal-period"
     # the harness's `bmeg` row ranks the same window the same way
     harness = default_rankers(Detector.load(run_dir), rpc_view(kept), published=False)[0]
     measured = harness.rank(rpc_view(recorded.spans), NormalStats.from_forest(rpc_view(kept)))
     assert harness.name == "bmeg" and [service for service, _ in measured] == [s.service for s in expected]
+
+
+@pytest.fixture(scope="module")
+def long_normal(bootstrapped):
+    """4 s of the application's fault-free traffic (~4,000 traces: enough to hold back windows
+    of 256) and 2 s more, later, from another seed."""
+    spec = load_topology("hotelreservation")
+    return simulated_spans(spec, 4.0, seed=11), simulated_spans(spec, 2.0, seed=12, epoch_ns=10 * 10**9)
+
+
+def test_a_healthy_window_names_no_bottleneck_and_a_faulty_one_is_ranked_as_before(bootstrapped, long_normal):
+    """Fault-free traffic the ranker never saw changes nothing: the window is healthy and no
+    service is its bottleneck. The recording's anomalous traces are ranked as without the
+    answer: the same order, the first the bottleneck."""
+    recorded, _, run_dir, _, _ = bootstrapped
+    normal, later = long_normal
+    ranker = WindowRanker(Detector.load(run_dir, device="cpu"), normal)
+
+    ranking, health = ranker.ranking(later)
+    assert health is not None and health.healthy and ranking and not any(entry.bottleneck for entry in ranking)
+    assert health.time_shift <= health.time_bound and health.calibration_windows > 1
+
+    anomalous = recorded.traces.filter(recorded.traces["anomalous"])["trace_id"]
+    faulty = recorded.spans.filter(pc.is_in(recorded.spans["trace_id"], value_set=anomalous))
+    ranking, health = ranker.ranking(faulty)
+    assert health is not None and not health.healthy
+    assert [entry.service for entry in ranking] == [service for service, _ in ranker.rank(rpc_view(faulty))]
+    assert ranking[0].bottleneck and not any(entry.bottleneck for entry in ranking[1:])
+
+
+def test_the_mitigation_loops_detector_uses_the_runs_normal_traces_when_it_keeps_them(bootstrapped, long_normal,
+                                                                                      tmp_path):
+    """`bmeg mitigate --model RUN` diagnoses a window with `WindowDetector`: a run that keeps
+    normal traces names no bottleneck in a healthy window (the controller has nothing to act
+    on); a run without them ranks by the mean node score; each says which."""
+    _, _, run_dir, _, _ = bootstrapped
+    normal, later = long_normal
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns(NORMAL_TRACES_FILE, "data"))
+    fallback = WindowDetector(Detector.load(run, device="cpu"))
+    diagnosis = fallback.diagnose(later, window=True)
+    assert fallback.window_method == diagnosis.window_method == "mean-node-score" and diagnosis.window_health is None
+
+    write_spans(normal, run / NORMAL_TRACES_FILE, "parquet")
+    detector = WindowDetector(Detector.load(run, device="cpu"))
+    diagnosis = detector.diagnose(later, window=True)
+    assert detector.window_method == diagnosis.window_method == "normal-period"
+    assert diagnosis.window_health is not None and diagnosis.window_health.healthy
+    assert diagnosis.ranking and not any(entry.bottleneck for entry in diagnosis.ranking)
 
 
 def test_a_bootstrapped_runs_window_is_scored_once(bootstrapped, monkeypatch):

@@ -127,8 +127,10 @@ def _closed_loop(application, scenario, model_dir, window_s, seed, policy_path, 
     detector = None
     if model_dir:
         from bmeg.models.detector import Detector
+        from bmeg.models.window import WindowDetector
 
-        detector = Detector.load(model_dir, application=application)
+        # a bootstrapped run ranks a window against its normal traces, a trained one by the mean node score
+        detector = WindowDetector(Detector.load(model_dir, application=application))
     # the simulated minute is short: cooldown and verification are scaled to the window
     policy = _policy(policy_path, dry_run=False, cooldown_s=2 * window_s, verify_after_s=window_s, actions_per_hour=120)
     report = run_closed_loop(topology, loaded, load_catalogue(), policy, LoopSettings(window_s=window_s, seed=seed),
@@ -173,8 +175,10 @@ def _testbed_loop(application, scenario, arms, fault_s, normal_s, rate, model_di
     detector = None
     if model_dir:
         from bmeg.models.detector import Detector
+        from bmeg.models.window import WindowDetector
 
-        detector = Detector.load(model_dir, application=application)
+        # a bootstrapped run ranks a window against its normal traces, a trained one by the mean node score
+        detector = WindowDetector(Detector.load(model_dir, application=application))
     say = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))
     running = bed.state()
     started_here = running is None or not all(r.alive() for r in running.processes.values() if r.role == "service")

@@ -116,6 +116,12 @@ def print_diagnosis(diagnosis) -> None:
     if diagnosis.ranking:
         print_table([s.model_dump() for s in diagnosis.ranking[:10]],
                     title=f"Services over the window ({WINDOW_METHOD_WORDS[diagnosis.window_method or '']})")
+    health = diagnosis.window_health
+    if health is not None:
+        verdict = "healthy: nothing changed, no bottleneck" if health.healthy else "changed"
+        click.echo(f"Window {verdict} (largest time shift {health.time_shift:.2f} log2 at {health.service}, "
+                   f"bound {health.time_bound:.2f}; call-gap lead {health.gap_lead:.2f}, bound {health.gap_bound:.2f}; "
+                   f"structure {health.structure_excess:.2f}, bound {health.structure_bound:.2f})")
 
 
 #: How `print_diagnosis` names each `Diagnosis.window_method`.

@@ -134,6 +134,7 @@ class LoopReport:
     hpa_actions: list[dict]
     detector: str
     timeline: dict[str, list[tuple[float, float, float, float]]]
+    window_method: str | None = None  # how the detector ranked a window (`WindowDetector`); None: the rule
 
 
 def run_closed_loop(topology: TopologySpec, scenario: Scenario, catalogue: Catalogue, policy: SafetyPolicy,
@@ -182,6 +183,7 @@ def run_closed_loop(topology: TopologySpec, scenario: Scenario, catalogue: Catal
         recovery_unmitigated_s=_recovery(unmitigated, faults, first_fault, p95_normal),
         actions=controlled.actions, hpa_actions=hpa.actions,
         detector=getattr(detector, "version", None) or "slowest-leaf-rule",
+        window_method=getattr(detector, "window_method", None),
         timeline={"unmitigated": unmitigated.windows, "mitigated": controlled.windows, "hpa": hpa.windows},
     )
 

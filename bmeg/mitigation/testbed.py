@@ -462,6 +462,7 @@ class TestbedLoopReport:
     detector: str
     slo_ms: float
     arms: list[ArmReport]
+    window_method: str | None = None  # how the detector ranked a window (`WindowDetector`); None: the rule
 
     def arm(self, name: str) -> ArmReport:
         """The first run of that arm (`arms` holds every run, in order)."""
@@ -613,6 +614,7 @@ def _report(scenario: str, fault: TestbedFault, rate: float, settings: TestbedLo
             timeline=[(t, round(p95, 2), round(p99, 2)) for t, p95, p99 in windows]))
     return TestbedLoopReport(scenario=scenario, fault=asdict(fault), rate=rate, settings=asdict(settings),
                              detector=getattr(detector, "version", None) or "slowest-leaf-rule",
+                             window_method=getattr(detector, "window_method", None),
                              slo_ms=round(slo, 2), arms=arms)
 
 

@@ -260,25 +260,27 @@ class Detector:
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
             history.record(scores.observation.of(self.services))
-        ranking, method = None, None
+        ranking, method, health = None, None, None
         if window and ranker is not None:
-            ranking, method = self._ranked_against_normal(ranker, forest, scores, replay), WINDOW_NORMAL_PERIOD
+            ranking, health = self._ranked_against_normal(ranker, forest, scores, replay)
+            method = WINDOW_NORMAL_PERIOD
         elif window:
             ranking, method = self._window_ranking(scores), WINDOW_MEAN_NODE_SCORE
         return {
             "model_version": self.version, "application": self.application,
             "traces": self._trace_diagnoses(forest, scores, paths),
-            "ranking": ranking, "window_method": method,
+            "ranking": ranking, "window_method": method, "window_health": health,
         }
 
     def _ranked_against_normal(self, ranker: WindowRanker, forest: SpanForest, scores: Scores,
-                               replay: bool) -> list[dict]:
-        """`ranker`'s ranking of the window as plain values. The traces' scores serve it when
+                               replay: bool) -> tuple[list[dict], dict | None]:
+        """`ranker`'s ranking of the window and its `WindowHealth`, as plain values. The traces' scores serve it when
         they are what the ranker would compute (replayed, by the same baselines, on a forest
         with no internal spans to fold), so a bootstrapped run's window is scored once."""
         view = rpc_view(forest)
         reuse = replay and view is forest and ranker.scores_reusable(self.encoder)
-        return [entry.model_dump() for entry in ranker.ranking(view, scores if reuse else None)]
+        ranking, health = ranker.ranking(view, scores if reuse else None)
+        return [entry.model_dump() for entry in ranking], None if health is None else health.model_dump()
 
     def _trace_diagnoses(self, forest: SpanForest, scores: Scores, paths: CriticalPaths) -> list[dict]:
         """Each trace's `TraceDiagnosis` as a dict, every field in order; the per-service work is

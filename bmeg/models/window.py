@@ -23,15 +23,17 @@ get the same ranking at every door.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from bmeg.diagnosis import ServiceScore
+from bmeg.diagnosis import ServiceScore, WindowHealth
 from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.features import FeatureEncoder
@@ -56,6 +58,18 @@ STRUCTURE_FLOOR = 0.1
 NOISE_FACTOR = 2.0
 #: A service whose time shift (log2) exceeds every other service's by this much is decisive.
 DECISIVE_LEAD = 2.0
+#: The share of a normal period (its latest traces) held back to calibrate `HealthBound` ...
+HELD_BACK = 0.5
+#: ... whose bounds are this quantile of the shifts of windows drawn from it ...
+HEALTH_QUANTILE = 0.99
+#: ... at most this many windows (consecutive traces; overlapping when the held-back part is short) ...
+CALIBRATION_WINDOWS = 40
+#: ... each at most this share of the held-back part, so that they are not nearly all the same traces.
+CALIBRATION_SPLITS = 4
+#: A normal period whose held-back windows would hold fewer traces than this gives no answer:
+#: means over a handful of traces vary so much that the bound would call faulty windows healthy
+#: (16-trace windows: a bound of 4.7 log2, above a Hotel Reservation window with 30% of faults).
+MIN_CALIBRATION_TRACES = 64
 
 
 class WindowRanker:
@@ -68,6 +82,7 @@ class WindowRanker:
         self.stats = NormalStats.from_forest(forest)
         self.detector = with_normal_baselines(detector, forest)
         self.normal_scores = self.detector.score(forest, replay=True)
+        self.health = HealthBound.of(forest)
 
     @classmethod
     def of_run(cls, detector: Detector) -> WindowRanker | None:
@@ -90,12 +105,126 @@ class WindowRanker:
         scores = window_scores if window_scores is not None else self.detector.score(window, replay=True)
         return combined_ranking(self.stats, window, scores, self.normal_scores)
 
-    def ranking(self, window: pa.Table | SpanForest, window_scores: Scores | None = None) -> list[ServiceScore]:
-        """The window's services ranked, each scored by the reciprocal of its rank; the first is
-        the bottleneck."""
-        ranked = self.rank(rpc_view(window), window_scores)
-        return [ServiceScore(service=service, score=1.0 / rank, bottleneck=rank == 1)
-                for rank, (service, _) in enumerate(ranked, start=1)]
+    def ranking(self, window: pa.Table | SpanForest,
+                window_scores: Scores | None = None) -> tuple[list[ServiceScore], WindowHealth | None]:
+        """The window's services ranked, each scored by the reciprocal of its rank, and whether
+        anything changed in it (`HealthBound`; None when the normal period is too short to
+        calibrate it: then the first is the bottleneck, as before). The first is the bottleneck, unless the window is healthy: then none is."""
+        view = rpc_view(window)
+        ranked = self.rank(view, window_scores)
+        health = None if self.health is None else self.health.check(self.stats, view)
+        named = health is None or not health.healthy
+        return [ServiceScore(service=service, score=1.0 / rank, bottleneck=named and rank == 1)
+                for rank, (service, _) in enumerate(ranked, start=1)], health
+
+
+class WindowDetector:
+    """A detector whose window diagnoses are ranked against its run's normal traces when it keeps
+    some (`WindowRanker.of_run`: a run of `bmeg bootstrap`), else by its mean node score: what
+    the mitigation loops diagnose a window with. `window_method` says which."""
+
+    def __init__(self, detector: Detector):
+        self.detector, self.ranker = detector, WindowRanker.of_run(detector)
+        self.version: str = detector.version
+        self.window_method = WINDOW_MEAN_NODE_SCORE if self.ranker is None else WINDOW_NORMAL_PERIOD
+
+    def diagnose(self, spans: pa.Table, window: bool = False) -> Any:
+        return self.detector.diagnose(spans, window=window, ranker=self.ranker if window else None)
+
+
+@dataclass(frozen=True)
+class WindowShift:
+    """How far a window moved from a normal period, in the quantities `combined_ranking` orders by."""
+
+    time: float  # the largest time shift (log2) of a service's part (`NormalStats.service_shift_parts`)
+    gap_lead: float  # how far (log2) the largest call-gap shift leads the second (`decisive_shift`'s test)
+    structure: float  # the largest structure shift beyond `structure_changed`'s gate (> 0: the gate fires)
+    service: str | None  # whose time shift is the largest
+
+
+def window_shift(normal: NormalStats, window: SpanForest) -> WindowShift:
+    """`WindowShift` of a window (RPC view) against `normal`; 0 for a quantity no service has."""
+    parts = normal.service_shift_parts(window)
+    time = parts.max(axis=1).dropna()
+    gaps = parts[["caller", "callee"]].max(axis=1).dropna().nlargest(2)
+    structure = normal.structure_shift(window)
+    gate = STRUCTURE_FLOOR + NOISE_FACTOR * normal.structure_noise.reindex(structure.index).fillna(0.0)
+    return WindowShift(time=float(time.max()) if len(time) else 0.0,
+                       gap_lead=float(gaps.iloc[0] - gaps.iloc[1]) if len(gaps) == 2 else 0.0,
+                       structure=float((structure - gate).max()) if len(structure) else 0.0,
+                       service=str(time.idxmax()) if len(time) else None)
+
+
+class HealthBound:
+    """"Nothing changed" for a window, calibrated on the application's own fault-free traces.
+
+    The normal period is split by time (`HELD_BACK` of its traces, the latest, held back): the
+    earlier part is summarised as the ranker summarises the whole (`NormalStats`), and windows
+    of consecutive held-back traces are compared with it (`window_shift`). Each bound is the
+    `HEALTH_QUANTILE` of those windows' shifts (the structure bound at least the ranker's own
+    gate, 0); a window is healthy when none of its shifts (against the whole period) is above
+    its bound. The held-back windows are as long as the window checked, in traces, rounded down
+    to a power of two (shorter windows vary more: the bound errs towards "healthy"), and at most
+    a `CALIBRATION_SPLITS`th of the held-back part: windows nearly as long as the part are nearly
+    all the same traces, and their quantile is the spread of one window, not of many (a
+    simulated Social Network window of 5,000 traces against 5,000 held back: 24 of 40 healthy
+    windows called changed). Bounds are kept per length. By time, not at random: what moves a
+    healthy application's times is often a drift (load, a cache), and a random split would
+    hide it from the bound.
+    """
+
+    def __init__(self, earlier: NormalStats, later: SpanForest, quantile: float = HEALTH_QUANTILE,
+                 windows: int = CALIBRATION_WINDOWS):
+        self.earlier, self.quantile, self.windows = earlier, quantile, windows
+        order = np.argsort(later.start_ns[later.root], kind="stable")
+        self._later_ids = np.asarray(later.trace_ids, dtype=object)[order]
+        self._later_spans = later.spans
+        self._bounds: dict[int, tuple[WindowShift, int]] = {}
+
+    @classmethod
+    def of(cls, normal: SpanForest, held_back: float = HELD_BACK) -> HealthBound | None:
+        """The bound of a normal period (RPC view), or None when it is too short to hold back
+        `CALIBRATION_SPLITS` windows of `MIN_CALIBRATION_TRACES` traces."""
+        if round(normal.num_traces * held_back) < CALIBRATION_SPLITS * MIN_CALIBRATION_TRACES:
+            return None
+        order = np.argsort(normal.start_ns[normal.root], kind="stable")
+        count = min(max(round(normal.num_traces * held_back), 1), normal.num_traces - 1)
+        ids = np.asarray(normal.trace_ids, dtype=object)[order]
+        return cls(NormalStats.from_forest(_traces(normal.spans, ids[:-count])), _traces(normal.spans, ids[-count:]))
+
+    def length(self, traces: int) -> int:
+        """The held-back windows' length, in traces, for a window of `traces` traces."""
+        return 2 ** int(np.log2(max(min(traces, len(self._later_ids) // CALIBRATION_SPLITS), 1)))
+
+    def bound(self, length: int) -> tuple[WindowShift, int]:
+        """(bounds, how many held-back windows they came from) for held-back windows of `length` traces."""
+        if length not in self._bounds:
+            starts = np.unique(np.linspace(0, len(self._later_ids) - length, self.windows).round().astype(int))
+            shifts = [window_shift(self.earlier, _traces(self._later_spans, self._later_ids[start:start + length]))
+                      for start in starts]
+            quantile = partial(np.quantile, q=self.quantile)
+            bounds = WindowShift(time=float(quantile([s.time for s in shifts])),
+                                 gap_lead=float(quantile([s.gap_lead for s in shifts])),
+                                 structure=max(float(quantile([s.structure for s in shifts])), 0.0), service=None)
+            self._bounds[length] = (bounds, len(starts))
+        return self._bounds[length]
+
+    def check(self, normal: NormalStats, window: SpanForest) -> WindowHealth:
+        """Whether `window` (RPC view) moved from `normal` (the whole period) beyond the bounds."""
+        shift = window_shift(normal, window)
+        length = self.length(window.num_traces)
+        bounds, windows = self.bound(length)
+        healthy = (shift.time <= bounds.time and shift.gap_lead <= bounds.gap_lead
+                   and shift.structure <= bounds.structure)
+        return WindowHealth(healthy=healthy, time_shift=shift.time, time_bound=bounds.time,
+                            gap_lead=shift.gap_lead, gap_bound=bounds.gap_lead, structure_excess=shift.structure,
+                            structure_bound=bounds.structure, service=shift.service,
+                            calibration_traces=length, calibration_windows=windows)
+
+
+def _traces(spans: pa.Table, trace_ids: np.ndarray) -> SpanForest:
+    """The RPC view of the traces `trace_ids` of a span table."""
+    return rpc_view(spans.filter(pc.is_in(spans["trace_id"], pa.array(list(trace_ids), pa.string()))))
 
 
 def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any) -> Ranking:
