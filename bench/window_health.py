@@ -37,8 +37,12 @@ from bmeg.traces.io import read_spans
 
 
 def healthy_gaps(fault_list: Path, margin_s: float, min_s: float) -> list[tuple[int, int]]:
-    """[start, end) ns of the fault-free stretches between fault rounds of a fault list."""
+    """[start, end) ns of the fault-free stretches between fault rounds of a fault list; none
+    when the list gives no end times (published lists such as Nezha's give the injection only)."""
     entries = [entry for day in json.loads(fault_list.read_text()).values() for entry in day]
+    if not all("end_timestamp" in entry for entry in entries):
+        print("the fault list gives no end times: no healthy windows between faults")
+        return []
     spans = sorted((int(float(e["inject_timestamp"]) * 1e9), int(float(e["end_timestamp"]) * 1e9)) for e in entries)
     gaps, reach = [], spans[0][1]
     for start, end in spans[1:]:
@@ -95,14 +99,18 @@ def main() -> None:
     normal_forest = rpc_view(normal)
     stats = NormalStats.from_forest(normal_forest)
     bound = HealthBound.of(normal_forest)
-    assert bound is not None, "the normal period holds under two traces"
+    if bound is None:
+        raise SystemExit(f"the normal period ({normal_forest.num_traces} traces) is too short for a health bound: "
+                         f"its held-back part needs {window_module.CALIBRATION_SPLITS} windows of "
+                         f"{window_module.MIN_CALIBRATION_TRACES} traces; the ranker gives no health answer there")
     healthy = [w for w in healthy if w.num_traces]
     calm = [bound.check(stats, w) for w in healthy]
-    print(f"healthy windows called healthy: {sum(h.healthy for h in calm)}/{len(calm)} "
-          f"(traces per window: median {sorted(w.num_traces for w in healthy)[len(healthy) // 2]}; over the bound: "
-          f"time {sum(h.time_shift > h.time_bound for h in calm)}, gap {sum(h.gap_lead > h.gap_bound for h in calm)}, "
-          f"structure {sum(h.structure_excess > h.structure_bound for h in calm)}; held-back windows of "
-          f"{sorted({h.calibration_traces for h in calm})} traces)")
+    if calm:
+        print(f"healthy windows called healthy: {sum(h.healthy for h in calm)}/{len(calm)} "
+              f"(traces per window: median {sorted(w.num_traces for w in healthy)[len(healthy) // 2]}; over the bound: "
+              f"time {sum(h.time_shift > h.time_bound for h in calm)}, gap {sum(h.gap_lead > h.gap_bound for h in calm)}, "
+              f"structure {sum(h.structure_excess > h.structure_bound for h in calm)}; held-back windows of "
+              f"{sorted({h.calibration_traces for h in calm})} traces)")
     ranker = None if args.model is None else WindowRanker(Detector.load(args.model, device="cpu"), normal)
     groups: dict[str, list[tuple[bool, bool | None]]] = defaultdict(list)
     for service, kind, window in faults:
