@@ -208,3 +208,24 @@ def test_repair_undoes_what_a_sigkilled_campaign_left(bed):
     assert not hog.alive() and not Path(left.faults.get("b", {}).get("cgroup", "/nonexistent")).exists()
     time.sleep(0.1)
     assert system.process_state(record.pid) == "S"
+
+
+def test_abandoned_cgroup_trees_are_removed_and_live_or_fresh_ones_kept(tmp_path):
+    """What a run killed with its whole process group leaves on a port base nobody starts
+    again (a test's own) is removed by the next `up` of any testbed; a tree with a process in
+    it, the starting testbed's own, and a fresh one (a testbed being started) stay. Names of
+    this test's own, so that no other testbed's tree is ever a candidate here."""
+    prefix = f"bmeg-sweep-{os.getpid()}-"
+    abandoned, live, own = (system.CPU_CGROUP_ROOT / f"{prefix}{name}" for name in ("abandoned", "live", "own"))
+    for tree in (abandoned, live, own):
+        system.make_cgroup(tree / "service", None, CFS_PERIOD_US)
+    system.spawn("sleeper", "service", ["sleep", "60"], tmp_path / "sleeper.log", cgroup=live / "service")
+    try:
+        assert system.remove_abandoned_cgroup_trees(prefix, own, min_age_s=3600) == []
+        removed = system.remove_abandoned_cgroup_trees(prefix, own, min_age_s=0)
+        assert removed == [f"removed the abandoned cgroup tree {abandoned}"]
+        assert not abandoned.exists() and (live / "service").exists() and (own / "service").exists()
+    finally:
+        for tree in (abandoned, live, own):
+            system.remove_cgroup_tree(tree)
+    assert not live.exists() and not own.exists()

@@ -35,8 +35,11 @@ def run_dir(base: int | None = None) -> Path:
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"bmeg-testbed-{user}-{base or port_base()}"
 
 
+GROUP_PREFIX = "bmeg-testbed-"
+
+
 def cgroup_group(base: int) -> str:
-    return f"bmeg-testbed-{base}"
+    return f"{GROUP_PREFIX}{base}"
 
 
 def netns_prefix(base: int) -> str:

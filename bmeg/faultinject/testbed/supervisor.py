@@ -32,6 +32,7 @@ from bmeg.faultinject.testbed.deployment import (
 )
 from bmeg.faultinject.testbed.faults import undo_all
 from bmeg.faultinject.testbed.state import (
+    GROUP_PREFIX,
     Testbed,
     TestbedState,
     instance_name,
@@ -47,6 +48,8 @@ DEFAULT_RATE = 50.0
 #: order in which `down` stops roles: the load first, stores and the Collector last (spans flush)
 STOP_ORDER = ("load", "pauser", "hog", "replica", "service", "relay", "proxy", "store", "collector")
 HEALTH_TIMEOUT_S = 60.0
+#: another port base's cgroup tree with no task, untouched this long, was left by a killed run
+ABANDONED_AFTER_S = 600.0
 #: the reference's user count (DeathStarBench's socfb-Reed98 graph has 962 users), 10 followees each
 USERS, FOLLOWS = 962, 10
 INIT_TIMEOUT_S = 300.0
@@ -108,7 +111,8 @@ def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, see
     if rate <= 0:
         raise ValueError(f"rate must be positive, not {rate}")
     _check_reachable(testbed.run)
-    repairs = repair(testbed)
+    repairs = repair(testbed) + system.remove_abandoned_cgroup_trees(
+        GROUP_PREFIX, testbed.group, ABANDONED_AFTER_S)
     binary = build_binary()
     ensure_kafka()
     testbed.run.mkdir(parents=True, exist_ok=True)

@@ -272,6 +272,28 @@ def remove_cgroup_tree(path: Path) -> None:
             raise TestbedError(f"cannot remove cgroup {group}: {error}") from None
 
 
+def remove_abandoned_cgroup_trees(prefix: str, keep: Path, min_age_s: float) -> list[str]:
+    """Remove the cgroup trees named `prefix*` that a run killed with its whole process group
+    left (a test's testbed on a port base of its own, never started again to repair it): no
+    task anywhere in the tree and the tree untouched for `min_age_s`. A live testbed always
+    has processes in its tree, and one being started has a fresh one; the kernel refuses to
+    remove a cgroup with a task in it, so a process that moved in meanwhile keeps its tree."""
+    removed = []
+    for root in sorted(CPU_CGROUP_ROOT.glob(f"{prefix}*")) if CPU_CGROUP_ROOT.is_dir() else []:
+        tree = cgroup_tree(root)
+        if root == keep or time.time() - max(group.stat().st_mtime for group in tree) < min_age_s:
+            continue
+        if any((group / "cgroup.procs").read_text().strip() for group in tree):
+            continue
+        try:
+            for group in tree:
+                group.rmdir()
+        except OSError:
+            continue
+        removed.append(f"removed the abandoned cgroup tree {root}")
+    return removed
+
+
 # --- network namespaces and tc tbf ------------------------------------------------------
 
 
