@@ -209,7 +209,25 @@ class _MarginClassifier(ClassifierMixin, BaseEstimator):
         return model
 
 
-class TraceSVM(_MarginClassifier):
+class _LinearClassifier(_MarginClassifier):
+    """A margin classifier whose margin is linear: a scikit-learn linear model (`_linear_model`)
+    is fitted on the standardised features and only its weights are kept."""
+
+    _state_arrays = ("coef_", "intercept_")
+
+    def _linear_model(self) -> LinearSVC | LogisticRegression:
+        raise NotImplementedError
+
+    def _fit(self, X: np.ndarray, y: np.ndarray) -> None:
+        model = self._linear_model().fit(X, y)
+        self.coef_ = model.coef_[0].copy()
+        self.intercept_ = float(model.intercept_[0])
+
+    def _margin(self, X: np.ndarray) -> np.ndarray:
+        return X @ self.coef_ + self.intercept_
+
+
+class TraceSVM(_LinearClassifier):
     """Class-weighted linear SVM over `TraceVectorizer` rows: is the trace bottlenecked?
 
     Parameters
@@ -231,20 +249,12 @@ class TraceSVM(_MarginClassifier):
     [1]
     """
 
-    _state_arrays = ("coef_", "intercept_")
-
     def __init__(self, C: float = 0.1, random_state: int | None = 0):
         self.C = C
         self.random_state = random_state
 
-    def _fit(self, X: np.ndarray, y: np.ndarray) -> None:
-        svm = LinearSVC(C=self.C, class_weight="balanced", random_state=self.random_state, max_iter=5_000)
-        svm.fit(X, y)
-        self.coef_ = svm.coef_[0].copy()
-        self.intercept_ = float(svm.intercept_[0])
-
-    def _margin(self, X: np.ndarray) -> np.ndarray:
-        return X @ self.coef_ + self.intercept_
+    def _linear_model(self) -> LinearSVC:
+        return LinearSVC(C=self.C, class_weight="balanced", random_state=self.random_state, max_iter=5_000)
 
 
 # -- where in an SVM-routed trace ------------------------------------------------------------
@@ -276,7 +286,7 @@ def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: 
     return np.stack(blocks, axis=-1)
 
 
-class CulpritScorer(_MarginClassifier):
+class CulpritScorer(_LinearClassifier):
     """Class-weighted logistic regression over `service_deviations` rows: is the service the culprit?
 
     Parameters
@@ -296,20 +306,12 @@ class CulpritScorer(_MarginClassifier):
     [1]
     """
 
-    _state_arrays = ("coef_", "intercept_")
-
     def __init__(self, C: float = 1.0, random_state: int | None = 0):
         self.C = C
         self.random_state = random_state
 
-    def _fit(self, X: np.ndarray, y: np.ndarray) -> None:
-        model = LogisticRegression(C=self.C, class_weight="balanced", random_state=self.random_state, max_iter=1_000)
-        model.fit(X, y)
-        self.coef_ = model.coef_[0].copy()
-        self.intercept_ = float(model.intercept_[0])
-
-    def _margin(self, X: np.ndarray) -> np.ndarray:
-        return X @ self.coef_ + self.intercept_
+    def _linear_model(self) -> LogisticRegression:
+        return LogisticRegression(C=self.C, class_weight="balanced", random_state=self.random_state, max_iter=1_000)
 
 
 # -- FIRM's window SVM -----------------------------------------------------------------------
