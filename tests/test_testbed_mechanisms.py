@@ -64,9 +64,11 @@ def test_saturation_cuts_the_quota_and_undo_restores_it(bed):
     time.sleep(0.3)
     normal = _cpu_rate(cgroup)
     apply_fault(testbed, state, "f1", "text-service", "saturation", {"capacity": 0.2}, time.time() + 30)
-    # capacity x twice what it has used per second (a hog under a 0.5-core limit: ~0.5)
+    # capacity x twice what it has used per second (a hog under a 0.5-core limit: ~0.5, a little
+    # over at times: the kernel's CFS accounting is not exact, 0.5055 seen; the same slack as the last check)
     cut_to = state.faults["f1"]["cut_cores"]
-    assert system.quota_cores(cgroup) == pytest.approx(cut_to, rel=1e-3) and 0.05 < cut_to <= 0.2 + 1e-6
+    assert system.quota_cores(cgroup) == pytest.approx(cut_to, rel=1e-3)
+    assert 0.05 < cut_to <= 0.2 * 2 * (DEFAULT_QUOTA_CORES + 0.03)
     throttled = system.throttled_s(cgroup)
     cut = _cpu_rate(cgroup)
     # the kernel throttled the hungry process: a bound that holds however loaded the machine is
