@@ -204,13 +204,16 @@ def _take_needed(tables: EpisodeTables, need: dict[str, int], job: EpisodeJob) -
 def _episodes(jobs, workers: int):
     """(job, tables) in episode order; with workers > 1, up to `workers` episodes run ahead.
 
-    Episodes still running when the caller stops are killed, not waited for."""
+    Episodes still running when the caller stops are waited for, not killed: terminating a pool
+    while a worker writes its (large) result leaves half a message in the results pipe, and the
+    pool's result thread then waits for the rest for good (a CI run hung so in `Pool.terminate`)."""
     if workers == 1:
         for job in jobs:
             yield job, run_episode(job)
         return
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:  # leaving it terminates workers
-        running: deque = deque()
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    running: deque = deque()
+    try:
         for job in jobs:
             running.append((job, pool.apply_async(run_episode, (job,))))
             if len(running) >= workers:
@@ -219,6 +222,11 @@ def _episodes(jobs, workers: int):
         while running:
             done_job, pending = running.popleft()
             yield done_job, pending.get()
+    finally:
+        for _, pending in running:
+            pending.wait()
+        pool.close()
+        pool.join()
 
 
 class _Writers:
