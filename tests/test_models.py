@@ -32,6 +32,7 @@ from bmeg.models.svm import (
     TraceSVM,
     TraceVectorizer,
     firm_features,
+    service_deviations,
 )
 from bmeg.traces import span_table
 from bmeg.training.metrics import (
@@ -418,6 +419,46 @@ def test_svm_path_names_a_queued_service_whose_own_time_is_unchanged():
     assert np.all(served.svm_service[:, served.services.index("c")] > 0.9)
     own_time_only = replace(detector, culprit=None).score(forest)  # a checkpoint saved before: own time
     assert not np.any(np.argmax(own_time_only.svm_service, axis=1) == own_time_only.services.index("c"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=12))
+def test_service_deviations_of_some_traces_are_those_rows_of_all(chosen):
+    """`Detector._culprit_scores` reads only the SVM-routed traces' nodes: the rows it gets are
+    the rows of the whole forest's deviations, in the order asked."""
+    rng = np.random.default_rng(len(chosen))
+    forest = assemble(span_table(_rpc_traces(len(chosen), rng, ("b", "queue"))))
+    x = FeatureEncoder().fit(assemble(span_table(_rpc_traces(50, rng)))).transform(forest)
+    codes, names = pd.factorize(forest.spans["service"].to_numpy(zero_copy_only=False))
+    kind = forest.spans["kind"].to_numpy(zero_copy_only=False)
+    z_self, z_wait = x[:, 0].astype(np.float64), x[:, 1].astype(np.float64)
+    everything = service_deviations(forest, codes, len(names), kind, z_self, z_wait)
+    traces = np.flatnonzero(chosen)[::-1]
+    some = service_deviations(forest, codes, len(names), kind, z_self, z_wait, traces)
+    assert some.shape == (len(traces), len(names), 3)
+    assert np.array_equal(some, everything[traces])
+
+
+def test_culprit_scores_of_svm_routed_traces_do_not_depend_on_the_gnn_routed_ones():
+    from dataclasses import replace
+
+    rng = np.random.default_rng(3)
+    merged = many_traces(6, slow=2)
+    for t, leaves in enumerate(([150], [120, 4000], [90])):  # fewer services: under the cut below
+        for key, values in star_trace(f"s{t}", leaves).items():
+            merged[key].extend(values)
+    spans = span_table(merged)
+    scorer = CulpritScorer().fit(rng.normal(size=(60, 3)) + np.r_[np.zeros(40), np.full(20, 3.0)][:, None],
+                                 np.r_[np.zeros(40), np.ones(20)].astype(int))
+    detector = replace(tiny_detector(), culprit=scorer, router=Router.everything())
+    everything = detector.score(assemble(spans))
+    routed = detector.score(assemble(spans), all_models=True)
+    assert np.array_equal(everything.svm_service, routed.svm_service)
+    partly = replace(detector, router=Router(3, 1 << 30)).score(assemble(spans))
+    assert partly.to_svm.sum() == 3
+    rows = partly.to_svm
+    assert np.array_equal(partly.svm_service[rows], everything.svm_service[rows])
+    assert np.isnan(partly.svm_service[~rows]).all()
 
 
 def test_detector_culprit_scorer_round_trips_and_older_checkpoints_load(tmp_path):

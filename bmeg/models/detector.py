@@ -198,19 +198,21 @@ class Detector:
             np.maximum.at(largest, (forest.trace_index, codes), z_self)
             own = largest[traces]
             return np.where(np.isfinite(own), 1.0 / (1.0 + np.exp(-(own - SVM_SERVICE_Z))), 0.0)
-        features = self.culprit_features(forest, x, codes, present.shape[1])[traces]
+        features = self.culprit_features(forest, x, codes, present.shape[1], traces)
         scores = np.zeros(features.shape[:2])
         mask = present[traces]
         if mask.any():
             scores[mask] = self.culprit.predict_proba(features[mask])[:, 1]
         return scores
 
-    def culprit_features(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int) -> np.ndarray:
-        """`CulpritScorer`'s input: [T, width, 3] (`service_deviations`) from the GNN's node features `x`."""
+    def culprit_features(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int,
+                         traces: np.ndarray | None = None) -> np.ndarray:
+        """`CulpritScorer`'s input: [len(traces), width, 3] (`service_deviations`; all traces by
+        default, else only `traces`' nodes are read) from the GNN's node features `x`."""
         column = self.encoder.names.index
         return service_deviations(forest, codes, width, forest.spans["kind"].to_numpy(zero_copy_only=False),
                                   x[:, column("z_log_self_time_us")].astype(np.float64),
-                                  x[:, column("z_log_wait_us")].astype(np.float64))
+                                  x[:, column("z_log_wait_us")].astype(np.float64), traces)
 
     def trace_vectors(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """The trace SVM's input: [T, vectorizer columns] from the GNN's node features `x`."""

@@ -259,10 +259,10 @@ class TraceSVM(_LinearClassifier):
 
 # -- where in an SVM-routed trace ------------------------------------------------------------
 def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: np.ndarray, z_self: np.ndarray,
-                       z_wait: np.ndarray) -> np.ndarray:
-    """float [T, width, 3]: per trace and service (node service codes `codes`), the largest
-    robust z-score of each of `CULPRIT_FEATURES` over the service's nodes (0, the baseline,
-    where it has none).
+                       z_wait: np.ndarray, traces: np.ndarray | None = None) -> np.ndarray:
+    """float [T, width, 3]: per trace (of `traces`, in that order; default all) and service (node
+    service codes `codes`), the largest robust z-score of each of `CULPRIT_FEATURES` over the
+    service's nodes (0, the baseline, where it has none). Only the nodes of `traces` are read.
 
     - own_time: self time of its nodes, except a client span with a server span below it: that
       span's self time is the call's gap, the callee's (below);
@@ -273,15 +273,19 @@ def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: 
     (Where a client span is named after its callee, as the testbed's stores and peers are by
     `node_services`, its gap was the callee's own time and is now its caller_gap.)
     """
-    parent = np.maximum(forest.parent, 0)
-    callee = (forest.parent >= 0) & (kind[parent] == "client") & (kind == "server")
-    gap_span = np.zeros(len(codes), dtype=bool)
+    traces = np.arange(forest.num_traces) if traces is None else np.asarray(traces, dtype=np.int64)
+    row_of = np.full(forest.num_traces, -1, dtype=np.int64)
+    row_of[traces] = np.arange(len(traces))
+    nodes = np.flatnonzero(row_of[forest.trace_index] >= 0)  # a parent is in its child's trace: in `nodes` too
+    row, parent = row_of[forest.trace_index[nodes]], forest.parent[nodes]
+    callee = (parent >= 0) & (kind[np.maximum(parent, 0)] == "client") & (kind[nodes] == "server")
+    gap_span = np.zeros(forest.num_spans, dtype=bool)
     gap_span[parent[callee]] = True
     blocks = []
-    for values, mask in ((z_self, ~gap_span), (z_wait, callee), (z_self[parent], callee)):
-        largest = np.full((forest.num_traces, width), -np.inf)
-        rows = np.flatnonzero(mask)
-        np.maximum.at(largest, (forest.trace_index[rows], codes[rows]), values[rows])
+    for values, mask in ((z_self[nodes], ~gap_span[nodes]), (z_wait[nodes], callee),
+                         (z_self[np.maximum(parent, 0)], callee)):
+        largest = np.full((len(traces), width), -np.inf)
+        np.maximum.at(largest, (row[mask], codes[nodes][mask]), values[mask])
         blocks.append(np.where(np.isfinite(largest), largest, 0.0))
     return np.stack(blocks, axis=-1)
 

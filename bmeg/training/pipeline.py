@@ -329,7 +329,7 @@ def _fit_culprit(detector: Detector, forest: SpanForest, x: np.ndarray, services
     truth = np.zeros_like(present)
     rows = np.flatnonzero(data.node_y == 1)
     truth[forest.trace_index[rows], codes[rows]] = True
-    features = detector.culprit_features(forest, x, codes, len(names))[traces]
+    features = detector.culprit_features(forest, x, codes, len(names), traces)
     mask = present[traces]
     return CulpritScorer(random_state=config.seed).fit(features[mask], truth[traces][mask].astype(np.int64))
 
