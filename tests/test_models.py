@@ -311,6 +311,29 @@ def test_trace_vectorizer_state_round_trips_and_reads_the_earlier_per_key_layout
     assert earlier.per_key_deviations and earlier.num_columns == 4
 
 
+def test_trace_vectorizer_services_deviations_without_times():
+    """`bmeg train`'s layout: no per-key times; the trace's largest deviations, then each
+    culprit feature's largest values over the trace's services (0 past its services)."""
+    vectorizer = TraceVectorizer(deviations=("z",), top=1, times=False, culprit_top=2).fit(
+        np.array(["a\x1fop", "b\x1fop"], dtype=object))
+    keys = np.array(["a\x1fop", "b\x1fop", "a\x1fop"], dtype=object)
+    services = np.array([[[1.0, 5.0, 0.5], [3.0, -1.0, 2.0]], [[0.2, 0.1, 7.0], [0.0, 0.0, 0.0]]])
+    rows = vectorizer.transform(np.array([0, 0, 1]), 2, keys, np.ones(3), np.array([[2.0], [6.0], [1.0]]), services)
+    assert rows.shape == (2, vectorizer.num_columns) == (2, 1 + 3 * 2)
+    assert rows[0].tolist() == pytest.approx([6.0, 3.0, 1.0, 5.0, -1.0, 2.0, 0.5])  # own time, queue, gap: largest first
+    assert rows[1].tolist() == pytest.approx([1.0, 0.2, 0.0, 0.1, 0.0, 7.0, 0.0])
+    one_service = vectorizer.transform(np.array([0]), 1, keys[:1], np.ones(1), np.array([[2.0]]), services[:1, :1])
+    assert one_service[0].tolist() == pytest.approx([2.0, 1.0, 0.0, 5.0, 0.0, 0.5, 0.0])  # padded with the baseline
+    with pytest.raises(ValueError, match="services' deviations"):
+        vectorizer.transform(np.array([0]), 1, keys[:1], np.ones(1), np.array([[2.0]]))
+    with pytest.raises(ValueError, match="culprit_top must be at least 0"):
+        TraceVectorizer(culprit_top=-1)
+    again = TraceVectorizer.from_state(vectorizer.to_state())
+    assert (again.times, again.culprit_top, again.num_columns) == (False, 2, 7)
+    before = {key: value for key, value in vectorizer.to_state().items() if key not in ("times", "culprit_top")}
+    assert (TraceVectorizer.from_state(before).times, TraceVectorizer.from_state(before).culprit_top) == (True, 0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4), st.floats(-50, 50)), max_size=40), st.integers(1, 4))
 def test_trace_vectorizer_largest_deviations_are_each_traces_sorted_top(nodes, top):
@@ -459,6 +482,22 @@ def test_culprit_scores_of_svm_routed_traces_do_not_depend_on_the_gnn_routed_one
     rows = partly.to_svm
     assert np.array_equal(partly.svm_service[rows], everything.svm_service[rows])
     assert np.isnan(partly.svm_service[~rows]).all()
+
+
+def test_trace_vectors_of_some_traces_are_those_rows_of_all():
+    from dataclasses import replace
+
+    from bmeg.graphs import node_services, operation_keys
+
+    base = tiny_detector()
+    vectorizer = TraceVectorizer(deviations=base.vectorizer.deviations, times=False, culprit_top=3)
+    detector = replace(base, vectorizer=vectorizer.fit(np.asarray(base.vectorizer.keys, dtype=object)))
+    forest = assemble(span_table(many_traces(7, slow=3)))
+    x = detector.encoder.transform(forest)
+    keys = operation_keys(forest, node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
+    everything = detector.trace_vectors(forest, x, keys)
+    assert everything.shape == (7, vectorizer.num_columns)
+    assert np.array_equal(detector.trace_vectors(forest, x, keys, np.array([5, 1, 3])), everything[[5, 1, 3]])
 
 
 def test_detector_culprit_scorer_round_trips_and_older_checkpoints_load(tmp_path):
