@@ -2,11 +2,12 @@
 traces of fault draws the models never saw, and what each model costs; everything in one run.
 
 Per case, one detector is trained as `bmeg train` trains it (`fit_detector`: thresholds chosen
-on validation traces, which share the training campaign's fault draws; the router's cuts on the
-faults of held-out services, by a probe detector fitted without them, judged by culprit F1 and
-trace F1, `bmeg.models.router.choose`), then judged on *fresh* traces:
-- synthetic (socialnet, hotelreservation, `single` scenario at imbalance 0.1): a second dataset
-  generated with another seed, so other faults on other services at other times;
+on validation traces, which share the training campaign's fault draws; the router's cuts, judged
+by culprit F1 and trace F1, `bmeg.models.router.choose`, on a synthetic dataset of other fault
+draws (seed 7, `pipeline.fresh_decision_data`), or on the testbed on the faults of held-out
+services by a probe detector fitted without them), then judged on *fresh* traces:
+- synthetic (`single` scenario at each imbalance of `--ratios`): a third dataset generated with
+  another seed (99), so other faults on other services at other times;
 - the testbed's labelled dataset (`--testbed DIR`, real faults on the running testbed): split by
   time, the earlier 60% of the campaign to train on and the later 40% as the fresh traces (later
   faults), each thinned to every k-th trace in time order to stay under `--testbed-traces`.
@@ -84,14 +85,19 @@ def main() -> None:
     os.environ.setdefault("BMEG_CACHE", os.path.join(tempfile.gettempdir(), "bmeg-bench-cache"))
     started = time.time()
 
-    cases: dict[str, tuple[Dataset, Dataset]] = {}
+    cases: dict[str, tuple[Dataset, Dataset, Dataset | None]] = {}
+    decision_seed = pipeline.TrainConfig().seed + pipeline.FRESH_SEED_OFFSET
     for app in [a for a in args.apps.split(",") if a]:
         for ratio in [float(r) for r in args.ratios.split(",") if r]:
+            # the router's decision draws as `bmeg train` makes them (`fresh_decision_data`), not the judged ones
             cases[f"{app} {ratio:g}"] = (load_dataset(app, args.traces, ratio, seed=0, progress=False),
-                                         load_dataset(app, args.fresh, ratio, seed=99, progress=False))
+                                         load_dataset(app, args.fresh, ratio, seed=99, progress=False),
+                                         load_dataset(app, pipeline.TrainConfig().router_fresh, ratio, seed=decision_seed,
+                                                      progress=False))
     if args.testbed is not None:
-        cases["testbed"] = split_by_time(read_dataset(args.testbed), TESTBED_TRAIN_SHARE, args.testbed_traces)
-    results: dict[str, object] = {name: run_case(name, train_set, fresh_set, args.epochs) for name, (train_set, fresh_set) in cases.items()}
+        cases["testbed"] = (*split_by_time(read_dataset(args.testbed), TESTBED_TRAIN_SHARE, args.testbed_traces), None)
+    results: dict[str, object] = {name: run_case(name, train_set, fresh_set, decision_set, args.epochs)
+                                  for name, (train_set, fresh_set, decision_set) in cases.items()}
     if args.devset is not None:
         results["devset"] = devset_check(args.devset)
     results["wall_s"] = time.time() - started
@@ -119,11 +125,13 @@ def _subset(dataset: Dataset, ids: np.ndarray) -> Dataset:
     return Dataset(dataset.path, take(dataset.spans), take(dataset.traces), take(dataset.nodes), dataset.cards)
 
 
-def run_case(name: str, train_set: Dataset, fresh_set: Dataset, epochs: int) -> dict:
+def run_case(name: str, train_set: Dataset, fresh_set: Dataset, decision_set: Dataset | None, epochs: int) -> dict:
     config = pipeline.TrainConfig(fit=pipeline.FitConfig(epochs=epochs, progress=False, device="cpu"))
     data = pipeline.label(train_set, config.seed)
+    decision = None if decision_set is None else pipeline.label(decision_set, config.seed)
     timer = _timed_gnn_fit()
-    detector, _, raw = pipeline.fit_detector(data, config, application=train_set.card["topology"]["name"])
+    detector, _, raw = pipeline.fit_detector(data, config, application=train_set.card["topology"]["name"],
+                                             fresh=decision)
     gnn_train_s = timer.total()
     svm_train_s = _svm_fit_seconds(detector, data, config)
 
