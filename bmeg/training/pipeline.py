@@ -324,7 +324,7 @@ def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: 
              if source not in covered and cut[source] < gnn[source] - tolerance}
     if not worse:
         return router, why
-    return Router(), (f"gnn: {why.removeprefix('svm: ')}; but on validation faults of sources the held-out faults "
+    return Router(), (f"gnn: {why.removeprefix('svm: ')}; but on validation faults of sources the decision faults "
                       f"lack it names culprits worse: {worse} (culprit recall)")
 
 
