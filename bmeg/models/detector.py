@@ -179,8 +179,9 @@ class Detector:
         service = np.full(present.shape, np.nan)
         if len(traces) == 0:
             return anomaly, service
+        needed = self.culprit is not None or self.vectorizer.culprit_top > 0
         deviations = (self.culprit_features(forest, x, codes, present.shape[1], traces)
-                      if "z_log_self_time_us" in self.encoder.names else None)
+                      if needed and "z_log_self_time_us" in self.encoder.names else None)
         vectors = self.trace_vectors(forest, x, keys, traces, deviations)
         anomaly[traces] = self.svm.predict_proba(vectors)[:, 1]
         service[traces] = self._culprit_scores(forest, x, codes, present, traces, deviations)
@@ -189,11 +190,11 @@ class Detector:
     def _culprit_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, present: np.ndarray,
                         traces: np.ndarray, features: np.ndarray | None) -> np.ndarray:
         """[len(traces), S] for SVM-routed traces: P(culprit) of each present service from its
-        deviations in own time, queue and its callers' gap (`features`, `culprit_features` of
-        `traces`; `CulpritScorer`; 0 where absent). A detector saved without one (before it
-        existed) scores own time only, as it did: its largest self-time z-score through a
-        logistic centred at `SVM_SERVICE_Z`."""
-        if features is None:  # thesis features: no baselines to compare with
+        deviations in own time, queue and its callers' gap (`features`: `culprit_features` of
+        `traces`, given when there is a `CulpritScorer`; 0 where absent). A detector saved
+        without one (before it existed) scores own time only, as it did: its largest self-time
+        z-score through a logistic centred at `SVM_SERVICE_Z`."""
+        if "z_log_self_time_us" not in self.encoder.names:  # thesis features: no baselines to compare with
             return np.full((len(traces), present.shape[1]), 0.5)
         z_self = x[:, self.encoder.names.index("z_log_self_time_us")].astype(np.float64)
         if self.culprit is None:
@@ -201,6 +202,7 @@ class Detector:
             np.maximum.at(largest, (forest.trace_index, codes), z_self)
             own = largest[traces]
             return np.where(np.isfinite(own), 1.0 / (1.0 + np.exp(-(own - SVM_SERVICE_Z))), 0.0)
+        assert features is not None  # computed in `_svm_scores` whenever there is a scorer
         scores = np.zeros(features.shape[:2])
         mask = present[traces]
         if mask.any():
