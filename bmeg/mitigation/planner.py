@@ -51,6 +51,8 @@ class ServiceTelemetry(BaseModel):
     memory_limit_mb: float | None = Field(None, gt=0, description="per replica")
     parameters: dict[str, float | str] = Field(default_factory=dict, description="current values of catalogued parameters")
     replica_p95_ms: list[float] | None = Field(None, description="p95 latency of each replica")
+    cpu_throttled: float | None = Field(None, ge=0, le=1, description="share of CFS periods in which the quota "
+                                        "ran out (container_cpu_cfs_throttled_periods_total / _periods_total)")
 
 
 @dataclass(frozen=True)
