@@ -16,6 +16,7 @@ from bmeg.mitigation.inflight import (
     THROTTLED_SHARE,
     InFlightRule,
     censored_latency_ms,
+    in_slow_traces,
     open_traces,
     saturation_diagnosis,
     stalled_beyond,
@@ -57,6 +58,14 @@ def test_open_traces_name_the_services_whose_spans_are_still_open() -> None:
     assert found.loc["open", "first_ns"] == 12 * MS and found.loc["open", "stalled"] == ("home-timeline",)
     assert found.loc["open2", "stalled"] == ("compose",)
     assert open_traces(empty_span_table()).empty
+
+
+def test_slow_finished_traces_name_their_services() -> None:
+    spans = span_table({"trace_id": ["a", "a", "b", "b"], "span_id": ["r", "c", "r", "c"], "parent_id": [None, "r", None, "r"],
+                        "service": ["nginx", "post-storage", "nginx", "compose"], "operation": ["op"] * 4,
+                        "start_ns": [0] * 4, "duration_ns": [900 * MS, 800 * MS, 5 * MS, 4 * MS]})
+    assert in_slow_traces(spans, slo_ms=30.0) == {"nginx", "post-storage"}
+    assert in_slow_traces(empty_span_table(), slo_ms=30.0) == set()
 
 
 def test_censored_latencies_are_lower_bounds_never_negative() -> None:

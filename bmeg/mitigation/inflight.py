@@ -20,7 +20,9 @@ that tell of the fault. What has arrived of a trace still open says something al
   service or below one in the call graph.
 - `saturation_diagnosis`: when the application's p95, counting the open traces at their
   lower bounds, is beyond its SLO, the services stalled in open traces that already exceed the
-  SLO, and every service below them in the normal call graph, are the suspects; of those, the
+  SLO and those in finished traces beyond it (`in_slow_traces`: once a mitigation has begun to
+  work, the slow traces finish in time to be read), and every service below them in the
+  normal call graph, are the suspects; of those, the
   ones whose CPU quota throttles them (the share of CFS periods in which the cgroup ran out of
   quota, `nr_throttled / nr_periods`, at least `THROTTLED_SHARE` and above its normal share)
   are blamed, scored by that excess (`InFlightRule` does this on a controller's window first,
@@ -88,20 +90,31 @@ def stalled_beyond(open_: pd.DataFrame, slo_ms: float) -> set[str]:
     return {service for stalled in open_.loc[late, "stalled"] for service in stalled}
 
 
+def in_slow_traces(spans: pa.Table, slo_ms: float) -> set[str]:
+    """The services with a span in a finished trace whose root took longer than the SLO."""
+    if spans.num_rows == 0:
+        return set()
+    frame = spans.select(["trace_id", "parent_id", "service", "duration_ns"]).to_pandas()
+    roots = frame[frame["parent_id"].fillna("") == ""]
+    slow = set(roots.loc[roots["duration_ns"] > slo_ms * 1e6, "trace_id"])
+    return set(frame.loc[frame["trace_id"].isin(slow), "service"])
+
+
 def throttled_share(periods: float, throttled: float) -> float:
     """The share of CFS periods in which the cgroup ran out of quota (0 when it never ran)."""
     return throttled / periods if periods > 0 else 0.0
 
 
-def saturation_diagnosis(application: str, app_p95_ms: float, slo_ms: float, stalled: Collection[str],
+def saturation_diagnosis(application: str, app_p95_ms: float, slo_ms: float, waited_in: Collection[str],
                          edges: set[tuple[str, str]], throttled: Mapping[str, float],
                          normal_throttled: Mapping[str, float], candidates: Collection[str]) -> Diagnosis | None:
-    """The throttled services at or below the stalled ones while the SLO is violated (see the
+    """The throttled services in or below `waited_in` (those the slow traces wait in) while the SLO
+    is violated (see the
     module); None when the SLO holds or no such service is found."""
-    if not app_p95_ms > slo_ms or not stalled:
+    if not app_p95_ms > slo_ms or not waited_in:
         return None
     below = descendants(edges)
-    suspects = set(stalled).union(*(below.get(s, set()) for s in stalled)) & set(candidates)
+    suspects = set(waited_in).union(*(below.get(s, set()) for s in waited_in)) & set(candidates)
     excess = {s: throttled.get(s, 0.0) - normal_throttled.get(s, 0.0) for s in suspects}
     causes = {s: e for s, e in excess.items() if throttled.get(s, 0.0) >= THROTTLED_SHARE and e > 0}
     if not causes:
@@ -130,8 +143,8 @@ class InFlightRule:
     def diagnose_window(self, window: Window, edges: set[tuple[str, str]]) -> Diagnosis:
         if window.open_traces is not None:
             throttled = {s: t.cpu_throttled for s, t in window.telemetry.items() if t.cpu_throttled is not None}
-            found = saturation_diagnosis(self.application, window.latencies.app_p95_ms, self.slo_ms,
-                                         stalled_beyond(window.open_traces, self.slo_ms), self.edges | edges,
+            slow = stalled_beyond(window.open_traces, self.slo_ms) | in_slow_traces(window.spans, self.slo_ms)
+            found = saturation_diagnosis(self.application, window.latencies.app_p95_ms, self.slo_ms, slow, self.edges | edges,
                                          throttled, self.normal_throttled, self.candidates)
             if found is not None:
                 return found
