@@ -43,12 +43,9 @@ import pyarrow as pa
 
 from bmeg.diagnosis import Diagnosis, ServiceScore
 from bmeg.mitigation.closed_loop import WindowRule
-from bmeg.mitigation.planner import descendants
+from bmeg.mitigation.planner import THROTTLED_SHARE, descendants
 from bmeg.mitigation.simulated import Window
 
-#: the share of CFS periods throttled at which a container counts as CPU-throttled: the
-#: threshold of kubernetes-mixin's CPUThrottlingHigh alert (25%), over its normal share
-THROTTLED_SHARE = 0.25
 MODEL_VERSION = "in-flight-saturation-rule"
 
 
