@@ -26,14 +26,22 @@ What acting means on the testbed (`TestbedExecutor`, the `Executor` protocol):
 - migrate: every thread of every instance re-pinned to the other CPU (away from a hog).
 
 Telemetry, as a cluster's metrics give it: replicas, the CPU quota, utilization (CPU seconds
-the instances' processes used over the window, over what their quotas allow), per-instance p95
+the instances' processes used over the window, over what their quotas allow), the share of CFS
+periods in which the quota ran out (the cgroups' `nr_throttled / nr_periods`), per-instance p95
 from the window's spans, and the current pool size.
 
-The spans of a trace reach the file up to ~6 s after it began (the services' OpenTelemetry
+The spans of a trace reach the file up to ~6 s after it ended (the services' OpenTelemetry
 SDK exports every 5 s, its default; then the Collector's batch and file flush): the window the
 controller diagnoses at time t holds the traces that began in [t - lag_s - history_s, t - lag_s)
 (two windows: one was too noisy on the shared machine), and an action is verified once a whole
-history of traces that began after it has arrived.
+history of traces that began after it has arrived. A trace that a fault stalls for seconds
+arrives later still, so the window also holds the traces begun in it that are still open
+(`bmeg.mitigation.inflight`): their latency counts in the application's p95 at its lower bound
+(every span that ended before t - lag_s has arrived, their roots have not), and the rule that
+blames from them and the throttling goes before the rule on the finished traces. At
+verification the window before the action is measured again, as known then (its slow traces
+have arrived since), so a right action is not rolled back for having been judged against a
+before-window that looked fast because its slow traces had not come in.
 
 The report, per arm, from the root spans of all traces (end-to-end latency as nginx-web-server
 served it), after the last arm's spans arrived: p95/p99 in the normal phase, over the whole
