@@ -209,6 +209,33 @@ def test_controller_rolls_back_an_action_that_did_not_help() -> None:
     assert [r.kind for r in audit.records()] == ["decision", "action", "verification", "rollback"]
 
 
+def _two_services() -> tuple[FakeExecutor, Diagnosis, dict[str, ServiceTelemetry]]:
+    executor = FakeExecutor()
+    executor.replicas["b"] = 2
+    diagnosis = Diagnosis(model_version="t", application="socialnet",
+                          traces=[_trace(i, s, 3.0) for s in ("a", "b") for i in range(20)])
+    return executor, diagnosis, {s: ServiceTelemetry(cpu_utilization=0.9, replicas=2) for s in ("a", "b")}
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_one_change_at_a_time_waits_for_the_verification(serial: bool) -> None:
+    executor, diagnosis, telemetry = _two_services()
+    policy = SafetyPolicy(dry_run=False, verify_after_s=30, cooldown_s=0, confidence_threshold=0.1, one_change_at_a_time=serial)
+    controller = Controller(executor, CATALOGUE, policy, AuditLog())
+    first = controller.handle(diagnosis, now=0, latencies=Latencies(100, {"a": 60, "b": 60}), telemetry=telemetry)
+    # the first action is taken as without the rule; with it, the second waits
+    assert first[0].status == "applied"
+    assert [o.status for o in first[1:]] == (["refused"] if serial else ["applied"])
+    if serial:
+        assert first[1].detail.startswith("one change at a time")
+        later = controller.handle(diagnosis, now=10, latencies=Latencies(100, {"a": 60, "b": 60}), telemetry=telemetry)
+        assert all(o.status == "refused" for o in later)  # still within the first one's verification
+        controller.verify(30, Latencies(50, {"a": 20, "b": 60}))  # kept: nothing pending now
+        [after] = controller.handle(_diagnosis("b", SLOW), now=31, latencies=Latencies(50, {"a": 20, "b": 60}),
+                                    telemetry=telemetry)
+        assert (after.decision.service, after.status) == ("b", "applied")
+
+
 def test_dry_run_changes_nothing() -> None:
     executor, audit = FakeExecutor(), AuditLog()
     controller = Controller(executor, CATALOGUE, SafetyPolicy(confidence_threshold=0.1), audit)

@@ -11,6 +11,7 @@ from hypothesis import given, settings as hsettings
 from hypothesis import strategies as st
 
 from bmeg.cli import main
+from bmeg.faultinject.testbed.faults import hog_quota
 from bmeg.mitigation.safety import SafetyPolicy
 from bmeg.mitigation.testbed import (
     ArmRun,
@@ -43,6 +44,15 @@ def test_policy_waits_for_a_window_of_traces_begun_after_the_action():
     assert not policy.dry_run
     assert policy.verify_after_s == pytest.approx(14.5)
     assert policy.cooldown_s > policy.verify_after_s
+    assert policy.one_change_at_a_time  # no new action while one is being verified
+
+
+def test_a_hog_in_the_targets_cgroup_adds_its_core_to_the_quota():
+    assert hog_quota(0.5) == pytest.approx(1.5)
+    assert hog_quota(None) is None  # no limit stays no limit
+    assert SCENARIOS["interference"].parameters.get("shared_cgroup") == 1.0
+    # a pool of 1 where requests hold the worker across downstream calls (see SCENARIOS)
+    assert SCENARIOS["misconfiguration"].service == "home-timeline-service"
 
 
 def test_unknown_scenario_names_the_known_ones():

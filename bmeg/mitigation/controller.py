@@ -72,6 +72,9 @@ class Controller:
             refusal = "not a service of the application's topology: bmeg acts only on those"
         if refusal is None and decision.service in {p.applied.service for p in self.pending}:
             refusal = "an earlier action on it is still being verified"
+        if refusal is None and self.policy.one_change_at_a_time and self.pending:
+            first = self.pending[0].applied
+            refusal = f"one change at a time: the {first.action} of {first.service} is still being verified"
         if refusal is None and (decision.service, decision.action) in self.rolled_back:
             refusal = f"a {decision.action} on it was rolled back before: not repeating it"
         if refusal is not None:

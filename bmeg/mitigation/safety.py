@@ -1,6 +1,11 @@
 """The controller's safety rules: dry run by default, a confidence threshold, per-service
 cooldown, an hourly action budget, limits on replicas and resources, and verification of
 every action (did the service's and the application's p95 improve?) with rollback when not.
+With `one_change_at_a_time`, no action while another one awaits its verification: the
+application's p95 that verification reads moves with every change, so two changes in one
+verification window confound each other's verdicts, and a fix's effect takes a while to show
+(a drained backlog first slows the services after the fixed one, which a rule on the live
+traces would then blame).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class SafetyPolicy(BaseModel):
     max_memory_mb: float = Field(16384, gt=0)
     verify_after_s: float = Field(60, ge=0)
     min_improvement: float = Field(0.05, ge=0, lt=1)
+    one_change_at_a_time: bool = False
 
     @model_validator(mode="after")
     def _replica_range(self) -> SafetyPolicy:

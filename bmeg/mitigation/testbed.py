@@ -118,8 +118,8 @@ class TestbedFault:
     parameters: dict[str, float]
 
 
-#: the shipped closed-loop scenarios: post-storage-service is on every read path (60% home
-#: timelines, 30% user timelines), so its trouble shows in the end-to-end tail
+#: the shipped closed-loop scenarios, on services of the read paths (60% home timelines, 30% user
+#: timelines; post-storage-service is on both), so that their trouble shows in the end-to-end tail
 SCENARIOS: dict[str, TestbedFault] = {
     # its CPU quota cut to 1.2 x the CPU it has used (capacity 0.6 x twice its demand;
     # faults.saturation_quota): throttled on every burst. Cut to 0.025 of a core (the 0.5-core
@@ -127,13 +127,18 @@ SCENARIOS: dict[str, TestbedFault] = {
     # controller saw no fault under a load average of 7; to 0.8 x a backlog of seconds grew, and
     # traces that slow reach the controller too late (it acted 32 s in)
     "saturation": TestbedFault("post-storage-service", "saturation", {"capacity": 0.6}),
-    # a stress-ng hog on its CPU with 19x its cgroup's shares: it keeps ~1/20 of the CPU it wants
-    # (9x barely showed above other users' load: measured, README)
-    "interference": TestbedFault("post-storage-service", "interference", {"factor": 20.0}),
-    # a worker pool and store pool of 1 (and, by the fault's mechanism, its post cache cut to 4
-    # items): a thread-pool misconfiguration; a pool of 1 on home-timeline-service did not show
-    # above the machine's noise at 50 req/s
-    "misconfiguration": TestbedFault("post-storage-service", "misconfiguration", {"pool_size": 1}),
+    # a stress-ng hog with 19x the target's weight on its CPU, inside the target's cgroup (a job
+    # in the same pod, the pod's quota grown by the hog's core): the target keeps ~1/20 of the CPU
+    # it wants. As a sibling cgroup (the dataset's hog) it slowed every service pinned to that
+    # CPU, half the application, the target not the most, and a migration of the target could
+    # not take it away (session 7, README)
+    "interference": TestbedFault("post-storage-service", "interference", {"factor": 20.0, "shared_cgroup": 1.0}),
+    # a worker pool of 1 on home-timeline-service (its store pool too), which holds the worker
+    # across its calls to social-graph-service and post-storage-service for 60% of the requests
+    # (4.4 ms mean, 14 ms p95 in the testbed dataset: ~13% busy at 30 req/s, a queue on every
+    # burst): a thread-pool misconfiguration. On post-storage-service (~0.2-ms requests, no
+    # downstream call) a pool of 1 was rarely busy and did not show (session 7, README)
+    "misconfiguration": TestbedFault("home-timeline-service", "misconfiguration", {"pool_size": 1}),
 }
 
 
@@ -454,6 +459,10 @@ class TestbedLoopSettings:
     hpa_tolerance: float = 0.1
     arms: tuple[str, ...] = ARMS
     seed: int = 0
+    #: no action while another awaits verification (`SafetyPolicy.one_change_at_a_time`): once
+    #: a saturated service's quota was raised, its drained backlog slowed the services after it,
+    #: and the finished-trace rule migrated three of them in the verification window (session 8)
+    one_change_at_a_time: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.arms) - set(ARMS)
@@ -473,7 +482,8 @@ class TestbedLoopSettings:
         cools down) once a whole history of traces that began after it has arrived."""
         settle = self.lag_s + self.history_s
         return base.model_copy(update={"dry_run": False, "verify_after_s": settle, "cooldown_s": settle + self.window_s,
-                                       "actions_per_hour": max(base.actions_per_hour, 120)})
+                                       "actions_per_hour": max(base.actions_per_hour, 120),
+                                       "one_change_at_a_time": self.one_change_at_a_time})
 
 
 @dataclass

@@ -3,8 +3,11 @@
 | source            | mechanism                                                                 | undo                       |
 |-------------------|---------------------------------------------------------------------------|----------------------------|
 | interference      | a `stress-ng --cpu 1` hog pinned to the target's CPU, in a cgroup whose   | kill the hog, remove its   |
-|                   | `cpu.shares` is (factor - 1) x the service's: the target keeps ~1/factor  | cgroup                     |
-|                   | of its CPU while both want it (its CPU neighbours lose as much)           |                            |
+|                   | `cpu.shares` is (factor - 1) x the service's: the target keeps ~1/factor  | cgroup (and the quota      |
+|                   | of its CPU while both want it (its CPU neighbours lose as much); with     | restored)                  |
+|                   | `shared_cgroup` 1 the hog's cgroup is a child of the target's (a job in   |                            |
+|                   | the same pod), whose quota grows by the hog's core: the target alone      |                            |
+|                   | keeps ~1/factor, its CPU neighbours compete with one cgroup as before     |                            |
 | saturation        | the target's `cpu.cfs_quota_us` cut to `capacity` x twice the CPU it has  | quota and period restored  |
 |                   | used per second since it started (its demand): 1 leaves the headroom a   |                            |
 |                   | limit needs for bursts, 0.5 its average use, below it cannot keep up;    |                            |
@@ -133,10 +136,19 @@ def undo_all(testbed, state: TestbedState) -> list[str]:
 def _interference(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:
     factor = float(parameters.get("factor", 3.0))
     cpu = record.cpu if record.cpu is not None else service_cpu(undo["service"])
-    cgroup = testbed.cgroup(f"hog-{fault_id}")
+    # CFS weighs sibling cgroups: a hog beside the services' cgroups slows every service pinned to
+    # its CPU as much as the target (half the testbed's services); one inside the target's cgroup
+    # competes with the target's threads alone, the cgroup keeping one share on the CPU
+    shared = bool(parameters.get("shared_cgroup", 0.0))
+    target = Path(record.cgroup or testbed.cgroup(undo["service"]))
+    cgroup = target / f"hog-{fault_id}" if shared else testbed.cgroup(f"hog-{fault_id}")
     undo["cgroup"] = str(cgroup)
+    if shared:
+        undo["target_cgroup"], undo["quota_cores"] = str(target), system.quota_cores(target)
     state.save()
     system.make_cgroup(cgroup, None, CFS_PERIOD_US)
+    if shared:  # the hog's core on top of the target's own limit: the hog does not throttle it
+        system.set_quota(target, hog_quota(undo["quota_cores"]))
     (cgroup / "cpu.shares").write_text(str(max(2, int(SERVICE_SHARES * (factor - 1)))))
     seconds = max(1, int(until_s - time.time() + SAFETY_MARGIN_S))
     hog = spawn(f"hog:{fault_id}", "hog", ["stress-ng", "--cpu", "1", "--cpu-method", "int64", "--taskset", str(cpu),
@@ -150,6 +162,14 @@ def _undo_interference(testbed, state, fault_id, undo) -> None:
         system.stop(ProcessRecord(**undo["hog"]), timeout_s=2)
     if "cgroup" in undo:
         system.remove_cgroup_tree(Path(undo["cgroup"]))
+    target = Path(undo.get("target_cgroup", ""))
+    if "quota_cores" in undo and target.is_dir():
+        system.set_quota(target, undo["quota_cores"])
+
+
+def hog_quota(quota_cores: float | None) -> float | None:
+    """The quota of a cgroup that a one-core hog joins: its own plus the hog's core (None: unlimited)."""
+    return None if quota_cores is None else quota_cores + 1.0
 
 
 # --- saturation: the CPU quota cut -------------------------------------------------------
