@@ -138,3 +138,25 @@ def test_rule_on_a_real_machine_scores_excess_among_candidates():
     assert "compose-post-service" not in ranking
     plain = {s.service: s for s in SlowestLeafDetector("socialnet", baseline).diagnose_window(window, set()).ranking}
     assert plain["home-timeline-redis"].score == 1.0 and plain["post-storage-service"].score < 1.0
+
+
+def test_a_store_that_cannot_be_acted_on_does_not_explain_its_caller_away():
+    """A service short of CPU stretches its store calls (its client spans, the store's node) as
+    much as its own time: with candidates, the service is blamed; without, the store."""
+    import pandas as pd
+
+    from bmeg.mitigation.closed_loop import SlowestLeafDetector
+    from bmeg.mitigation.safety import Latencies
+    from bmeg.mitigation.simulated import Window
+
+    rows = [(t, "post-storage-memcached", 30_000.0) for t in range(40)] + [(t, "post-storage-service", 20_000.0) for t in range(40)]
+    latency = pd.DataFrame(rows, columns=["trace", "service", "us"])
+    window = Window(0.0, 8.0, pa.table({}), np.zeros(0), np.zeros(0, dtype=bool), Latencies(0.0, {}), {}, latency)
+    baseline = {"post-storage-memcached": 500.0, "post-storage-service": 1_000.0}
+    edges = {("post-storage-service", "post-storage-memcached")}
+    rule = SlowestLeafDetector("socialnet", baseline, min_excess_us=5000.0, by_excess=True, min_samples=30,
+                               candidates=frozenset({"post-storage-service"}))
+    ranking = {s.service: s for s in rule.diagnose_window(window, edges).ranking}
+    assert ranking["post-storage-service"].bottleneck and ranking["post-storage-service"].score == 1.0
+    plain = {s.service: s for s in SlowestLeafDetector("socialnet", baseline).diagnose_window(window, edges).ranking}
+    assert plain["post-storage-memcached"].bottleneck and not plain["post-storage-service"].bottleneck

@@ -66,7 +66,8 @@ class SlowestLeafDetector:
     normal, in µs) rather than the log of their slowdown, and a service seen in fewer than
     `min_samples` traces of the window (whose p95 is the largest of a handful) is left out.
     `candidates`, when given, are the only services that can be causes (the ones a controller
-    can act on): a slower store elsewhere then does not shrink their scores."""
+    can act on): a slower store elsewhere then does not shrink their scores, and a slow callee
+    that is not a candidate (a store) does not take the blame from its caller."""
 
     application: str
     baseline_p95_us: dict[str, float]
@@ -87,7 +88,12 @@ class SlowestLeafDetector:
         below = descendants(edges)
         # back-pressure amplifies: a caller's queue can grow far beyond its slow callee's
         # latency, so a callee explains a caller once its slowdown is of the same order
-        causes = {s for s in slow if not any(ratio[d] >= self.explains * ratio[s] for d in below.get(s, set()) & slow)}
+        # with `candidates`, only a callee that can be a cause explains its caller away: a store's
+        # node is its caller's client spans (`post-storage-memcached`), which a caller short of
+        # CPU stretches as much as its own time (a noisy neighbour on post-storage-service made
+        # its store calls 60x slower, and the rule then blamed nobody it could act on)
+        explainers = slow if self.candidates is None else slow & self.candidates
+        causes = {s for s in slow if not any(ratio[d] >= self.explains * ratio[s] for d in below.get(s, set()) & explainers)}
         if self.candidates is not None:
             causes &= self.candidates
         weight = {s: (p95[s] - self.baseline_p95_us[s]) if self.by_excess else math.log(ratio[s]) for s in causes}
