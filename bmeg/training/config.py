@@ -50,6 +50,7 @@ class TrainConfig:
     svm_max_paths: int | None = None
     router_holdout: float = 0.34  # share of faulted services held out for the router's decision; 0: none
     router_tolerance: float = 0.01  # culprit F1 (and trace F1) the router may give up for a cheaper model
+    pretrained: str | None = None  # a run directory whose GNN weights both stages start from
     fit: FitConfig = field(default_factory=FitConfig)
 
 
