@@ -48,6 +48,11 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
+    if pretrained is not None:  # refuse a run on other features before the data are made
+        from bmeg.models.features import FeatureEncoder
+        from bmeg.training.pipeline import pretrained_stages
+
+        pretrained_stages(pretrained, FeatureEncoder(features))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fitting, healthy = split_by_time(read_spans(normal_traces, format=input_format), held_back)
