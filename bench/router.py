@@ -2,19 +2,22 @@
 traces of fault draws the models never saw, and what each model costs; everything in one run.
 
 Per case, one detector is trained as `bmeg train` trains it (`fit_detector`: thresholds chosen
-on validation traces, which share the training campaign's fault draws; the router's cuts on the
-faults of held-out services, by a probe detector fitted without them, judged by culprit F1 and
-trace F1, `bmeg.models.router.choose`), then judged on *fresh* traces:
-- synthetic (socialnet, hotelreservation, `single` scenario at imbalance 0.1): a second dataset
-  generated with another seed, so other faults on other services at other times;
+on validation traces, which share the training campaign's fault draws; the router's cuts, judged
+by culprit F1 and trace F1, `bmeg.models.router.choose`, on a synthetic dataset of other fault
+draws (seed 7, `pipeline.fresh_decision_data`), or on the testbed on the faults of held-out
+services by a probe detector fitted without them), then judged on *fresh* traces:
+- synthetic (`single` scenario at each imbalance of `--ratios`): a third dataset generated with
+  another seed (99), so other faults on other services at other times;
 - the testbed's labelled dataset (`--testbed DIR`, real faults on the running testbed): split by
   time, the earlier 60% of the campaign to train on and the later 40% as the fresh traces (later
   faults), each thinned to every k-th trace in time order to stay under `--testbed-traces`.
 
 Rows per case: `gnn` (the GNN stages on every trace), `svm` (the trace SVM on every trace, its
-services ranked by the `CulpritScorer`: own time, queue and callers' gap against the baselines), `svm-per-key` (the trace SVM as it was
-before: each baseline deviation's largest per (service, operation) key instead of the trace's
-largest, `TraceVectorizer(per_key_deviations=True)`; trained, thresholded and ranked as `svm`), `routed` (the router that `choose` picked),
+services ranked by the `CulpritScorer`: own time, queue and callers' gap against the baselines), `svm-times` (the trace SVM's input as it was
+until session 8: the per-key log self times and the trace's largest deviations, no services'
+deviations, `TraceVectorizer()`), `svm-per-key` (as it was before that: each baseline
+deviation's largest per (service, operation) key instead of the trace's largest,
+`TraceVectorizer(per_key_deviations=True)`; both trained, thresholded and ranked as `svm`), `routed` (the router that `choose` picked),
 `cheapest-tie` (the router the earlier rule picked: the cheapest cut within the tolerance of
 the best validation quality, even when the GNN alone ties it), and `self-time` (no model: a
 trace is flagged when some service's SVM-path culprit score (`CulpritScorer`; before it, its own
@@ -26,7 +29,8 @@ and of the chosen cut on its decision traces, and its reason in words) is printe
 Cost, per case, measured in this run on the same machine: training CPU time of the two GNN
 stages (their `fit` calls) against the trace SVM's `fit` on the same training traces; inference
 CPU time per trace of `Detector.diagnosis_document` on up to 1,000 fresh traces under each
-router (`bmeg.training.evaluate.measure_cost`, best of 5); model size (parameters and learned
+router (`bmeg.training.evaluate.measure_cost`, best of 5), printed as µs per trace and traces/s
+per CPU second, with the SVM's and the routed detector's ratio to the GNN alone's; model size (parameters and learned
 arrays, bytes).
 
 `--devset DIR` (a Nezha-layout real dataset: `fault/`, `normal/*.csv.gz`, `fault_list.json`) adds
@@ -81,14 +85,19 @@ def main() -> None:
     os.environ.setdefault("BMEG_CACHE", os.path.join(tempfile.gettempdir(), "bmeg-bench-cache"))
     started = time.time()
 
-    cases: dict[str, tuple[Dataset, Dataset]] = {}
+    cases: dict[str, tuple[Dataset, Dataset, Dataset | None]] = {}
+    decision_seed = pipeline.TrainConfig().seed + pipeline.FRESH_SEED_OFFSET
     for app in [a for a in args.apps.split(",") if a]:
         for ratio in [float(r) for r in args.ratios.split(",") if r]:
+            # the router's decision draws as `bmeg train` makes them (`fresh_decision_data`), not the judged ones
             cases[f"{app} {ratio:g}"] = (load_dataset(app, args.traces, ratio, seed=0, progress=False),
-                                         load_dataset(app, args.fresh, ratio, seed=99, progress=False))
+                                         load_dataset(app, args.fresh, ratio, seed=99, progress=False),
+                                         load_dataset(app, pipeline.TrainConfig().router_fresh, ratio, seed=decision_seed,
+                                                      progress=False))
     if args.testbed is not None:
-        cases["testbed"] = split_by_time(read_dataset(args.testbed), TESTBED_TRAIN_SHARE, args.testbed_traces)
-    results: dict[str, object] = {name: run_case(name, train_set, fresh_set, args.epochs) for name, (train_set, fresh_set) in cases.items()}
+        cases["testbed"] = (*split_by_time(read_dataset(args.testbed), TESTBED_TRAIN_SHARE, args.testbed_traces), None)
+    results: dict[str, object] = {name: run_case(name, train_set, fresh_set, decision_set, args.epochs)
+                                  for name, (train_set, fresh_set, decision_set) in cases.items()}
     if args.devset is not None:
         results["devset"] = devset_check(args.devset)
     results["wall_s"] = time.time() - started
@@ -116,11 +125,13 @@ def _subset(dataset: Dataset, ids: np.ndarray) -> Dataset:
     return Dataset(dataset.path, take(dataset.spans), take(dataset.traces), take(dataset.nodes), dataset.cards)
 
 
-def run_case(name: str, train_set: Dataset, fresh_set: Dataset, epochs: int) -> dict:
+def run_case(name: str, train_set: Dataset, fresh_set: Dataset, decision_set: Dataset | None, epochs: int) -> dict:
     config = pipeline.TrainConfig(fit=pipeline.FitConfig(epochs=epochs, progress=False, device="cpu"))
     data = pipeline.label(train_set, config.seed)
+    decision = None if decision_set is None else pipeline.label(decision_set, config.seed)
     timer = _timed_gnn_fit()
-    detector, _, raw = pipeline.fit_detector(data, config, application=train_set.card["topology"]["name"])
+    detector, _, raw = pipeline.fit_detector(data, config, application=train_set.card["topology"]["name"],
+                                             fresh=decision)
     gnn_train_s = timer.total()
     svm_train_s = _svm_fit_seconds(detector, data, config)
 
@@ -142,10 +153,14 @@ def run_case(name: str, train_set: Dataset, fresh_set: Dataset, epochs: int) -> 
         rows[model]["router"] = router.to_state()
     score = _self_time_score(fresh_raw)
     rows["self-time"] = _figures(fresh.y, score >= self_time_threshold, fresh_raw.svm_service, fresh_raw, truth)
-    rows["svm-per-key"] = _per_key_svm_figures(detector, data, fresh, fresh_raw, truth, config)
+    deviations = detector.vectorizer.deviations
+    for model, vectorizer in (("svm-times", TraceVectorizer(deviations=deviations)),
+                              ("svm-per-key", TraceVectorizer(deviations=deviations, per_key_deviations=True))):
+        rows[model] = _earlier_svm_figures(detector, vectorizer, data, fresh, fresh_raw, truth, config)
     costs = measure_cost(detector, fresh.forest, fresh.test, {m: routers[m] for m in ("gnn", "svm", "routed")})
     for model, seconds in costs.items():
         rows[model]["us_per_trace"] = seconds * 1e6
+        rows[model]["traces_per_s"] = 1.0 / seconds
     result = {
         "train_traces": int(data.forest.num_traces), "fresh_traces": int(fresh.forest.num_traces),
         "fresh_bottlenecked": int(fresh.y.sum()), "validation_bottlenecked": int(data.y[data.val].sum()),
@@ -197,11 +212,10 @@ def _trace_vectors(detector: Detector, forest) -> np.ndarray:
     return detector.trace_vectors(forest, detector.encoder.transform(forest), keys)
 
 
-def _per_key_svm_figures(detector: Detector, data: Labelled, fresh: Labelled, fresh_raw: Scores, truth: np.ndarray,
-                         config: pipeline.TrainConfig) -> dict:
-    """The trace SVM as it was before (each deviation's largest per key, not the trace's largest),
-    trained, thresholded on validation and judged exactly as the `svm` row; same service ranking."""
-    vectorizer = TraceVectorizer(deviations=detector.vectorizer.deviations, per_key_deviations=True)
+def _earlier_svm_figures(detector: Detector, vectorizer: TraceVectorizer, data: Labelled, fresh: Labelled,
+                         fresh_raw: Scores, truth: np.ndarray, config: pipeline.TrainConfig) -> dict:
+    """The trace SVM on an earlier input layout (`vectorizer`, not yet fitted), trained,
+    thresholded on validation and judged exactly as the `svm` row; same service ranking."""
     earlier = replace(detector, vectorizer=vectorizer.fit(np.asarray(detector.vectorizer.keys, dtype=object)))
     vectors = _trace_vectors(earlier, data.forest)
     svm = TraceSVM(C=config.svm_C, random_state=config.seed).fit(vectors[data.train], data.y[data.train])
@@ -268,15 +282,19 @@ def _print_case(name: str, result: dict) -> None:
         print(f"router: GNN alone culprit F1 {choice['gnn_only']['quality']:.3f} (trace F1 {choice['gnn_only']['f1']:.3f}), "
               f"chosen {choice['chosen']['max_services']}/{choice['chosen']['max_paths']} culprit F1 "
               f"{choice['chosen']['quality']:.3f}: {choice.get('why', '')}")
-    print(f"{'model':<13} {'acc':>6} {'BP':>6} {'BR':>6} {'NBR':>6} {'AC@1':>6} {'AC@3':>6} {'to SVM':>7} {'us/trace':>9}")
+    print(f"{'model':<13} {'acc':>6} {'BP':>6} {'BR':>6} {'NBR':>6} {'AC@1':>6} {'AC@3':>6} {'to SVM':>7} {'us/trace':>9} "
+          f"{'traces/s':>9}")
     for model, row in result["rows"].items():
-        cost = f"{row['us_per_trace']:9.0f}" if "us_per_trace" in row else f"{'-':>9}"
+        cost = (f"{row['us_per_trace']:9.0f} {row['traces_per_s']:9.0f}" if "us_per_trace" in row
+                else f"{'-':>9} {'-':>9}")
         print(f"{model:<13} {row['accuracy']:6.3f} {row['bp']:6.3f} {row['br']:6.3f} {row['nbr']:6.3f} {row['ac1']:6.3f} "
               f"{row['ac3']:6.3f} {row.get('share_to_svm', 0.0):7.2f} {cost}")
     train, size, rows = result["train_cpu_s"], result["model_bytes"], result["rows"]
     print(f"cost: training CPU s GNN {train['gnn']:.1f} / SVM {train['svm']:.2f} ({train['gnn'] / max(train['svm'], 1e-9):,.0f}x); "
           f"inference us/trace GNN {rows['gnn']['us_per_trace']:.0f} / SVM {rows['svm']['us_per_trace']:.0f} "
-          f"({rows['gnn']['us_per_trace'] / rows['svm']['us_per_trace']:.2f}x); "
+          f"({rows['gnn']['us_per_trace'] / rows['svm']['us_per_trace']:.2f}x); traces/s against the GNN alone: "
+          f"SVM {rows['svm']['traces_per_s'] / rows['gnn']['traces_per_s']:.2f}x, routed "
+          f"{rows['routed']['traces_per_s'] / rows['gnn']['traces_per_s']:.2f}x; "
           f"model bytes GNN {size['gnn']:,} / SVM {size['svm']:,} ({size['gnn'] / max(size['svm'], 1):,.0f}x)")
 
 

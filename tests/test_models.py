@@ -32,6 +32,7 @@ from bmeg.models.svm import (
     TraceSVM,
     TraceVectorizer,
     firm_features,
+    service_deviations,
 )
 from bmeg.traces import span_table
 from bmeg.training.metrics import (
@@ -310,6 +311,29 @@ def test_trace_vectorizer_state_round_trips_and_reads_the_earlier_per_key_layout
     assert earlier.per_key_deviations and earlier.num_columns == 4
 
 
+def test_trace_vectorizer_services_deviations_without_times():
+    """`bmeg train`'s layout: no per-key times; the trace's largest deviations, then each
+    culprit feature's largest values over the trace's services (0 past its services)."""
+    vectorizer = TraceVectorizer(deviations=("z",), top=1, times=False, culprit_top=2).fit(
+        np.array(["a\x1fop", "b\x1fop"], dtype=object))
+    keys = np.array(["a\x1fop", "b\x1fop", "a\x1fop"], dtype=object)
+    services = np.array([[[1.0, 5.0, 0.5], [3.0, -1.0, 2.0]], [[0.2, 0.1, 7.0], [0.0, 0.0, 0.0]]])
+    rows = vectorizer.transform(np.array([0, 0, 1]), 2, keys, np.ones(3), np.array([[2.0], [6.0], [1.0]]), services)
+    assert rows.shape == (2, vectorizer.num_columns) == (2, 1 + 3 * 2)
+    assert rows[0].tolist() == pytest.approx([6.0, 3.0, 1.0, 5.0, -1.0, 2.0, 0.5])  # own time, queue, gap: largest first
+    assert rows[1].tolist() == pytest.approx([1.0, 0.2, 0.0, 0.1, 0.0, 7.0, 0.0])
+    one_service = vectorizer.transform(np.array([0]), 1, keys[:1], np.ones(1), np.array([[2.0]]), services[:1, :1])
+    assert one_service[0].tolist() == pytest.approx([2.0, 1.0, 0.0, 5.0, 0.0, 0.5, 0.0])  # padded with the baseline
+    with pytest.raises(ValueError, match="services' deviations"):
+        vectorizer.transform(np.array([0]), 1, keys[:1], np.ones(1), np.array([[2.0]]))
+    with pytest.raises(ValueError, match="culprit_top must be at least 0"):
+        TraceVectorizer(culprit_top=-1)
+    again = TraceVectorizer.from_state(vectorizer.to_state())
+    assert (again.times, again.culprit_top, again.num_columns) == (False, 2, 7)
+    before = {key: value for key, value in vectorizer.to_state().items() if key not in ("times", "culprit_top")}
+    assert (TraceVectorizer.from_state(before).times, TraceVectorizer.from_state(before).culprit_top) == (True, 0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4), st.floats(-50, 50)), max_size=40), st.integers(1, 4))
 def test_trace_vectorizer_largest_deviations_are_each_traces_sorted_top(nodes, top):
@@ -418,6 +442,62 @@ def test_svm_path_names_a_queued_service_whose_own_time_is_unchanged():
     assert np.all(served.svm_service[:, served.services.index("c")] > 0.9)
     own_time_only = replace(detector, culprit=None).score(forest)  # a checkpoint saved before: own time
     assert not np.any(np.argmax(own_time_only.svm_service, axis=1) == own_time_only.services.index("c"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=12))
+def test_service_deviations_of_some_traces_are_those_rows_of_all(chosen):
+    """`Detector._culprit_scores` reads only the SVM-routed traces' nodes: the rows it gets are
+    the rows of the whole forest's deviations, in the order asked."""
+    rng = np.random.default_rng(len(chosen))
+    forest = assemble(span_table(_rpc_traces(len(chosen), rng, ("b", "queue"))))
+    x = FeatureEncoder().fit(assemble(span_table(_rpc_traces(50, rng)))).transform(forest)
+    codes, names = pd.factorize(forest.spans["service"].to_numpy(zero_copy_only=False))
+    kind = forest.spans["kind"].to_numpy(zero_copy_only=False)
+    z_self, z_wait = x[:, 0].astype(np.float64), x[:, 1].astype(np.float64)
+    everything = service_deviations(forest, codes, len(names), kind, z_self, z_wait)
+    traces = np.flatnonzero(chosen)[::-1]
+    some = service_deviations(forest, codes, len(names), kind, z_self, z_wait, traces)
+    assert some.shape == (len(traces), len(names), 3)
+    assert np.array_equal(some, everything[traces])
+
+
+def test_culprit_scores_of_svm_routed_traces_do_not_depend_on_the_gnn_routed_ones():
+    from dataclasses import replace
+
+    rng = np.random.default_rng(3)
+    merged = many_traces(6, slow=2)
+    for t, leaves in enumerate(([150], [120, 4000], [90])):  # fewer services: under the cut below
+        for key, values in star_trace(f"s{t}", leaves).items():
+            merged[key].extend(values)
+    spans = span_table(merged)
+    scorer = CulpritScorer().fit(rng.normal(size=(60, 3)) + np.r_[np.zeros(40), np.full(20, 3.0)][:, None],
+                                 np.r_[np.zeros(40), np.ones(20)].astype(int))
+    detector = replace(tiny_detector(), culprit=scorer, router=Router.everything())
+    everything = detector.score(assemble(spans))
+    routed = detector.score(assemble(spans), all_models=True)
+    assert np.array_equal(everything.svm_service, routed.svm_service)
+    partly = replace(detector, router=Router(3, 1 << 30)).score(assemble(spans))
+    assert partly.to_svm.sum() == 3
+    rows = partly.to_svm
+    assert np.array_equal(partly.svm_service[rows], everything.svm_service[rows])
+    assert np.isnan(partly.svm_service[~rows]).all()
+
+
+def test_trace_vectors_of_some_traces_are_those_rows_of_all():
+    from dataclasses import replace
+
+    from bmeg.graphs import node_services, operation_keys
+
+    base = tiny_detector()
+    vectorizer = TraceVectorizer(deviations=base.vectorizer.deviations, times=False, culprit_top=3)
+    detector = replace(base, vectorizer=vectorizer.fit(np.asarray(base.vectorizer.keys, dtype=object)))
+    forest = assemble(span_table(many_traces(7, slow=3)))
+    x = detector.encoder.transform(forest)
+    keys = operation_keys(forest, node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
+    everything = detector.trace_vectors(forest, x, keys)
+    assert everything.shape == (7, vectorizer.num_columns)
+    assert np.array_equal(detector.trace_vectors(forest, x, keys, np.array([5, 1, 3])), everything[[5, 1, 3]])
 
 
 def test_detector_culprit_scorer_round_trips_and_older_checkpoints_load(tmp_path):

@@ -36,7 +36,7 @@ def test_small_run_reaches_the_stated_minimum(trained_run):
 
 def test_saved_run_diagnoses_fresh_faulty_traces(trained_run, tmp_path, monkeypatch):
     monkeypatch.setenv("BMEG_CACHE", str(tmp_path))
-    fresh = load_dataset("socialnet", traces=300, imbalance=0.3, seed=99, progress=False)
+    fresh = load_dataset("socialnet", traces=1000, imbalance=0.3, seed=99, progress=False)  # ~230 faulty: recall to +-0.06
     detector = Detector.load(trained_run)
     diagnosis = detector.diagnose(fresh.spans, window=True, replay=True)  # a recorded stream
     truth = dict(zip(fresh.traces["trace_id"].to_pylist(), fresh.traces["anomalous"].to_pylist()))
@@ -107,3 +107,11 @@ def test_torchrun_two_nodes_train_as_well_as_one_process(tmp_path, monkeypatch):
     assert two["bmeg"]["br"] >= one["bmeg"]["br"] - 0.15
     assert two["bmeg"]["accuracy"] >= one["bmeg"]["accuracy"] - 0.05
     Detector.load(written[0])  # a whole run
+
+
+def test_the_router_decided_on_other_fault_draws(trained_run):
+    """A simulated application's router is judged on another draw of faults (`router_fresh`),
+    not on validation traces of the training draws, and says so."""
+    routing = json.loads((trained_run / "metrics.json").read_text())["routing"]
+    assert "traces of other fault draws (simulated, seed 10)" in routing["why"]
+    assert 4000 <= routing["decision_traces"] <= 5000 and routing["held_out_services"] == []

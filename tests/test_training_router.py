@@ -70,3 +70,24 @@ def test_no_split_without_two_faulted_services():
     services[::14] = "b"
     fitting, decision, held = held_out_service_split(_labelled(node_y, in_val), services, 0.34, 0)
     assert len(held) == 1 and len(decision) and len(fitting.train)
+
+
+def test_fresh_decision_data_is_another_draw_of_the_same_simulation(tmp_path, monkeypatch):
+    """On a simulated application the router decides on other fault draws (seed + 7), the same
+    scenario and imbalance; a recorded dataset, `router_fresh` 0 or fixed cuts: none."""
+    from bmeg.datasets.loader import load_dataset
+    from bmeg.training.config import TrainConfig
+    from bmeg.training.pipeline import FRESH_SEED_OFFSET, fresh_decision_data
+
+    monkeypatch.setenv("BMEG_CACHE", str(tmp_path / "cache"))
+    config = TrainConfig(dataset="hotelreservation", traces=400, imbalance=0.3, seed=2, router_fresh=300)
+    fresh = fresh_decision_data(config)
+    assert fresh is not None and 250 <= fresh.forest.num_traces <= 300  # the simulator's count is near the asked
+    assert 0.2 < fresh.y.mean() < 0.4
+    training = load_dataset("hotelreservation", 400, 0.3, seed=2, progress=False)
+    assert not set(fresh.forest.trace_ids) & set(training.traces["trace_id"].to_pylist())
+    again = load_dataset("hotelreservation", 300, 0.3, seed=2 + FRESH_SEED_OFFSET, progress=False)
+    assert set(fresh.forest.trace_ids) <= set(again.traces["trace_id"].to_pylist())  # (bad traces dropped)
+    assert fresh_decision_data(TrainConfig(dataset=str(again.path), router_fresh=300)) is None
+    assert fresh_decision_data(TrainConfig(dataset="hotelreservation", router_fresh=0)) is None
+    assert fresh_decision_data(TrainConfig(dataset="hotelreservation", router_fresh=300, svm_max_services=5)) is None

@@ -179,17 +179,21 @@ class Detector:
         service = np.full(present.shape, np.nan)
         if len(traces) == 0:
             return anomaly, service
-        vectors = self.trace_vectors(forest, x, keys)[traces]
+        needed = self.culprit is not None or self.vectorizer.culprit_top > 0
+        deviations = (self.culprit_features(forest, x, codes, present.shape[1], traces)
+                      if needed and "z_log_self_time_us" in self.encoder.names else None)
+        vectors = self.trace_vectors(forest, x, keys, traces, deviations)
         anomaly[traces] = self.svm.predict_proba(vectors)[:, 1]
-        service[traces] = self._culprit_scores(forest, x, codes, present, traces)
+        service[traces] = self._culprit_scores(forest, x, codes, present, traces, deviations)
         return anomaly, service
 
     def _culprit_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, present: np.ndarray,
-                        traces: np.ndarray) -> np.ndarray:
+                        traces: np.ndarray, features: np.ndarray | None) -> np.ndarray:
         """[len(traces), S] for SVM-routed traces: P(culprit) of each present service from its
-        deviations in own time, queue and its callers' gap (`CulpritScorer`; 0 where absent).
-        A detector saved without one (before it existed) scores own time only, as it did: its
-        largest self-time z-score through a logistic centred at `SVM_SERVICE_Z`."""
+        deviations in own time, queue and its callers' gap (`features`: `culprit_features` of
+        `traces`, given when there is a `CulpritScorer`; 0 where absent). A detector saved
+        without one (before it existed) scores own time only, as it did: its largest self-time
+        z-score through a logistic centred at `SVM_SERVICE_Z`."""
         if "z_log_self_time_us" not in self.encoder.names:  # thesis features: no baselines to compare with
             return np.full((len(traces), present.shape[1]), 0.5)
         z_self = x[:, self.encoder.names.index("z_log_self_time_us")].astype(np.float64)
@@ -198,25 +202,38 @@ class Detector:
             np.maximum.at(largest, (forest.trace_index, codes), z_self)
             own = largest[traces]
             return np.where(np.isfinite(own), 1.0 / (1.0 + np.exp(-(own - SVM_SERVICE_Z))), 0.0)
-        features = self.culprit_features(forest, x, codes, present.shape[1])[traces]
+        assert features is not None  # computed in `_svm_scores` whenever there is a scorer
         scores = np.zeros(features.shape[:2])
         mask = present[traces]
         if mask.any():
             scores[mask] = self.culprit.predict_proba(features[mask])[:, 1]
         return scores
 
-    def culprit_features(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int) -> np.ndarray:
-        """`CulpritScorer`'s input: [T, width, 3] (`service_deviations`) from the GNN's node features `x`."""
+    def culprit_features(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int,
+                         traces: np.ndarray | None = None) -> np.ndarray:
+        """`CulpritScorer`'s input: [len(traces), width, 3] (`service_deviations`; all traces by
+        default, else only `traces`' nodes are read) from the GNN's node features `x`."""
         column = self.encoder.names.index
         return service_deviations(forest, codes, width, forest.spans["kind"].to_numpy(zero_copy_only=False),
                                   x[:, column("z_log_self_time_us")].astype(np.float64),
-                                  x[:, column("z_log_wait_us")].astype(np.float64))
+                                  x[:, column("z_log_wait_us")].astype(np.float64), traces)
 
-    def trace_vectors(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """The trace SVM's input: [T, vectorizer columns] from the GNN's node features `x`."""
+    def trace_vectors(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray, traces: np.ndarray | None = None,
+                      services: np.ndarray | None = None) -> np.ndarray:
+        """The trace SVM's input: [len(traces), vectorizer columns] (all traces by default) from
+        the GNN's node features `x`, and the traces' `culprit_features` (`services`; computed
+        here when the vectorizer reads them and they are not given)."""
+        traces = np.arange(forest.num_traces) if traces is None else np.asarray(traces, dtype=np.int64)
+        if self.vectorizer.culprit_top and services is None:
+            codes, names = pd.factorize(node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
+            services = self.culprit_features(forest, x, codes, len(names), traces)
+        row_of = np.full(forest.num_traces, -1, dtype=np.int64)
+        row_of[traces] = np.arange(len(traces))
+        nodes = np.flatnonzero(row_of[forest.trace_index] >= 0)
         deviations = [self.encoder.names.index(name) for name in self.vectorizer.deviations]
-        return self.vectorizer.transform(forest.trace_index, forest.num_traces, keys, self_time_ns(forest) / 1e3,
-                                         x[:, deviations] if deviations else None)
+        return self.vectorizer.transform(row_of[forest.trace_index[nodes]], len(traces), keys[nodes],
+                                         self_time_ns(forest)[nodes] / 1e3,
+                                         x[nodes][:, deviations] if deviations else None, services)
 
     def firm_scores(self, window: SpanForest, paths: CriticalPaths | None = None) -> tuple[list[str], np.ndarray]:
         """FIRM's question over a window of traces: for each trace and service on its critical
