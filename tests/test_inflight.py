@@ -7,10 +7,9 @@ import numpy as np
 import pandas as pd
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mitigation_units import CATALOGUE, SLOW, FakeExecutor, _diagnosis
 
 from bmeg.diagnosis import Diagnosis, ServiceScore
-from bmeg.mitigation import AuditLog, SafetyPolicy
+from bmeg.mitigation import AuditLog, SafetyPolicy, load_catalogue
 from bmeg.mitigation.closed_loop import controller_step
 from bmeg.mitigation.inflight import (
     THROTTLED_SHARE,
@@ -25,6 +24,9 @@ from bmeg.mitigation.planner import ServiceTelemetry, plan
 from bmeg.mitigation.safety import Latencies
 from bmeg.mitigation.simulated import Window
 from bmeg.traces.schema import empty_span_table, span_table
+from builders import SLOW, FakeExecutor, service_diagnosis
+
+CATALOGUE = load_catalogue()
 
 MS = 1_000_000
 #: nginx -> home-timeline (-> redis, -> post-storage (-> memcached)); nginx -> compose
@@ -182,14 +184,14 @@ def test_a_throttled_limit_under_one_core_is_raised_however_busy() -> None:
     then replicas with the same quota would stall alike, and the quota is raised."""
     service = "post-storage-service"
     busy = ServiceTelemetry(cpu_utilization=1.1, replicas=1, cpu_limit_cores=0.02)
-    [decision] = plan(_diagnosis(service, SLOW), CATALOGUE, {service: busy})
+    [decision] = plan(service_diagnosis(service, SLOW), CATALOGUE, {service: busy})
     assert decision.action == "scale_out"  # no throttling known: as before
     for throttled, action in ((0.6, "scale_up"), (THROTTLED_SHARE / 2, "scale_out")):
-        [decision] = plan(_diagnosis(service, SLOW), CATALOGUE,
+        [decision] = plan(service_diagnosis(service, SLOW), CATALOGUE,
                           {service: busy.model_copy(update={"cpu_throttled": throttled})})
         assert decision.action == action
-    [decision] = plan(_diagnosis(service, SLOW), CATALOGUE,
+    [decision] = plan(service_diagnosis(service, SLOW), CATALOGUE,
                       {service: busy.model_copy(update={"cpu_throttled": 0.6, "cpu_limit_cores": 2.0})})
     assert decision.action == "scale_out"  # a limit of cores: more replicas, as the HPA would
-    [decision] = plan(_diagnosis(service, SLOW), CATALOGUE, {service: busy.model_copy(update={"cpu_throttled": 0.6})})
+    [decision] = plan(service_diagnosis(service, SLOW), CATALOGUE, {service: busy.model_copy(update={"cpu_throttled": 0.6})})
     assert decision.target == {"cpu_cores": 1.0} and "60% of the CFS periods" in decision.reason
