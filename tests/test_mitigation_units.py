@@ -17,7 +17,7 @@ from bmeg.cluster.catalogue import Parameter, parse_catalogue
 from bmeg.mitigation.planner import Decision, gather_evidence, quantile_of_sorted
 from bmeg.mitigation.safety import improved
 from bmeg.mitigation.tuning import search_around
-from builders import SLOW, FakeExecutor, service_diagnosis
+from builders import SLOW, FakeExecutor, mitigation_trace, service_diagnosis
 
 CATALOGUE = load_catalogue()
 
@@ -181,7 +181,7 @@ def _two_services() -> tuple[FakeExecutor, Diagnosis, dict[str, ServiceTelemetry
     executor = FakeExecutor()
     executor.replicas["b"] = 2
     diagnosis = Diagnosis(model_version="t", application="socialnet",
-                          traces=[_trace(i, s, 3.0) for s in ("a", "b") for i in range(20)])
+                          traces=[mitigation_trace(i, s, 3.0) for s in ("a", "b") for i in range(20)])
     return executor, diagnosis, {s: ServiceTelemetry(cpu_utilization=0.9, replicas=2) for s in ("a", "b")}
 
 
@@ -199,7 +199,7 @@ def test_one_change_at_a_time_waits_for_the_verification(serial: bool) -> None:
         later = controller.handle(diagnosis, now=10, latencies=Latencies(100, {"a": 60, "b": 60}), telemetry=telemetry)
         assert all(o.status == "refused" for o in later)  # still within the first one's verification
         controller.verify(30, Latencies(50, {"a": 20, "b": 60}))  # kept: nothing pending now
-        [after] = controller.handle(_diagnosis("b", SLOW), now=31, latencies=Latencies(50, {"a": 20, "b": 60}),
+        [after] = controller.handle(service_diagnosis("b", SLOW), now=31, latencies=Latencies(50, {"a": 20, "b": 60}),
                                     telemetry=telemetry)
         assert (after.decision.service, after.status) == ("b", "applied")
 
