@@ -707,7 +707,7 @@ def test_a_fault_source_blocks_the_svm_only_on_a_loss_that_resampling_keeps():
     """The per-source check (README, issue 17, session 8 second round): one culprit in 30 named
     worse (0.033) is noise and the cut stands; the same share on 1,500 traces, or a loss of
     0.45 on 30, holds in the resamples and keeps the GNN."""
-    from bmeg.models.router import worse_sources
+    from bmeg.models.router import source_losses, worse_sources
 
     def case(n_source, gnn_right, svm_right):
         y = np.array([1] * (300 + n_source) + [0] * 300)
@@ -724,8 +724,10 @@ def test_a_fault_source_blocks_the_svm_only_on_a_loss_that_resampling_keeps():
                                                     (30, 1.0, 0.55, True), (30, 0.9, 1.0, False)):
         y, sources, verdict, gnn, svm = case(n_source, gnn_right, svm_right)
         services, paths = np.full(len(y), 3), np.full(len(y), 2)
-        worse = worse_sources(y, (verdict, svm * (y == 1)), (verdict, gnn * (y == 1)), np.ones(len(y)), sources,
-                              0.01, 0.95, 0)
+        losses = source_losses(y, (verdict, svm * (y == 1)), (verdict, gnn * (y == 1)), np.ones(len(y)), sources,
+                               0.01, 0)
+        assert set(losses) == ({"network"} if svm_right < gnn_right - 0.01 else set())
+        worse = worse_sources(losses, 0.95)
         assert ("network" in worse) == blocked, (n_source, svm_right, worse)
         assert "saturation" not in worse
         router, _, why = choose(y, {"gnn": verdict, "svm": verdict}, {"gnn": gnn, "svm": svm}, services, paths, cost,

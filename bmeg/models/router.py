@@ -131,8 +131,8 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
                      "f1": _f1(y, predicted, weights), "culprit_credit": credit, "quality": _culprit_f1(y, predicted, right, weights),
                      "share_to_svm": share, "cost_s_per_trace": share * cost_s["svm"] + (1 - share) * cost_s["gnn"],
                      "by_source": _by_source(y, predicted, right, weights, sources),
-                     "worse_sources": worse_sources(y, (predicted, right), gnn_routed, weights, sources, tolerance,
-                                                    confidence, seed)})
+                     "worse_sources": worse_sources(source_losses(y, (predicted, right), gnn_routed, weights, sources,
+                                                                  tolerance, seed), confidence)})
     gnn_alone = rows[0]
     # The closed loop acts on the flag (which traces are slow) and on the culprit (the service
     # it acts on): the SVM must name culprits better AND flag traces about as well.
@@ -173,39 +173,48 @@ def _routed(to_svm: np.ndarray, y: np.ndarray, verdicts: dict[str, np.ndarray],
             np.where(to_svm, named["svm"], named["gnn"]) * (y == 1))
 
 
-def worse_sources_of(router: Router, y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.ndarray],
+def source_losses_of(router: Router, y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.ndarray],
                      services: np.ndarray, paths: np.ndarray, sources: np.ndarray, tolerance: float = 0.01,
-                     confidence: float = 0.95, seed: int = 0) -> dict[str, str]:
-    """The fault sources on which traces routed by `router` name culprits worse than the GNN
-    alone (`worse_sources`, unweighted), as `choose` reads them."""
+                     seed: int = 0) -> dict[str, dict[str, float]]:
+    """`source_losses` of traces routed by `router` against the GNN alone, unweighted."""
     cut = _routed(router.to_svm(services, paths), y, verdicts, named)
     gnn = _routed(np.zeros(len(y), dtype=bool), y, verdicts, named)
-    return worse_sources(y, cut, gnn, np.ones(len(y)), np.asarray(sources, dtype=object), tolerance, confidence, seed)
+    return source_losses(y, cut, gnn, np.ones(len(y)), np.asarray(sources, dtype=object), tolerance, seed)
 
 
-def worse_sources(y: np.ndarray, cut: tuple[np.ndarray, np.ndarray], gnn: tuple[np.ndarray, np.ndarray],
-                  weights: np.ndarray, sources: np.ndarray, tolerance: float, confidence: float, seed: int,
-                  draws: int = 200) -> dict[str, str]:
-    """source -> the figures, for each fault source whose culprit recall under `cut` is below
-    `gnn`'s by more than `tolerance`, and still so in at least `confidence` of paired resamples
-    of that source's bottlenecked traces (`draws`, with `seed`).
-
-    A loss must be shown as a lead must (`_bootstrap_share`): a source with a few dozen
-    bottlenecked traces moves 0.03 per trace, so a point loss of one trace blocked the SVM on
-    noise; a real loss on many traces still holds in the resamples and still blocks."""
+def source_losses(y: np.ndarray, cut: tuple[np.ndarray, np.ndarray], gnn: tuple[np.ndarray, np.ndarray],
+                  weights: np.ndarray, sources: np.ndarray, tolerance: float, seed: int,
+                  draws: int = 200) -> dict[str, dict[str, float]]:
+    """source -> {cut, gnn, traces, held} for each fault source whose culprit recall under `cut`
+    is below `gnn`'s by more than `tolerance`: both recalls, its bottlenecked traces, and the
+    share of paired resamples of those traces (`draws`, with `seed`) in which the loss is still
+    above `tolerance`."""
     cut_recall, gnn_recall = (_by_source(y, *routed, weights, sources) for routed in (cut, gnn))
-    worse = {}
+    losses = {}
     for source in (source for source in cut_recall if cut_recall[source] < gnn_recall[source] - tolerance):
         rows = np.flatnonzero((y == 1) & (sources == source))
         pick = rows[np.random.default_rng(seed).integers(0, len(rows), (draws, len(rows)))]
         w = weights[pick]
         loss = (np.sum(w * gnn[0][pick] * gnn[1][pick], axis=1) - np.sum(w * cut[0][pick] * cut[1][pick], axis=1)) \
             / np.sum(w, axis=1)
-        held = float(np.mean(loss > tolerance))
-        if held >= confidence:
-            worse[str(source)] = (f"{cut_recall[source]:.3f} against {gnn_recall[source]:.3f} on {len(rows)} traces, "
-                                  f"in {held:.0%} of resamples")
-    return worse
+        losses[str(source)] = {"cut": cut_recall[source], "gnn": gnn_recall[source], "traces": float(len(rows)),
+                               "held": float(np.mean(loss > tolerance))}
+    return losses
+
+
+def worse_sources(losses: dict[str, dict[str, float]], confidence: float) -> dict[str, str]:
+    """source -> the figures in words, for the `source_losses` that hold in at least `confidence`
+    of the resamples: the sources a cut names culprits worse on.
+
+    A loss must be shown as a lead must (`_bootstrap_share`): a source with a few dozen
+    bottlenecked traces moves 0.03 per trace, so a point loss of one trace blocked the SVM on
+    noise; a real loss on many traces still holds in the resamples and still blocks."""
+    return {source: loss_words(figures) for source, figures in losses.items() if figures["held"] >= confidence}
+
+
+def loss_words(figures: dict[str, float]) -> str:
+    return (f"{figures['cut']:.3f} against {figures['gnn']:.3f} on {figures['traces']:.0f} traces, "
+            f"in {figures['held']:.0%} of resamples")
 
 
 def _by_source(y: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights: np.ndarray,

@@ -42,7 +42,7 @@ from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.graphset import GraphSet
 from bmeg.models.inference import resolve_device
-from bmeg.models.router import Router, choose, worse_sources_of
+from bmeg.models.router import Router, choose, loss_words, source_losses_of, worse_sources
 from bmeg.models.svm import (
     DEVIATIONS,
     CulpritScorer,
@@ -307,7 +307,8 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
 
 
 def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: Scores, data: Labelled,
-                             sources: np.ndarray, covered: set, tolerance: float, seed: int) -> tuple[Router, str]:
+                             sources: np.ndarray, covered: set, tolerance: float, seed: int,
+                             confidence: float = 0.95) -> tuple[Router, str]:
     """The cut `choose` took, checked on the fault sources its decision traces lack: on the
     validation faults of each (the served detector's scores; the training campaign's services),
     it must name culprits no worse than the GNN alone by more than `tolerance`, a loss that holds
@@ -318,11 +319,17 @@ def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: 
     callers' wait), and no misconfiguration fell among the held-out services."""
     val, y = data.val, data.y[data.val]
     verdicts, named = _verdicts_and_culprits(raw, val, true_services(data, raw), detector.thresholds)
-    worse = {source: figures for source, figures in worse_sources_of(
+    losses = {source: figures for source, figures in source_losses_of(
         router, y, verdicts, named, raw.num_services[val], raw.num_paths[val], sources[val], tolerance,
         seed=seed).items() if source not in covered}
-    if not worse:
+    worse = worse_sources(losses, confidence)
+    uncovered = sorted(set(sources[val][y == 1].tolist()) - covered)
+    if not uncovered:
         return router, why
+    if not worse:
+        noise = {source: loss_words(figures) for source, figures in losses.items()}
+        return router, (f"{why}; on validation faults of sources the decision faults lack ({uncovered}) no loss "
+                        f"that holds in resamples" + (f" (held too rarely: {noise})" if noise else ""))
     return Router(), (f"gnn: {why.removeprefix('svm: ')}; but on validation faults of sources the decision faults "
                       f"lack it names culprits worse: {worse} (culprit recall)")
 
