@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 from hypothesis import strategies as st
 
-from bmeg.cluster.executor import ServiceState
+from bmeg.cluster.executor import Applied, ServiceState
 from bmeg.diagnosis import Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
 from bmeg.faultinject import parse_topology
 from bmeg.faultinject.testbed import system
@@ -260,3 +260,39 @@ def running_testbed(base_port: int, prefix: str, rate: float):
     assert testbed.state() is None
     assert not [r.name for r in started if r.alive()]
     shutil.rmtree(run)
+
+
+def mitigation_trace(i: int, service: str, ratio: float, anomalous: bool = True) -> TraceDiagnosis:
+    """A trace whose one service ran `ratio` times its baseline (anomalous by default)."""
+    return TraceDiagnosis(
+        trace_id=f"t{i}", spans=8, total_us=20_000, anomalous=anomalous, anomaly_score=0.9 if anomalous else 0.1,
+        threshold=0.5, model="gnn",
+        bottlenecks=[ServiceScore(service=service, score=0.9, bottleneck=anomalous)],
+        latencies=[ServiceLatency(service=service, latency_us=1000 * ratio, baseline_us=1000, ratio=ratio)],
+    )
+
+
+def service_diagnosis(service: str, ratios: list[float]) -> Diagnosis:
+    """A diagnosis of traces through `service` at these latency ratios (above 1.5: anomalous)."""
+    return Diagnosis(model_version="t", application="socialnet",
+                     traces=[mitigation_trace(i, service, r, anomalous=r > 1.5) for i, r in enumerate(ratios)])
+
+
+SLOW = [3.0] * 20  # every trace three times its baseline
+
+
+class FakeExecutor:
+    """Keeps replicas in a dict; enough to watch the controller's bookkeeping."""
+
+    def __init__(self):
+        self.replicas = {"a": 2}
+
+    def state(self, service):
+        return ServiceState(service, self.replicas[service])
+
+    def scale(self, service, replicas):
+        previous, self.replicas[service] = self.replicas[service], replicas
+        return Applied(service, "scale", {"replicas": previous}, {"replicas": replicas})
+
+    def rollback(self, applied):
+        return self.scale(applied.service, applied.previous["replicas"])

@@ -11,33 +11,18 @@ from hypothesis import strategies as st
 
 from bmeg.diagnosis import CriticalPathStep, Diagnosis, ServiceLatency, ServiceScore, TraceDiagnosis
 from bmeg.mitigation import (
-    AuditLog, CatalogueError, Controller, Guard, HybridBandit, Latencies, SafetyPolicy, ServiceState,
-    ServiceTelemetry, judge, load_catalogue, plan, tune, with_hints,
+    AuditLog, CatalogueError, Controller, Guard, HybridBandit, Latencies, SafetyPolicy, ServiceTelemetry, judge, load_catalogue, plan, tune, with_hints,
 )
 from bmeg.cluster.catalogue import Parameter, parse_catalogue
-from bmeg.cluster.executor import Applied
 from bmeg.mitigation.planner import Decision, gather_evidence, quantile_of_sorted
 from bmeg.mitigation.safety import improved
 from bmeg.mitigation.tuning import search_around
+from builders import SLOW, FakeExecutor, service_diagnosis
 
 CATALOGUE = load_catalogue()
 
 
-def _trace(i: int, service: str, ratio: float, anomalous: bool = True) -> TraceDiagnosis:
-    return TraceDiagnosis(
-        trace_id=f"t{i}", spans=8, total_us=20_000, anomalous=anomalous, anomaly_score=0.9 if anomalous else 0.1,
-        threshold=0.5, model="gnn",
-        bottlenecks=[ServiceScore(service=service, score=0.9, bottleneck=anomalous)],
-        latencies=[ServiceLatency(service=service, latency_us=1000 * ratio, baseline_us=1000, ratio=ratio)],
-    )
 
-
-def _diagnosis(service: str, ratios: list[float]) -> Diagnosis:
-    return Diagnosis(model_version="t", application="socialnet",
-                     traces=[_trace(i, service, r, anomalous=r > 1.5) for i, r in enumerate(ratios)])
-
-
-SLOW = [3.0] * 20
 
 
 # ---- catalogue -------------------------------------------------------------------------------
@@ -69,14 +54,14 @@ def test_unit_mapping_round_trips(unit: float) -> None:
 
 # ---- planner ---------------------------------------------------------------------------------
 def test_saturation_scales_out_a_stateless_service() -> None:
-    [decision] = plan(_diagnosis("compose-post-service", SLOW), CATALOGUE,
+    [decision] = plan(service_diagnosis("compose-post-service", SLOW), CATALOGUE,
                       {"compose-post-service": ServiceTelemetry(cpu_utilization=0.95, replicas=2)})
     assert (decision.source, decision.action, decision.target) == ("saturation", "scale_out", {"replicas": 4})
     assert "95%" in decision.reason
 
 
 def test_saturation_scales_up_a_store() -> None:
-    [decision] = plan(_diagnosis("social-graph-redis", SLOW), CATALOGUE,
+    [decision] = plan(service_diagnosis("social-graph-redis", SLOW), CATALOGUE,
                       {"social-graph-redis": ServiceTelemetry(cpu_utilization=0.9, replicas=1, cpu_limit_cores=1)})
     assert (decision.source, decision.action) == ("saturation", "scale_up")
     assert decision.target["cpu_cores"] == pytest.approx(1.5)
@@ -84,14 +69,14 @@ def test_saturation_scales_up_a_store() -> None:
 
 def test_a_well_used_limit_under_one_core_is_raised() -> None:
     telemetry = ServiceTelemetry(cpu_utilization=0.55, replicas=4, cpu_limit_cores=0.12)
-    [decision] = plan(_diagnosis("post-storage-service", SLOW), CATALOGUE, {"post-storage-service": telemetry})
+    [decision] = plan(service_diagnosis("post-storage-service", SLOW), CATALOGUE, {"post-storage-service": telemetry})
     assert (decision.source, decision.action, decision.target) == ("saturation", "scale_up", {"cpu_cores": 1.0})
     assert "throttles" in decision.reason
 
 
 def test_idle_service_with_a_tiny_pool_is_retuned() -> None:
     telemetry = ServiceTelemetry(cpu_utilization=0.2, replicas=1, parameters={"io_threadpool_size": 1})
-    [decision] = plan(_diagnosis("social-graph-service", SLOW), CATALOGUE, {"social-graph-service": telemetry})
+    [decision] = plan(service_diagnosis("social-graph-service", SLOW), CATALOGUE, {"social-graph-service": telemetry})
     assert (decision.source, decision.action, decision.target) == ("misconfiguration", "retune", {"io_threadpool_size": 13})
     assert "io_threadpool_size = 1" in decision.reason
 
@@ -99,26 +84,26 @@ def test_idle_service_with_a_tiny_pool_is_retuned() -> None:
 def test_idle_service_with_one_slow_replica_is_moved() -> None:
     telemetry = ServiceTelemetry(cpu_utilization=0.3, replicas=3, parameters={"io_threadpool_size": 13},
                                  replica_p95_ms=[5, 5.5, 20])
-    [decision] = plan(_diagnosis("user-service", SLOW), CATALOGUE, {"user-service": telemetry})
+    [decision] = plan(service_diagnosis("user-service", SLOW), CATALOGUE, {"user-service": telemetry})
     assert (decision.source, decision.action) == ("interference", "migrate")
     assert "noisy neighbour" in decision.reason
 
 
 def test_tail_without_median_is_a_background_task() -> None:
     ratios = [1.0] * 300 + [12.0, 15.0]  # two GC-hit traces out of 302
-    [decision] = plan(_diagnosis("user-timeline-service", ratios), CATALOGUE)
+    [decision] = plan(service_diagnosis("user-timeline-service", ratios), CATALOGUE)
     assert (decision.source, decision.action) == ("background", "shed")
 
 
 def test_without_telemetry_the_source_is_unknown_and_confidence_lower() -> None:
-    [unknown] = plan(_diagnosis("text-service", SLOW), CATALOGUE)
-    [known] = plan(_diagnosis("text-service", SLOW), CATALOGUE, {"text-service": ServiceTelemetry(cpu_utilization=0.95)})
+    [unknown] = plan(service_diagnosis("text-service", SLOW), CATALOGUE)
+    [known] = plan(service_diagnosis("text-service", SLOW), CATALOGUE, {"text-service": ServiceTelemetry(cpu_utilization=0.95)})
     assert unknown.source == "unknown" and unknown.action == "scale_out"
     assert unknown.confidence < known.confidence
 
 
 def test_hints_land_on_the_anomalous_traces() -> None:
-    diagnosis = _diagnosis("text-service", [3.0, 1.0])
+    diagnosis = service_diagnosis("text-service", [3.0, 1.0])
     hinted = with_hints(diagnosis, plan(diagnosis, CATALOGUE))
     assert [h.action for h in hinted.traces[0].mitigations] == ["scale_out"]
     assert hinted.traces[1].mitigations == []
@@ -179,27 +164,10 @@ def test_improvement_needs_service_and_application() -> None:
     assert not improved("a", before, Latencies(99, {"a": 30}), 0.05)[0]
 
 
-class FakeExecutor:
-    """Keeps replicas in a dict; enough to watch the controller's bookkeeping."""
-
-    def __init__(self):
-        self.replicas = {"a": 2}
-
-    def state(self, service):
-        return ServiceState(service, self.replicas[service])
-
-    def scale(self, service, replicas):
-        previous, self.replicas[service] = self.replicas[service], replicas
-        return Applied(service, "scale", {"replicas": previous}, {"replicas": replicas})
-
-    def rollback(self, applied):
-        return self.scale(applied.service, applied.previous["replicas"])
-
-
 def test_controller_rolls_back_an_action_that_did_not_help() -> None:
     executor, audit = FakeExecutor(), AuditLog()
     controller = Controller(executor, CATALOGUE, SafetyPolicy(dry_run=False, verify_after_s=30, confidence_threshold=0.1), audit)
-    diagnosis = _diagnosis("a", SLOW)
+    diagnosis = service_diagnosis("a", SLOW)
     [outcome] = controller.handle(diagnosis, now=0, latencies=Latencies(100, {"a": 60}),
                                   telemetry={"a": ServiceTelemetry(cpu_utilization=0.9, replicas=2)})
     assert outcome.status == "applied" and executor.replicas["a"] == 3
@@ -212,7 +180,7 @@ def test_controller_rolls_back_an_action_that_did_not_help() -> None:
 def test_dry_run_changes_nothing() -> None:
     executor, audit = FakeExecutor(), AuditLog()
     controller = Controller(executor, CATALOGUE, SafetyPolicy(confidence_threshold=0.1), audit)
-    [outcome] = controller.handle(_diagnosis("a", SLOW), now=0, telemetry={"a": ServiceTelemetry(cpu_utilization=0.9, replicas=2)})
+    [outcome] = controller.handle(service_diagnosis("a", SLOW), now=0, telemetry={"a": ServiceTelemetry(cpu_utilization=0.9, replicas=2)})
     assert outcome.status == "dry-run" and executor.replicas["a"] == 2
     assert audit.records(kind="action")[0].dry_run
 
@@ -220,7 +188,7 @@ def test_dry_run_changes_nothing() -> None:
 def test_shedding_is_advice_not_an_action() -> None:
     executor, audit = FakeExecutor(), AuditLog()
     controller = Controller(executor, CATALOGUE, SafetyPolicy(dry_run=False, confidence_threshold=0.1), audit)
-    [outcome] = controller.handle(_diagnosis("a", [1.0] * 990 + [6.0] * 10), now=0,
+    [outcome] = controller.handle(service_diagnosis("a", [1.0] * 990 + [6.0] * 10), now=0,
                                   telemetry={"a": ServiceTelemetry(cpu_utilization=0.3, replicas=2)})
     assert (outcome.decision.action, outcome.status) == ("shed", "advice") and executor.replicas["a"] == 2
     assert [(r.kind, r.outcome) for r in audit.records()][-1] == ("refused", "advice for an operator")
@@ -302,7 +270,7 @@ def test_requests_queued_at_the_entry_are_blamed_on_the_slow_service_below() -> 
 
 
 def test_a_service_at_its_baseline_gets_no_action() -> None:
-    [decision] = plan(_diagnosis("social-graph-service", [1.1] * 18 + [2.0] * 2), CATALOGUE,
+    [decision] = plan(service_diagnosis("social-graph-service", [1.1] * 18 + [2.0] * 2), CATALOGUE,
                       {"social-graph-service": ServiceTelemetry(cpu_utilization=0.2, replicas=1)})
     assert (decision.action, decision.confidence) == ("none", 0.0)
     assert "near its baseline" in decision.reason
@@ -310,7 +278,7 @@ def test_a_service_at_its_baseline_gets_no_action() -> None:
 
 def test_one_slow_replica_of_two_is_moved() -> None:
     telemetry = ServiceTelemetry(cpu_utilization=0.2, replicas=2, replica_p95_ms=[2.0, 16.0])
-    [decision] = plan(_diagnosis("post-storage-service", SLOW), CATALOGUE, {"post-storage-service": telemetry})
+    [decision] = plan(service_diagnosis("post-storage-service", SLOW), CATALOGUE, {"post-storage-service": telemetry})
     assert (decision.source, decision.action) == ("interference", "migrate")
     assert "8.0x slower than the others" in decision.reason
 

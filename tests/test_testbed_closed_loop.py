@@ -34,7 +34,7 @@ RATE = 50.0
 @pytest.fixture(scope="module")
 def bed():
     # ports of its own per process (the loop's replicas take base + 100 + 12 n + i)
-    with running_testbed(23000 + os.getpid() % 8 * 250, "bmeg-testbed-loop-", rate=RATE) as testbed:
+    with running_testbed(28000 + os.getpid() % 8 * 250, "bmeg-testbed-loop-", rate=RATE) as testbed:
         yield testbed
 
 
@@ -60,15 +60,15 @@ def test_scale_out_is_balanced_and_undone(bed):
     assert system.quota_cores(Path(str(state.processes[service].cgroup))) == pytest.approx(DEFAULT_QUOTA_CORES)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the saturation fault now shows (quota 1.2x the service's own CPU use: the none arm's late p95 "
-    "2-5 s, the HPA's scale-out brings it back to 0.8-1.2x normal), but bmeg's controller does not "
-    "blame post-storage-service: the traces through it take seconds and reach the controller after "
-    "its 6.5-s lag, so its windows hold only the traces that avoid it (3 runs, README: the closed "
-    "loop on the testbed); before, the fault raised the p95 only 1.2x on quiet minutes"))
 def test_closed_loop_mitigation_beats_no_mitigation(bed):
-    """The saturated service's quota raised (or it scaled out) and kept, and the application's
-    late-fault p95 well below the unmitigated arms' in the same run.
+    """The saturated service's quota raised (or it scaled out) and kept, the application's
+    late-fault p95 back within 1.5x of normal in every controller arm, and well below the
+    unmitigated arms' in the same run.
+
+    The fault (quota 1.2x the service's own CPU use) stalls the traces through the service for
+    seconds; the controller sees it from the traces still in flight and the cgroup's CFS
+    throttling (`bmeg.mitigation.inflight`), not from the finished traces, which arrive after
+    its window was read.
 
     The arms alternate none, bmeg, bmeg, none (ABBA: a trend in the shared machine's load over
     the run falls on both alike) and are compared by a ratio of their late-fault medians of 1-s
@@ -90,6 +90,9 @@ def test_closed_loop_mitigation_beats_no_mitigation(bed):
     none_late = sum(a.p95_late_median_ms for a in nones)
     bmeg_late = sum(a.p95_late_median_ms for a in bmegs)
     assert bmeg_late < 0.8 * none_late, f"mitigated {bmegs} vs {nones}"
+    # the issue's target: the late-fault p95 (the median of its 1-s p95s, which a few seconds of
+    # other users' load do not move) within 1.5x of the arm's normal one
+    assert all(a.late_over_normal <= 1.5 for a in bmegs), [(a.late_over_normal, a.actions) for a in bmegs]
     # everything the loop did is undone: one instance, the normal quota, no fault
     state = bed.state()
     assert not state.faults and not [r for r in state.processes.values() if r.role == "replica"]

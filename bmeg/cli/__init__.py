@@ -22,6 +22,7 @@ COMMANDS = {
     "twin": "bmeg.cli.realtraces:twin",
     "evaluate": "bmeg.cli.realtraces:evaluate",
     "bootstrap": "bmeg.cli.realtraces:bootstrap",
+    "pretrain": "bmeg.cli.realtraces:pretrain",
     "serve": "bmeg.cli.serving:serve",
     "consume": "bmeg.cli.serving:consume",
     "mitigate": "bmeg.cli.mitigate:mitigate",

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from bmeg.cli.output import json_option, print_json, print_table
+from bmeg.faultinject.family import FamilyParams
 
 format_option = click.option("--format", "input_format", default=None, help="Trace format (default: detected).")
 
@@ -62,10 +63,13 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--confidence", type=float, default=0.95, show_default=True,
               help="How sure the calibration must be that healthy traffic is flagged at most that often "
                    "(a binomial bound on the held-back traces; 0: their plain quantile).")
+@click.option("--pretrained", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Run directory (`bmeg pretrain`) whose GNN weights training starts from.")
 @format_option
 @json_option
 def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,
-              false_alarm_rate: float, confidence: float, input_format: str | None, as_json: bool) -> None:
+              false_alarm_rate: float, confidence: float, pretrained: Path | None, input_format: str | None,
+              as_json: bool) -> None:
     """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
     from bmeg.cli.models import metrics_rows
     from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
@@ -74,7 +78,7 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
         _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
                                    input_format=input_format, progress=not as_json, features=features,
                                    held_back=held_back, false_alarm_rate=false_alarm_rate,
-                                   confidence=confidence or None)
+                                   confidence=confidence or None, pretrained=pretrained)
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     if as_json:
@@ -88,6 +92,39 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
         click.echo(f"too few held-back traces to bound the false-alarm rate at {calibration['target_false_alarm_rate']:.1%} "
                    f"with confidence {calibration['confidence']}: stage 1 flags none of them; hold back more")
     click.echo(f"run saved to {out} (twin.yaml, model, metrics.json)")
+
+
+@click.command("pretrain")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Run directory to write.")
+@click.option("--apps", type=int, default=12, show_default=True, help="Random applications in the family.")
+@click.option("--traces", type=int, default=3000, show_default=True, help="Synthetic traces per application.")
+@click.option("--services", type=(int, int), default=FamilyParams.services, show_default=True,
+              help="Range of services (stores included) an application has.")
+@click.option("--depth", type=(int, int), default=FamilyParams.depth, show_default=True, help="Range of call depths.")
+@click.option("--fan-out", type=(int, int), default=FamilyParams.fan_out, show_default=True,
+              help="Range of calls an operation makes.")
+@click.option("--epochs", type=int, default=5, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--features", type=click.Choice(["relative", "full", "thesis"]), default="relative", show_default=True,
+              help="Node features (the bootstrap that starts from this run must use the same).")
+@json_option
+def pretrain(out: Path, apps: int, traces: int, services: tuple[int, int], depth: tuple[int, int],
+             fan_out: tuple[int, int], epochs: int, seed: int, features: str, as_json: bool) -> None:
+    """Train the GNN on a randomised family of synthetic applications (for `bmeg bootstrap --pretrained`)."""
+    from bmeg.cli.models import metrics_rows
+    from bmeg.evaluation.bootstrap import pretrain_on_family
+
+    try:
+        params = FamilyParams(services=services, depth=depth, fan_out=fan_out)
+        _, metrics = pretrain_on_family(out, apps=apps, traces=traces, epochs=epochs, seed=seed, params=params,
+                                        features=features, progress=not as_json)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
+    if as_json:
+        print_json(metrics)
+        return
+    print_table(metrics_rows(metrics), title=f"held-out synthetic test traces ({apps} random applications)")
+    click.echo(f"run saved to {out}: start a bootstrap from it with --pretrained {out}")
 
 
 @click.group("evaluate")

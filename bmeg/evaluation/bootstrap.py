@@ -21,8 +21,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from bmeg.datasets.generate import generate_dataset
-from bmeg.faultinject.codefaults import code_fault_dataset
+from bmeg.datasets.family import generate_family, write_training_shards
+from bmeg.faultinject.family import FamilyParams
 from bmeg.models.window import with_normal_baselines
 from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
@@ -30,10 +30,6 @@ from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RATE
 from bmeg.traces.io import read_spans, write_spans
 
-#: Scenarios the dataset is generated from, one shard each, sharing the traces equally with a
-#: third shard of code faults (`bmeg.faultinject.codefaults`): without it the model never sees
-#: a fault that changes structure and not time, and reads an error or a missing call as noise.
-SCENARIOS = ("single", "multiple")
 #: A twin is never the real application: train on features that mean the same in both.
 BOOTSTRAP_FEATURES = "relative"
 #: The later share of the normal traces held back to calibrate stage 1 on.
@@ -43,12 +39,20 @@ HELD_BACK = 0.25
 def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, imbalance: float = 0.3,
               epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True,
               features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
-              false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE):
+              false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE,
+              pretrained: str | Path | None = None):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
-    healthy traces; returns (Detector, metrics)."""
+    healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
+    or any run on the same features) both GNN stages start from its weights and specialise on the
+    twin."""
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
+    if pretrained is not None:  # refuse a run on other features before the data are made
+        from bmeg.models.features import FeatureEncoder
+        from bmeg.training.pipeline import pretrained_stages
+
+        pretrained_stages(pretrained, FeatureEncoder(features))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fitting, healthy = split_by_time(read_spans(normal_traces, format=input_format), held_back)
@@ -56,18 +60,32 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     twin_file = out / "twin.yaml"
     twin_file.write_text(spec.to_yaml())
     write_spans(fitting, out / NORMAL_TRACES_FILE, "parquet")
-    shard_traces = traces // (len(SCENARIOS) + 1)
-    for index, scenario in enumerate(SCENARIOS):  # a seed each: the shards' trace ids must differ
-        generate_dataset(out / "data" / scenario, topology=twin_file, traces=shard_traces,
-                         imbalance=imbalance, seed=seed * len(SCENARIOS) + index, scenario=scenario, progress=progress)
-    code_fault_dataset(spec, out / "data" / "code", traces=shard_traces, seed=seed)
-    detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features)
+    # the latency campaigns and a shard of code faults: without it the model never sees a
+    # fault that changes structure and not time, and reads an error or a missing call as noise
+    write_training_shards(out / "data", twin_file, traces, imbalance, seed, progress)
+    detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features,
+                              pretrained=None if pretrained is None else str(pretrained))
     detector = with_normal_baselines(detector, rpc_view(fitting))
     detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate, confidence)
     metrics["calibration"] = calibration.to_dict()
     detector = replace(detector, metrics=metrics).save(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return detector, metrics
+
+
+def pretrain_on_family(out: str | Path, apps: int = 12, traces: int = 3000, epochs: int = 5, seed: int = 0,
+                       params: FamilyParams = FamilyParams(), imbalance: float = 0.3, features: str = BOOTSTRAP_FEATURES,
+                       progress: bool = True):
+    """Train both GNN stages on a randomised family of `apps` synthetic applications
+    (`bmeg.datasets.family.generate_family`, data under `out/data`), to start a bootstrap from
+    (`bootstrap(pretrained=out)`); returns (Detector, metrics). Only the GNN stages are meant
+    to be reused: the router sends every trace to the GNN (no probe detector is fitted)."""
+    from bmeg.training import train
+
+    out = Path(out)
+    generate_family(out / "data", apps, traces, imbalance, seed, params, progress)
+    return train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features,
+                 svm_max_services=-1)
 
 
 def cached_run_dir(normal_traces: str | Path) -> Path:

@@ -43,12 +43,18 @@ from bmeg.cluster.catalogue import Catalogue
 from bmeg.mitigation.controller import Controller
 from bmeg.cluster.executor import Executor
 from bmeg.mitigation.planner import descendants
-from bmeg.mitigation.safety import SafetyPolicy
+from bmeg.mitigation.safety import Latencies, SafetyPolicy
 from bmeg.mitigation.simulated import SimulatedApp, Window
 
 
 class TraceDetector(Protocol):
     def diagnose(self, spans: pa.Table, window: bool = False) -> Diagnosis: ...
+
+
+class WindowRule(Protocol):
+    """A rule that diagnoses a window without a model (`SlowestLeafDetector`)."""
+
+    def diagnose_window(self, window: Window, edges: set[tuple[str, str]]) -> Diagnosis: ...
 
 
 @dataclass
@@ -206,17 +212,28 @@ def _run(app: SimulatedApp, starts: np.ndarray, settings: LoopSettings, bar, act
 
 
 def controller_step(executor: Executor, catalogue: Catalogue, policy: SafetyPolicy, detector: TraceDetector | None,
-                    fallback: SlowestLeafDetector, audit: AuditLog | None = None,
-                    services: Collection[str] | None = None) -> Callable[[Window], list[dict]]:
+                    fallback: WindowRule, audit: AuditLog | None = None,
+                    services: Collection[str] | None = None,
+                    remeasure: Callable[[Window], Latencies] | None = None) -> Callable[[Window], list[dict]]:
     """One control step per window: verify the actions due (rolling back those that did not
     help), diagnose the window (the detector, else the fallback rule), act on the plan (on
-    `services` only, when given). Returns what was done, as records for the report."""
+    `services` only, when given). Returns what was done, as records for the report.
+
+    `remeasure`, where traces arrive late (live spans), gives the latencies of an action's
+    window as known now: verification then compares the window before the action with the
+    one after it as both are known at verification time, not the before-window as it looked
+    when its slowest traces had not arrived (which made a right action look useless)."""
     controller = Controller(executor, catalogue, policy, audit or AuditLog(), services=services)
     records: dict[int, dict] = {}  # id(Applied) -> its action's record, marked when rolled back
+    decided_on: dict[int, Window] = {}  # id(Applied) -> the window it was decided on
 
     def step(window: Window) -> list[dict]:
         now = window.end_s
         done = []
+        if remeasure is not None:
+            for pending in controller.pending:
+                if now >= pending.due and id(pending.applied) in decided_on:
+                    pending.before = remeasure(decided_on.pop(id(pending.applied)))
         for applied, good, words in controller.verify(now, window.latencies):
             done.append({"time_s": now, "service": applied.service, "action": f"verify {applied.action}",
                          "status": "kept" if good else "rolled back", "detail": words})
@@ -226,13 +243,14 @@ def controller_step(executor: Executor, catalogue: Catalogue, policy: SafetyPoli
         if detector is not None:
             diagnosis = detector.diagnose(window.spans, window=True)
         else:
-            diagnosis = fallback.diagnose_window(window, _service_edges(window))
+            diagnosis = fallback.diagnose_window(window, service_edges(window.spans))
         for outcome in controller.handle(diagnosis, now, window.latencies, window.telemetry):
             done.append({"time_s": now, "service": outcome.decision.service, "action": outcome.decision.action,
                          "source": outcome.decision.source, "confidence": outcome.decision.confidence,
                          "status": outcome.status, "detail": outcome.detail, "reason": outcome.decision.reason})
             if outcome.applied is not None:
                 records[id(outcome.applied)] = done[-1]
+                decided_on[id(outcome.applied)] = window
         return done
 
     return step
@@ -261,9 +279,9 @@ def hpa_step(executor: Executor, policy: SafetyPolicy, target_utilization: float
     return step
 
 
-def _service_edges(window: Window) -> set[tuple[str, str]]:
-    """(caller, callee) service pairs of the window's call graphs."""
-    forest = assemble(window.spans, on_bad_trace="drop")
+def service_edges(spans: pa.Table) -> set[tuple[str, str]]:
+    """(caller, callee) service pairs of the spans' call graphs."""
+    forest = assemble(spans, on_bad_trace="drop")
     services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
     child = np.flatnonzero(forest.parent >= 0)
     return set(zip(services[forest.parent[child]].tolist(), services[child].tolist()))

@@ -13,7 +13,11 @@ The rules, in the order they are tried (each decision says in words which one fi
   bottleneck).
 - saturation: CPU utilization near the limit: scale out a stateless service (more replicas),
   scale up a stateful one (a store cannot simply be replicated); a limit under one core that
-  is well used throttles every request: scale up to a core.
+  is well used throttles every request: scale up to a core. Where the telemetry gives CFS
+  throttling (the share of periods in which the quota ran out), a limit under one core
+  throttled in at least `THROTTLED_SHARE` of them is scaled up to a core first, however busy:
+  a request that meets a throttled period waits for the next one (up to a period, 100 ms by
+  default), and more replicas with the same limit would wait alike.
 - misconfiguration: latency up with low utilization, and a parameter that matters sits at a
   known-bad value (far below its default in the catalogue's range): retune it.
 - interference: latency up with low utilization (or only on some replicas), nothing
@@ -51,6 +55,13 @@ class ServiceTelemetry(BaseModel):
     memory_limit_mb: float | None = Field(None, gt=0, description="per replica")
     parameters: dict[str, float | str] = Field(default_factory=dict, description="current values of catalogued parameters")
     replica_p95_ms: list[float] | None = Field(None, description="p95 latency of each replica")
+    cpu_throttled: float | None = Field(None, ge=0, le=1, description="share of CFS periods in which the quota "
+                                        "ran out (container_cpu_cfs_throttled_periods_total / _periods_total)")
+
+
+#: the share of CFS periods throttled at which a container counts as CPU-throttled: the
+#: threshold of kubernetes-mixin's CPUThrottlingHigh alert (25%)
+THROTTLED_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,7 @@ class PlannerPolicy:
     saturated_utilization: float = 0.8  # at or above: saturation
     idle_utilization: float = 0.6  # below: latency is not explained by load
     throttled_utilization: float = 0.4  # at or above, with a limit under one core: throttling
+    throttled_share: float = THROTTLED_SHARE  # CFS periods throttled at or above: throttling, however busy
     target_utilization: float = 0.6  # what a scaling action aims for
     slow_ratio: float = 1.5  # latency / baseline that counts as "up"
     tail_ratio: float = 4.0  # p99.9 / baseline that counts as a background-task tail
@@ -332,9 +344,16 @@ def _decide(evidence: Evidence, catalogue: Catalogue, telemetry: ServiceTelemetr
         return decide("unknown", "scale_out", 0.5,
                       "no utilization is known, so the source is unclear; scaling out helps both "
                       "saturation and a noisy neighbour", replicas=replicas + 1)
+    cores = telemetry.cpu_limit_cores
+    throttled = telemetry.cpu_throttled
+    if cores is not None and cores < 1 and throttled is not None and throttled >= policy.throttled_share:
+        return decide("saturation", "scale_up", 0.9,
+                      f"its CPU limit of {cores:g} of a core ran out in {throttled:.0%} of the CFS periods "
+                      f"({utilization:.0%} used): a request that meets a throttled period waits for the next "
+                      "one, and replicas with the same limit would wait alike; raise it to one core",
+                      cpu_cores=1.0)
     if utilization >= policy.saturated_utilization:
         return _saturation(decide, telemetry, utilization, _is_store(evidence.service, catalogue), policy)
-    cores = telemetry.cpu_limit_cores
     if cores is not None and cores < 1 and utilization >= policy.throttled_utilization:
         return decide("saturation", "scale_up", 0.8,
                       f"its CPU limit is {cores:g} of a core and {utilization:.0%} used: a quota under one core "

@@ -45,6 +45,9 @@ class Window:
     latencies: Latencies
     telemetry: dict[str, ServiceTelemetry]
     service_latency: pd.DataFrame  # per (trace, service): exclusive time in µs
+    #: traces begun in the window that have not finished (`bmeg.mitigation.inflight.open_traces`,
+    #: with their lower-bound `latency_ms`), where spans arrive live; None on the simulator
+    open_traces: pd.DataFrame | None = None
 
     @property
     def p95_ms(self) -> float:

@@ -26,14 +26,22 @@ What acting means on the testbed (`TestbedExecutor`, the `Executor` protocol):
 - migrate: every thread of every instance re-pinned to the other CPU (away from a hog).
 
 Telemetry, as a cluster's metrics give it: replicas, the CPU quota, utilization (CPU seconds
-the instances' processes used over the window, over what their quotas allow), per-instance p95
+the instances' processes used over the window, over what their quotas allow), the share of CFS
+periods in which the quota ran out (the cgroups' `nr_throttled / nr_periods`), per-instance p95
 from the window's spans, and the current pool size.
 
-The spans of a trace reach the file up to ~6 s after it began (the services' OpenTelemetry
+The spans of a trace reach the file up to ~6 s after it ended (the services' OpenTelemetry
 SDK exports every 5 s, its default; then the Collector's batch and file flush): the window the
 controller diagnoses at time t holds the traces that began in [t - lag_s - history_s, t - lag_s)
 (two windows: one was too noisy on the shared machine), and an action is verified once a whole
-history of traces that began after it has arrived.
+history of traces that began after it has arrived. A trace that a fault stalls for seconds
+arrives later still, so the window also holds the traces begun in it that are still open
+(`bmeg.mitigation.inflight`): their latency counts in the application's p95 at its lower bound
+(every span that ended before t - lag_s has arrived, their roots have not), and the rule that
+blames from them and the throttling goes before the rule on the finished traces. At
+verification the window before the action is measured again, as known then (its slow traces
+have arrived since), so a right action is not rolled back for having been judged against a
+before-window that looked fast because its slow traces had not come in.
 
 The report, per arm, from the root spans of all traces (end-to-end latency as nginx-web-server
 served it), after the last arm's spans arrived: p95/p99 in the normal phase, over the whole
@@ -57,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -77,7 +86,8 @@ from bmeg.faultinject.testbed.supervisor import start_service, wait_healthy
 from bmeg.faultinject.testbed.system import ProcessRecord, TestbedError
 from bmeg.mitigation.audit import AuditLog
 from bmeg.cluster.catalogue import Catalogue, Parameter
-from bmeg.mitigation.closed_loop import SlowestLeafDetector, TraceDetector, controller_step, hpa_step
+from bmeg.mitigation.closed_loop import SlowestLeafDetector, TraceDetector, service_edges, controller_step, hpa_step
+from bmeg.mitigation.inflight import InFlightRule, censored_latency_ms, open_traces, throttled_share
 from bmeg.cluster.executor import ActionError, Applied, ServiceState
 from bmeg.mitigation.planner import ServiceTelemetry
 from bmeg.mitigation.safety import Latencies, SafetyPolicy
@@ -293,26 +303,42 @@ class TestbedExecutor:
         return record.cpu if record.cpu is not None else 0
 
 
+@dataclass
+class CpuUse:
+    """Per service, over the interval between two samples: CPU used over what the quotas
+    allow, and the share of CFS periods in which the quota ran out (throttled)."""
+
+    utilization: dict[str, float]
+    throttled: dict[str, float]
+
+
 class CpuMeter:
-    """CPU utilization of each service since the last sample: the CPU its instances' processes
-    used over what their quotas allowed (a neighbour's stolen cycles are not charged to it)."""
+    """CPU use of each service since the last sample: the CPU its instances' processes used over
+    what their quotas allowed (a neighbour's stolen cycles are not charged to it), and the share
+    of its cgroups' CFS periods that were throttled (as cAdvisor's counters give it)."""
 
     def __init__(self, executor: TestbedExecutor):
         self.executor = executor
-        self.last: dict[str, tuple[float, float]] = {}
+        self.last: dict[str, tuple[float, float, int, int]] = {}
 
-    def sample(self) -> dict[str, float]:
-        utilization = {}
+    def sample(self) -> CpuUse:
+        use = CpuUse({}, {})
         now = time.monotonic()
         for service in SERVICES:
             instances = self.executor.instances(service)
-            used = sum(system.cpu_usage_s(Path(r.cgroup)) for r in instances if r.cgroup)
+            cgroups = [Path(r.cgroup) for r in instances if r.cgroup]
+            used = sum(system.cpu_usage_s(c) for c in cgroups)
+            counts = [system.cfs_periods(c) for c in cgroups]
+            periods, throttled = sum(p for p, _ in counts), sum(t for _, t in counts)
             if service in self.last:
-                then, before = self.last[service]
+                then, before, periods_before, throttled_before = self.last[service]
                 quota = TestbedExecutor._quota(instances[0]) or 1.0
-                utilization[service] = max(0.0, used - before) / max(1e-3, (now - then) * quota * len(instances))
-            self.last[service] = (now, used)
-        return utilization
+                use.utilization[service] = max(0.0, used - before) / max(1e-3, (now - then) * quota * len(instances))
+                # a replica started or stopped since moves the sums: never below 0
+                use.throttled[service] = min(1.0, throttled_share(max(0, periods - periods_before),
+                                                                  max(0, throttled - throttled_before)))
+            self.last[service] = (now, used, periods, throttled)
+        return use
 
 
 # --- reading the live traces -------------------------------------------------------------
@@ -337,6 +363,15 @@ class LiveTraces:
                              "duration_ns": pa.array([], pa.int64()), "status": pa.array([], pa.string())})
         return self.spans.filter(_is_root(self.spans)).select(["trace_id", "start_ns", "duration_ns", "status"])
 
+    def open_traces(self, start_ns: int, end_ns: int, visible_ns: int) -> pd.DataFrame:
+        """The traces still open whose earliest arrived span began in [start_ns, end_ns)
+        (`inflight.open_traces`), with `latency_ms`: their lower bound, every span that ended
+        before `visible_ns` having arrived."""
+        found = open_traces(self.spans if self.spans is not None else pa.table({}))
+        found = found[(found["first_ns"] >= start_ns) & (found["first_ns"] < end_ns)].reset_index(drop=True)
+        found["latency_ms"] = censored_latency_ms(found["first_ns"].to_numpy(), visible_ns)
+        return found
+
     def traces(self, start_ns: int, end_ns: int) -> pa.Table:
         """The spans of the traces whose root span began in [start_ns, end_ns)."""
         if self.spans is None:
@@ -350,32 +385,52 @@ def _is_root(spans: pa.Table) -> pa.ChunkedArray:
     return pc.or_kleene(pc.is_null(spans["parent_id"]), pc.equal(spans["parent_id"], ""))
 
 
-def make_window(spans: pa.Table, start_s: float, end_s: float, executor: TestbedExecutor,
-                utilization: dict[str, float]) -> Window:
-    """The controller's view of a window: its traces, latencies and the services' telemetry."""
+def make_window(spans: pa.Table, start_s: float, end_s: float, executor: TestbedExecutor, use: CpuUse,
+                open_: pd.DataFrame | None = None) -> Window:
+    """The controller's view of a window: its finished traces, the open ones (`open_`, with
+    their lower-bound latencies, counted in the application's p95), the services' telemetry."""
     per_span = span_frame(spans)
-    service_latency = per_trace_service(per_span)
-    roots = spans.filter(_is_root(spans))
-    latency_ms = roots["duration_ns"].to_numpy() / 1e6
     per_instance = per_span.groupby(["service", "instance"])["us"].quantile(0.95) / 1e3
     telemetry = {}
     for service in SERVICES:
         state = executor.state(service)
         p95 = per_instance.loc[service].tolist() if service in per_instance.index.get_level_values(0) else None
-        telemetry[service] = ServiceTelemetry(replicas=state.replicas, cpu_utilization=utilization.get(service),
+        telemetry[service] = ServiceTelemetry(replicas=state.replicas, cpu_utilization=use.utilization.get(service),
                                               cpu_limit_cores=state.cpu_cores, memory_limit_mb=None, parameters=state.parameters,
-                                              replica_p95_ms=p95)
+                                              replica_p95_ms=p95, cpu_throttled=use.throttled.get(service))
+    latency_ms, latencies, service_latency = observed_latencies(spans, open_, per_span)
+    return Window(start_s, end_s, spans, latency_ms, np.zeros(0, dtype=bool), latencies, telemetry, service_latency,
+                  open_traces=open_)
+
+
+def observed_latencies(spans: pa.Table, open_: pd.DataFrame | None,
+                       per_span: pd.DataFrame | None = None) -> tuple[np.ndarray, Latencies, pd.DataFrame]:
+    """The latencies of a window's traces as known now: end-to-end (the finished traces' root
+    spans and the open ones' lower bounds), the window's `Latencies` and the per-(trace,
+    service) exclusive times of the finished ones."""
+    service_latency = per_trace_service(span_frame(spans) if per_span is None else per_span)
+    roots = spans.filter(_is_root(spans))
+    latency_ms = roots["duration_ns"].to_numpy() / 1e6
+    start_ns = roots["start_ns"].to_numpy()
+    if open_ is not None and len(open_):
+        latency_ms = np.concatenate([latency_ms, open_["latency_ms"].to_numpy(dtype=float)])
+        start_ns = np.concatenate([start_ns, open_["first_ns"].to_numpy(dtype=np.int64)])
     latencies = window_latencies(latency_ms, service_latency)
     # the application's p95 as the median of its 1-s p95s: other users' load on the 2 shared cores
     # multiplies it for a few seconds now and then (92 -> 260 ms across a scale-up that cut the
     # saturated service's p95 by 62%, which verification then rolled back)
-    start_ns = roots["start_ns"].to_numpy()
-    first = int(start_ns.min()) if len(start_ns) else 0
-    seconds = _buckets(start_ns, latency_ms, first, int(start_ns.max()) + 1 if len(start_ns) else 0, 1.0)
-    typical = _median([p95 for _, p95, _ in seconds])
+    typical = typical_p95(start_ns, latency_ms)
     if np.isfinite(typical):
         latencies = Latencies(typical, latencies.service_p95_ms)
-    return Window(start_s, end_s, spans, latency_ms, np.zeros(0, dtype=bool), latencies, telemetry, service_latency)
+    return latency_ms, latencies, service_latency
+
+
+def typical_p95(start_ns: np.ndarray, latency_ms: np.ndarray) -> float:
+    """The median of the 1-s p95s of traces begun in each whole second from the first one."""
+    if not len(start_ns):
+        return float("nan")
+    first = int(start_ns.min())
+    return _median([p95 for _, p95, _ in _buckets(start_ns, latency_ms, first, int(start_ns.max()) + 1, 1.0)])
 
 
 # --- the loop ----------------------------------------------------------------------------
@@ -526,21 +581,28 @@ def _run_arm(arm: str, testbed: Testbed, state: TestbedState, executor: TestbedE
              live: LiveTraces, settings: TestbedLoopSettings, catalogue: Catalogue, policy: SafetyPolicy,
              detector: TraceDetector | None) -> ArmRun:
     normal_start = time.time()
-    time.sleep(settings.normal_s)
     meter = CpuMeter(executor)
     meter.sample()
+    time.sleep(settings.normal_s)
+    normal_use = meter.sample()
     fault_start = time.time()
     fault_id = f"loop-{arm}"
     apply_fault(testbed, state, fault_id, fault.service, fault.source, fault.parameters,
                 fault_start + settings.fault_s, settings.seed)
     run = ArmRun(arm, _ns(normal_start), _ns(fault_start), 0)
     step: Callable[[Window], list[dict]] | None = None
+
+    def window(begin: float, visible: float, tick: float, use: CpuUse) -> Window:
+        """Traces begun in [begin, visible) as known now (their spans ended before `visible` arrived)."""
+        return make_window(live.traces(_ns(begin), _ns(visible)), begin - fault_start, tick - fault_start, executor,
+                           use, live.open_traces(_ns(begin), _ns(visible), _ns(time.time() - settings.lag_s)))
+
     try:
         tick = fault_start
         while tick + settings.window_s <= fault_start + settings.fault_s:
             tick += settings.window_s
             time.sleep(max(0.0, tick - time.time()))
-            utilization = meter.sample()
+            use = meter.sample()
             live.refresh()
             if arm == "none":
                 continue
@@ -549,14 +611,15 @@ def _run_arm(arm: str, testbed: Testbed, state: TestbedState, executor: TestbedE
             begin = max(fault_start, tick - settings.lag_s - settings.history_s)
             if tick - settings.lag_s - begin < settings.window_s:
                 continue
-            spans = live.traces(_ns(begin), _ns(tick - settings.lag_s))
-            if spans.num_rows == 0:
+            now = window(begin, tick - settings.lag_s, tick, use)
+            if now.spans.num_rows == 0:
                 continue
             if step is None:
                 step = _step(arm, executor, catalogue, policy, settings, detector,
-                             live.traces(_ns(normal_start), _ns(fault_start)))
-            window = make_window(spans, begin - fault_start, tick - fault_start, executor, utilization)
-            run.actions += step(window)
+                             live.traces(_ns(normal_start), _ns(fault_start)), normal_use,
+                             lambda w: window(fault_start + w.start_s, fault_start + w.end_s - settings.lag_s,
+                                              fault_start + w.end_s, CpuUse({}, {})).latencies)
+            run.actions += step(now)
     finally:
         undo_fault(testbed, state, fault_id)
         run.fault_end_ns = time.time_ns()
@@ -564,7 +627,8 @@ def _run_arm(arm: str, testbed: Testbed, state: TestbedState, executor: TestbedE
 
 
 def _step(arm: str, executor: TestbedExecutor, catalogue: Catalogue, policy: SafetyPolicy,
-          settings: TestbedLoopSettings, detector: TraceDetector | None, normal: pa.Table) -> Callable[[Window], list[dict]]:
+          settings: TestbedLoopSettings, detector: TraceDetector | None, normal: pa.Table, normal_use: CpuUse,
+          remeasure: Callable[[Window], Latencies]) -> Callable[[Window], list[dict]]:
     if arm == "hpa":
         return hpa_step(executor, policy, settings.hpa_target_utilization, settings.hpa_tolerance)
     per_trace = per_trace_service(span_frame(normal))
@@ -572,9 +636,16 @@ def _step(arm: str, executor: TestbedExecutor, catalogue: Catalogue, policy: Saf
     # the stores are Debian's processes, shared by the services and not acted on: a store slowed by
     # the machine's load (home-timeline-redis, 3x the excess of the saturated service) left the
     # service's score at 0.36, under the controller's confidence threshold
+    candidates = frozenset(SERVICES)
     rule = SlowestLeafDetector("socialnet", baseline, min_excess_us=MIN_EXCESS_US, by_excess=True, min_samples=MIN_SAMPLES,
-                               candidates=frozenset(SERVICES))
-    return controller_step(executor, catalogue, policy, detector, rule, AuditLog(), services=SERVICES)
+                               candidates=candidates)
+    # the traces that a saturated service stalls finish late, after the rule's window was read:
+    # blame from the open ones and the cgroups' throttling first (bmeg.mitigation.inflight)
+    roots = normal.filter(_is_root(normal))
+    slo_ms = settings.slo_ratio * typical_p95(roots["start_ns"].to_numpy(), roots["duration_ns"].to_numpy() / 1e6)
+    in_flight = InFlightRule("socialnet", rule, slo_ms, service_edges(normal), normal_use.throttled, candidates)
+    return controller_step(executor, catalogue, policy, detector, in_flight, AuditLog(), services=SERVICES,
+                           remeasure=remeasure)
 
 
 def _ns(seconds: float) -> int:

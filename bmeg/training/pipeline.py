@@ -141,6 +141,8 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
     hparams = {"dgcnn": {"k": int(max(10, np.percentile(sizes, 60)))}, "gcn": {}}
     dgcnn = DGCNN(encoder.num_features, **hparams["dgcnn"])
     gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
+    if config.pretrained is not None:
+        hparams, dgcnn, gcn = pretrained_stages(config.pretrained, encoder)
     histories = {"dgcnn": fit(dgcnn, graphs, data.train, data.val, "graph", fit_config, "stage 1 (DGCNN)")}
 
     def anomalous(part: np.ndarray) -> np.ndarray:
@@ -171,6 +173,19 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
     detector.gcn.to(detector.device)
     raw = detector.score(forest, paths, all_models=True, replay=True)
     return detector, histories, raw
+
+
+def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder) -> tuple[dict, DGCNN, GCNNodeClassifier]:
+    """Both GNN stages of a saved run, to go on training from (warm start), with their
+    hyperparameters (the DGCNN's sort-pooling k included: its layers' shapes depend on it).
+    The run must have been trained on the same feature columns; the encoder's baselines are
+    not taken (they are the pretraining applications', and each run fits its own)."""
+    pretrained = Detector.load(run_dir, device="cpu")
+    if pretrained.encoder.names != encoder.names:
+        raise ValueError(f"{run_dir} was trained on the features {pretrained.encoder.names}, not {encoder.names}: "
+                         "pretrain with the same --features")
+    hparams = {name: dict(pretrained.hparams[name]) for name in ("dgcnn", "gcn")}
+    return hparams, pretrained.dgcnn.train(), pretrained.gcn.train()
 
 
 #: The seed of the router's fresh fault draws is the training seed plus this (the bench's fresh

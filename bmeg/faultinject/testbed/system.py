@@ -233,6 +233,12 @@ def throttled_s(path: Path) -> float:
     return 0.0
 
 
+def cfs_periods(path: Path) -> tuple[int, int]:
+    """The cgroup's CFS counters: periods in which it ran, and those in which it ran out of quota."""
+    counts = dict(line.split(" ", 1) for line in (path / "cpu.stat").read_text().splitlines() if " " in line)
+    return int(counts.get("nr_periods", 0)), int(counts.get("nr_throttled", 0))
+
+
 def cgroup_tree(path: Path) -> list[Path]:
     """The cgroup and its descendants, deepest first."""
     if not path.is_dir():

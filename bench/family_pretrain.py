@@ -1,0 +1,97 @@
+"""Models compared in one run of the root-cause harness: e.g. a twin-only bootstrap against one
+started from a family-pretrained run (`bmeg bootstrap --pretrained`):
+
+    python bench/family_pretrain.py --model twin=RUN_A --model family=RUN_B \
+        --traces D/spans.parquet --faults D/fault_list.json --normal D/normal.parquet --window-minutes 0.1
+    python bench/family_pretrain.py --model twin=RUN_A --model family=RUN_B \
+        --simulated bmeg/faultinject/topologies/trainticket.yaml [--window-seconds 10]
+
+Every model is scored on the same windows by the rankers of `bmeg evaluate rca` that depend on
+it, `bmeg` (the combined ranker) and `bmeg-gnn` (the GNN alone), named `<ranker>[<model>]`;
+the self-time rule, which needs no model, once. `--simulated` simulates the faults as
+`bmeg evaluate rca-sim` does (one episode per service and source, a normal period of twice the
+window). Prints AC@1 / Avg@5 per fault group (latency faults, code faults, all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from bmeg.evaluation.faults import read_fault_list
+from bmeg.evaluation.rankers import BmegRanker, GnnRanker, SelfTimeRanker, _DetectorScores
+from bmeg.evaluation.rca import report, run_rca
+from bmeg.evaluation.simulated import simulated_faults
+from bmeg.evaluation.windows import TraceFiles
+from bmeg.faultinject import load_topology
+from bmeg.graphs import SpanForest
+from bmeg.graphs.rpc import rpc_view
+from bmeg.models.detector import Detector
+from bmeg.models.normal import NormalStats, Ranking
+from bmeg.models.window import with_normal_baselines
+from bmeg.traces.io import read_spans
+
+
+class Named:
+    """A ranker under another name (the same ranker class for several models)."""
+
+    def __init__(self, ranker, name: str):
+        self.ranker, self.name = ranker, name
+
+    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
+        return self.ranker.rank(window, normal)
+
+
+def rankers(models: dict[str, Path], normal: SpanForest) -> list:
+    chosen: list = []
+    for label, run_dir in models.items():
+        scores = _DetectorScores(with_normal_baselines(Detector.load(run_dir), normal))
+        chosen += [Named(BmegRanker(scores), f"bmeg[{label}]"), Named(GnnRanker(scores), f"bmeg-gnn[{label}]")]
+    return [*chosen, SelfTimeRanker()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="append", required=True, help="LABEL=RUN_DIR (repeat)")
+    parser.add_argument("--traces", type=Path)
+    parser.add_argument("--faults", type=Path)
+    parser.add_argument("--normal", type=Path)
+    parser.add_argument("--window-minutes", type=float, default=0.1)
+    parser.add_argument("--simulated", type=Path, help="a topology spec: simulate its faults instead")
+    parser.add_argument("--window-seconds", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    models = {label: Path(run) for label, _, run in (given.partition("=") for given in args.model)}
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.simulated is not None:
+            sim = simulated_faults(load_topology(args.simulated), Path(scratch), normal_s=2 * args.window_seconds,
+                                   window_s=args.window_seconds, seed=args.seed)
+            normal, files, faults, minutes = rpc_view(sim.normal), TraceFiles(sim.traces), \
+                read_fault_list(sim.fault_list, 0), sim.window_minutes
+        else:
+            if args.traces is None or args.faults is None or args.normal is None:
+                parser.error("give --traces, --faults and --normal, or --simulated")
+            normal, files, faults, minutes = rpc_view(read_spans(args.normal)), TraceFiles(args.traces), \
+                read_fault_list(args.faults, 2), args.window_minutes
+        chosen = rankers(models, normal)
+        results = run_rca(files, faults, normal, chosen, minutes, progress=False)
+        summary = report(results, [r.name for r in chosen], files, minutes)
+    groups = {"latency": summary["latency_faults"], "all": summary["overall"],
+              **{kind: ranked for kind, ranked in summary["by_type"].items()}}
+    header = ["method", *groups]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for ranker in chosen:
+        cells = [_cell(groups[g][ranker.name]) for g in groups]
+        print(f"| {ranker.name} | " + " | ".join(cells) + " |")
+
+
+def _cell(score: dict) -> str:
+    if not score["n"]:
+        return "-"
+    return f"{score['ac1']:.2f} / {score['avg5']:.2f} ({score['n']})"
+
+
+if __name__ == "__main__":
+    main()
