@@ -591,7 +591,9 @@ def test_router_needs_a_margin_above_the_tolerance_and_never_trades_quality_for_
 def test_router_keeps_the_gnn_where_the_svm_names_culprits_with_scores_too_low_to_act_on():
     """The closed loop's case (README, issue 17): on held-out faults the SVM flagged traces as
     the GNN did and ranked the right service first, but scored it 0.13, and the loop's planner,
-    weighing the blame by that score, acted on nothing. Credit is the score, not a count."""
+    weighing the blame by that score, acted on nothing. `choose` reads whatever credit it is
+    given; the pipeline's (`named_culprit`) is 0 for a blame scored under the actionable floor
+    and 1 above it, whatever the model's scale (tests/test_training_router.py)."""
     y = np.array([1] * 100 + [0] * 100)
     services, paths = np.full(200, 3), np.full(200, 2)
     verdicts = {"gnn": y.astype(bool), "svm": y.astype(bool)}
@@ -699,3 +701,37 @@ def test_repeated_share_counts_the_children_whose_key_a_sibling_also_has(tree):
         keys = [(forest.spans["service"][c].as_py(), forest.spans["operation"][c].as_py())
                 for c in np.flatnonzero(forest.parent == row)]
         assert share[row] == ((len(keys) - len(set(keys))) / len(keys) if keys else 0.0)
+
+
+def test_a_fault_source_blocks_the_svm_only_on_a_loss_that_resampling_keeps():
+    """The per-source check (README, issue 17, session 8 second round): one culprit in 30 named
+    worse (0.033) is noise and the cut stands; the same share on 1,500 traces, or a loss of
+    0.45 on 30, holds in the resamples and keeps the GNN."""
+    from bmeg.models.router import source_losses, worse_sources
+
+    def case(n_source, gnn_right, svm_right):
+        y = np.array([1] * (300 + n_source) + [0] * 300)
+        sources = np.array(["saturation"] * 300 + ["network"] * n_source + [""] * 300, dtype=object)
+        verdict = y.astype(bool)
+        gnn = np.where(sources == "network", np.arange(len(y)) % n_source < gnn_right * n_source, 0.0)
+        gnn[:300] = np.arange(300) % 2  # on saturation the GNN names half
+        svm = np.where(sources == "network", np.arange(len(y)) % n_source < svm_right * n_source, 1.0)
+        svm[300 + n_source:] = 0.0
+        return y, sources, verdict, gnn.astype(float), svm.astype(float)
+
+    cost = {"gnn": 1e-3, "svm": 1e-5}
+    for n_source, gnn_right, svm_right, blocked in ((30, 1.0, 29 / 30, False), (1500, 1.0, 0.96, True),
+                                                    (30, 1.0, 0.55, True), (30, 0.9, 1.0, False)):
+        y, sources, verdict, gnn, svm = case(n_source, gnn_right, svm_right)
+        services, paths = np.full(len(y), 3), np.full(len(y), 2)
+        losses = source_losses(y, (verdict, svm * (y == 1)), (verdict, gnn * (y == 1)), np.ones(len(y)), sources,
+                               0.01, 0)
+        assert set(losses) == ({"network"} if svm_right < gnn_right - 0.01 else set())
+        worse = worse_sources(losses, 0.95)
+        assert ("network" in worse) == blocked, (n_source, svm_right, worse)
+        assert "saturation" not in worse
+        router, _, why = choose(y, {"gnn": verdict, "svm": verdict}, {"gnn": gnn, "svm": svm}, services, paths, cost,
+                                sources=sources)
+        assert (router == Router()) == blocked, why
+        if blocked:
+            assert f"on {n_source} traces" in why

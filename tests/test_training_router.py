@@ -91,3 +91,48 @@ def test_fresh_decision_data_is_another_draw_of_the_same_simulation(tmp_path, mo
     assert fresh_decision_data(TrainConfig(dataset=str(again.path), router_fresh=300)) is None
     assert fresh_decision_data(TrainConfig(dataset="hotelreservation", router_fresh=0)) is None
     assert fresh_decision_data(TrainConfig(dataset="hotelreservation", router_fresh=300, svm_max_services=5)) is None
+
+
+def test_culprit_credit_counts_a_right_actionable_culprit_whatever_the_models_scale():
+    """The router's culprit credit (README, issue 17, session 8 second round): the GNN's node
+    scores sit near 1, the SVM path's are a calibrated P(culprit); a right culprit named as a
+    bottleneck earns 1 from either, a wrong one or one scored too low to act on earns 0."""
+    from bmeg.mitigation.safety import SafetyPolicy
+    from bmeg.training.pipeline import ACTIONABLE_SCORE, named_culprit
+
+    assert ACTIONABLE_SCORE == SafetyPolicy().confidence_threshold  # a blame below it never moves an action
+    present = np.array([[True, True, True]] * 4)
+    truth = np.array([[True, False, False]] * 4)
+    gnn = np.array([[0.99, 0.2, 0.1], [0.97, 0.98, 0.1], [0.6, 0.1, 0.0], [0.99, 0.0, 0.0]])
+    svm = np.array([[0.55, 0.2, 0.1], [0.30, 0.35, 0.1], [0.13, 0.05, 0.0], [0.45, 0.0, 0.0]])
+    assert named_culprit(gnn, present, truth, 0.5).tolist() == [1.0, 0.0, 1.0, 1.0]
+    # the same verdicts on the SVM's scale: right and named (0.55), wrong top (0.35), right but
+    # scored 0.13 (the closed loop's refused blame), right but under the model's threshold (0.5)
+    assert named_culprit(svm, present, truth, 0.1).tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert named_culprit(svm, present, truth, 0.5).tolist() == [1.0, 0.0, 0.0, 0.0]
+    hidden = present.copy()
+    hidden[:, 0] = False  # the culprit is not in the trace: its score is not read
+    assert named_culprit(gnn, hidden, truth, 0.5).tolist() == [0.0] * 4
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=4, max_size=4), min_size=1, max_size=20),
+       st.lists(st.lists(st.booleans(), min_size=4, max_size=4), min_size=20, max_size=20),
+       st.integers(0, 12), st.floats(0.5, 2.0))
+def test_culprit_credit_is_unchanged_by_a_monotone_rescaling_of_the_scores(steps, truth_rows, step, power):
+    """Scale-free: a model whose scores (and node threshold) are an increasing function of
+    another's, above the actionable floor, earns the same credit on every trace."""
+    from bmeg.training.pipeline import ACTIONABLE_SCORE, named_culprit
+
+    floor, span = ACTIONABLE_SCORE, 1.0 - ACTIONABLE_SCORE
+    scores = floor + span * np.array(steps, dtype=np.float64) / 12
+    truth = np.array(truth_rows[:len(steps)])
+    present = np.ones_like(truth)
+    threshold = floor + span * step / 12
+
+    def rescaled(x):
+        return floor + span * ((np.asarray(x) - floor) / span) ** power
+
+    credit = named_culprit(scores, present, truth, threshold)
+    assert set(credit.tolist()) <= {0.0, 1.0}
+    assert credit.tolist() == named_culprit(rescaled(scores), present, truth, float(rescaled(threshold))).tolist()

@@ -42,7 +42,7 @@ from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.graphset import GraphSet
 from bmeg.models.inference import resolve_device
-from bmeg.models.router import Router, choose, culprit_recall_by_source
+from bmeg.models.router import Router, choose, loss_words, source_losses_of, worse_sources
 from bmeg.models.svm import (
     DEVIATIONS,
     CulpritScorer,
@@ -308,7 +308,7 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
     if train_sources is not None and router != Router():
         covered = set() if sources is None else set(sources[decision][y == 1])
         router, why = _uncovered_sources_check(router, why, detector, raw, data, train_sources, covered,
-                                               config.router_tolerance)
+                                               config.router_tolerance, config.seed)
     router = replace(router, why=f"{why}; decided on {len(decision)} traces, {int(np.sum(y == 1))} bottlenecked, of {where}")
     chosen = next(row for row in candidates if row["max_services"] == router.max_services
                   and row["max_paths"] == router.max_paths)
@@ -322,23 +322,29 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
 
 
 def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: Scores, data: Labelled,
-                             sources: np.ndarray, covered: set, tolerance: float) -> tuple[Router, str]:
+                             sources: np.ndarray, covered: set, tolerance: float, seed: int,
+                             confidence: float = 0.95) -> tuple[Router, str]:
     """The cut `choose` took, checked on the fault sources its decision traces lack: on the
     validation faults of each (the served detector's scores; the training campaign's services),
-    it must name culprits no worse than the GNN alone by more than `tolerance`, else the GNN
-    alone stays. Where the held-out faults say nothing about a kind of fault, the validation
-    faults are the only evidence: in the closed loop's recipe the SVM's own-time scores (before
+    it must name culprits no worse than the GNN alone by more than `tolerance`, a loss that holds
+    up in resamples (`bmeg.models.router.worse_sources`), else the GNN alone stays. Where the
+    held-out faults say nothing about a kind of fault, the validation faults are the only
+    evidence: in the closed loop's recipe the SVM's own-time scores (before
     `CulpritScorer`) named a misconfigured worker pool's service at 0.13 (queueing is the
     callers' wait), and no misconfiguration fell among the held-out services."""
     val, y = data.val, data.y[data.val]
     verdicts, named = _verdicts_and_culprits(raw, val, true_services(data, raw), detector.thresholds)
-    shape = (raw.num_services[val], raw.num_paths[val], sources[val])
-    gnn = culprit_recall_by_source(Router(), y, verdicts, named, *shape)
-    cut = culprit_recall_by_source(router, y, verdicts, named, *shape)
-    worse = {source: f"{cut[source]:.3f} against {gnn[source]:.3f}" for source in gnn
-             if source not in covered and cut[source] < gnn[source] - tolerance}
-    if not worse:
+    losses = {source: figures for source, figures in source_losses_of(
+        router, y, verdicts, named, raw.num_services[val], raw.num_paths[val], sources[val], tolerance,
+        seed=seed).items() if source not in covered}
+    worse = worse_sources(losses, confidence)
+    uncovered = sorted(set(sources[val][y == 1].tolist()) - covered)
+    if not uncovered:
         return router, why
+    if not worse:
+        noise = {source: loss_words(figures) for source, figures in losses.items()}
+        return router, (f"{why}; on validation faults of sources the decision faults lack ({uncovered}) no loss "
+                        f"that holds in resamples" + (f" (held too rarely: {noise})" if noise else ""))
     return Router(), (f"gnn: {why.removeprefix('svm: ')}; but on validation faults of sources the decision faults "
                       f"lack it names culprits worse: {worse} (culprit recall)")
 
@@ -359,15 +365,26 @@ def _fault_sources(data: Labelled) -> np.ndarray | None:
     return np.asarray(data.traces["fault_source"].to_numpy(zero_copy_only=False), dtype=object)
 
 
+#: The lowest score behind a blame that the closed loop can act on: the controller acts on a
+#: confidence of at least 0.4 (`bmeg.mitigation.safety.SafetyPolicy.confidence_threshold`), and
+#: the planner's confidence is the score times sqrt(share) times a certainty, never above the score.
+ACTIONABLE_SCORE = 0.4
+
+
 def named_culprit(service: np.ndarray, present: np.ndarray, truth: np.ndarray, threshold: float) -> np.ndarray:
-    """float [T]: the score of the trace's top-scored present service where that service is a
-    true bottleneck scored at or above the model's node threshold (its diagnosis names it a
-    bottleneck), else 0: the culprit credit of `bmeg.models.router.choose`."""
+    """float [T]: 1 where the trace's top-scored present service is a true bottleneck and its
+    diagnosis calls it one (scored at or above the model's node threshold and at or above
+    `ACTIONABLE_SCORE`), else 0: the culprit credit of `bmeg.models.router.choose`.
+
+    A count, not the score: the GNN's node scores sit near 1 and the SVM path's are a calibrated
+    P(culprit) (`CulpritScorer`), so crediting the score compared two scales and kept the GNN
+    where the SVM named more culprits right (trainticket, README issue 17). The floor keeps what
+    the score credit was for: a right culprit scored 0.13 moves no action in the closed loop."""
     scores = np.where(present, service, -np.inf)
     top = np.argmax(scores, axis=1)
     rows = np.arange(len(top))
-    named = truth[rows, top] & (scores[rows, top] >= threshold)
-    return np.where(named, np.clip(scores[rows, top], 0.0, 1.0), 0.0)
+    named = truth[rows, top] & (scores[rows, top] >= max(threshold, ACTIONABLE_SCORE))
+    return named.astype(np.float64)
 
 
 def _fit_culprit(detector: Detector, forest: SpanForest, x: np.ndarray, services: np.ndarray, data: Labelled,
