@@ -167,6 +167,30 @@ def test_a_trace_finishes_by_the_idle_timeout_only_once_the_broker_answered_afte
     assert [t.trace_id for t in assembler.finished()] == ["t4"]
 
 
+def test_after_an_outage_the_wait_for_the_senders_retries_counts_from_the_first_message_read():
+    """The consumer's client reconnects on its own backoff: in a loaded CI run its reads resumed
+    27 s after the broker answered, the wait counted from the answer ran out just before the
+    queued pieces were read, and 14 traces were split. The wait now restarts at the first read."""
+    clock = Clock()
+    assembler = TraceAssembler(idle_timeout_s=7, clock=clock, outage_after_s=5, recovery_s=30)
+    assembler.heard_from_broker(0)
+    assembler.add(trace("t1", [("d", "b", "search", "server", None)]), 0)
+    clock.now = 100
+    assert assembler.heard_from_broker(100)  # an outage ends; nothing read yet
+    for second in range(101, 171):
+        clock.now = second
+        assembler.heard_from_broker(second)
+        if second == 125:  # reads resume: another trace's spans
+            assembler.add(trace("t2", [("g", None, "frontend", "server", None)]), 1)
+        finished = [t.trace_id for t in assembler.finished()]
+        if second == 125:
+            assert finished == ["t2"]  # complete: no waiting
+        elif second < 155:
+            assert finished == [], second  # t1 waits 30 s from the first read, not from the answer
+        elif second == 155:
+            assert finished == ["t1"]
+
+
 def _unlinked(table: pa.Table) -> pa.Table:
     return table.set_column(table.schema.get_field_index("parent_id"), "parent_id",
                             pa.array(["00000000000000ff"] * table.num_rows, pa.string()))

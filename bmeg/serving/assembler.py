@@ -31,9 +31,12 @@ the broker (`heard_from_broker`): a trace finishes by the idle timeout only once
 answered after that timeout ran out (the time a request was sent: an answer proves the broker
 was up then), so no trace finishes on idle time in which the broker was not heard from; and
 after a silence of `outage_after_s` or longer, no trace finishes on idle time for
-`recovery_s` from the broker's first answer: what the senders queued meanwhile arrives only
-once their exporters retry, and the Collector's exporter retries on a backoff of up to 30 s
-(±50%: `retry_on_failure`'s defaults), so a trace's queued pieces may come that far apart. Without
+`recovery_s` from the broker's first answer, and again from the first message read after it:
+what the senders queued meanwhile arrives only once their exporters retry, and the Collector's
+exporter retries on a backoff of up to 30 s (±50%: `retry_on_failure`'s defaults), so a trace's
+queued pieces may come that far apart; and the consumer's own client reconnects on its own
+backoff, so its reads may resume well after the broker answers (27 s in a loaded CI run, where
+the window from the answer alone ran out just before the queued pieces were read: 14 traces split). Without
 `heard_from_broker` (the OTLP/HTTP receiver, which has no broker in front) idle time always counts.
 
 Spans of a trace already finished (a late fragment) are never diagnosed as a new trace: the
@@ -131,6 +134,7 @@ class TraceAssembler:
         self.recovery_s = recovery_s
         self._heard: float | None = None  # when the broker last answered; None: idle time always counts
         self._recovering_until = float("-inf")  # no trace finishes on idle time before, after an outage
+        self._read_since_outage = True  # False from an outage's end to the first message read after it
         self._pending: OrderedDict[str, PendingTrace] = OrderedDict()  # least recently touched first
         self._ready: dict[str, PendingTrace] = {}  # complete or at the span cap, not yet handed out
         self._finished: OrderedDict[str, float] = OrderedDict()  # trace id -> when finished, oldest first
@@ -147,6 +151,9 @@ class TraceAssembler:
     def add(self, spans: pa.Table, source: Source) -> Added:
         """Add one message's spans."""
         now = self.clock()
+        if not self._read_since_outage:  # reads resumed: the senders' retries may start arriving only now
+            self._read_since_outage = True
+            self._recovering_until = max(self._recovering_until, now + self.recovery_s)
         traces = late = 0
         for trace_id, piece, notes in _pieces(spans):
             trace = self._pending.get(trace_id) or self._ready.get(trace_id)
@@ -192,7 +199,8 @@ class TraceAssembler:
     def heard_from_broker(self, at: float) -> bool:
         """The broker answered a request sent at `at` (this assembler's clock). Returns whether
         that ends an outage (no answer for `outage_after_s`): then no trace finishes on idle time
-        for `recovery_s`, and every trace held restarts its idle timeout after that."""
+        for `recovery_s` (counted again from the first message read after it), and every trace
+        held restarts its idle timeout after that."""
         if self._heard is not None and at <= self._heard:
             return False
         outage = self._heard is not None and at - self._heard >= self.outage_after_s
@@ -200,6 +208,7 @@ class TraceAssembler:
         if outage:
             now = self.clock()
             self._recovering_until = now + self.recovery_s
+            self._read_since_outage = False
             for trace in self._pending.values():
                 trace.last_seen = now
         return outage
