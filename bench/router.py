@@ -4,7 +4,7 @@ traces of fault draws the models never saw, and what each model costs; everythin
 Per case, one detector is trained as `bmeg train` trains it (`fit_detector`: thresholds chosen
 on validation traces, which share the training campaign's fault draws; the router's cuts, judged
 by culprit F1 and trace F1, `bmeg.models.router.choose`, on a synthetic dataset of other fault
-draws (seed 7, `pipeline.fresh_decision_data`), or on the testbed on the faults of held-out
+draws (seed 7, stratified by fault source, `pipeline.fresh_decision_data`), or on the testbed on the faults of held-out
 services by a probe detector fitted without them), then judged on *fresh* traces:
 - synthetic (`single` scenario at each imbalance of `--ratios`): a third dataset generated with
   another seed (99), so other faults on other services at other times;
@@ -56,7 +56,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from bmeg.datasets.loader import Dataset, load_dataset, read_dataset
+from bmeg.datasets.loader import Dataset, load_by_source, load_dataset, read_dataset
 from bmeg.models.detector import Detector, Scores
 from bmeg.models.router import Router
 from bmeg.models.svm import TraceSVM, TraceVectorizer
@@ -89,11 +89,11 @@ def main() -> None:
     decision_seed = pipeline.TrainConfig().seed + pipeline.FRESH_SEED_OFFSET
     for app in [a for a in args.apps.split(",") if a]:
         for ratio in [float(r) for r in args.ratios.split(",") if r]:
-            # the router's decision draws as `bmeg train` makes them (`fresh_decision_data`), not the judged ones
+            # the router's decision draws as `bmeg train` makes them (`fresh_decision_data`: stratified
+            # by fault source), not the judged ones
             cases[f"{app} {ratio:g}"] = (load_dataset(app, args.traces, ratio, seed=0, progress=False),
                                          load_dataset(app, args.fresh, ratio, seed=99, progress=False),
-                                         load_dataset(app, pipeline.TrainConfig().router_fresh, ratio, seed=decision_seed,
-                                                      progress=False))
+                                         load_by_source(app, pipeline.TrainConfig().router_fresh, ratio, decision_seed))
     if args.testbed is not None:
         cases["testbed"] = (*split_by_time(read_dataset(args.testbed), TESTBED_TRAIN_SHARE, args.testbed_traces), None)
     results: dict[str, object] = {name: run_case(name, train_set, fresh_set, decision_set, args.epochs)

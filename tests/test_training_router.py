@@ -72,25 +72,86 @@ def test_no_split_without_two_faulted_services():
     assert len(held) == 1 and len(decision) and len(fitting.train)
 
 
-def test_fresh_decision_data_is_another_draw_of_the_same_simulation(tmp_path, monkeypatch):
-    """On a simulated application the router decides on other fault draws (seed + 7), the same
-    scenario and imbalance; a recorded dataset, `router_fresh` 0 or fixed cuts: none."""
-    from bmeg.datasets.loader import load_dataset
+#: A short scenario of three sources (episodes of 12 s: the test generates eight of them).
+SHORT_SCENARIO = """
+name: short
+kind: single
+duration_s: 12
+warmup_s: 1
+campaign:
+  start_s: 1
+  every_s: 5
+  burst_s: 4
+  faults_per_round: [1, 1]
+  sources:
+    interference: {factor: [4, 6]}
+    saturation: {capacity: [0.1, 0.2]}
+    background: {pause_ms: [150, 200], every_ms: [300, 400]}
+"""
+
+
+def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, monkeypatch):
+    """On a simulated application the router decides on other fault draws (seed + 7, parts at
+    seed + 7 + 1000 i), the same scenario and imbalance, an equal part of bottlenecked traces
+    for every source the scenario draws (one draw of the whole scenario missed some: `single`'s
+    5,000 traces are four fault rounds); a recorded dataset, `router_fresh` 0 or fixed cuts: none."""
+    from bmeg.datasets.loader import SOURCE_SEED_STRIDE, load_dataset
     from bmeg.training.config import TrainConfig
     from bmeg.training.pipeline import FRESH_SEED_OFFSET, fresh_decision_data
 
     monkeypatch.setenv("BMEG_CACHE", str(tmp_path / "cache"))
-    config = TrainConfig(dataset="hotelreservation", traces=400, imbalance=0.3, seed=2, router_fresh=300)
+    scenario = tmp_path / "short.yaml"
+    scenario.write_text(SHORT_SCENARIO)
+    config = TrainConfig(dataset="hotelreservation", traces=200, imbalance=0.3, seed=2, router_fresh=240,
+                         scenario=str(scenario))
     fresh = fresh_decision_data(config)
-    assert fresh is not None and 250 <= fresh.forest.num_traces <= 300  # the simulator's count is near the asked
+    assert fresh is not None and 200 <= fresh.forest.num_traces <= 240  # the simulator's count is near the asked
     assert 0.2 < fresh.y.mean() < 0.4
-    training = load_dataset("hotelreservation", 400, 0.3, seed=2, progress=False)
+    sources = fresh.traces["fault_source"].to_numpy(zero_copy_only=False)[fresh.y == 1]
+    names, counts = np.unique(sources, return_counts=True)
+    assert names.tolist() == ["background", "interference", "saturation"]
+    assert counts.max() - counts.min() <= 2  # (bad traces dropped)
+    training = load_dataset("hotelreservation", 200, 0.3, seed=2, scenario=scenario, progress=False)
     assert not set(fresh.forest.trace_ids) & set(training.traces["trace_id"].to_pylist())
-    again = load_dataset("hotelreservation", 300, 0.3, seed=2 + FRESH_SEED_OFFSET, progress=False)
-    assert set(fresh.forest.trace_ids) <= set(again.traces["trace_id"].to_pylist())  # (bad traces dropped)
-    assert fresh_decision_data(TrainConfig(dataset=str(again.path), router_fresh=300)) is None
+    parts = sorted((tmp_path / "cache" / "datasets").glob("hotelreservation-short-only-*"))
+    assert [part.name.rsplit("-s", 1)[1] for part in parts] == [
+        str(2 + FRESH_SEED_OFFSET + SOURCE_SEED_STRIDE * i) for i in range(3)]
+    assert fresh_decision_data(TrainConfig(dataset=str(training.path), router_fresh=300)) is None
     assert fresh_decision_data(TrainConfig(dataset="hotelreservation", router_fresh=0)) is None
     assert fresh_decision_data(TrainConfig(dataset="hotelreservation", router_fresh=300, svm_max_services=5)) is None
+
+
+def test_only_source_keeps_one_source_and_refuses_one_the_scenario_lacks():
+    from bmeg.faultinject.scenario import load_scenario, only_source, scenario_sources
+
+    single = load_scenario("single")
+    assert scenario_sources(single) == ["background", "interference", "misconfiguration", "network", "saturation"]
+    network = only_source(single, "network")
+    assert scenario_sources(network) == ["network"]
+    assert network.campaign is not None and network.campaign.sources["network"] == single.campaign.sources["network"]
+    assert (network.duration_s, network.campaign.every_s) == (single.duration_s, single.campaign.every_s)
+    with pytest.raises(ValueError, match="draws no 'saturation' faults"):
+        only_source(network, "saturation")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c", "none"]), min_size=1, max_size=60),
+       st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=60))
+def test_source_mix_weights_give_each_source_its_reference_share(sources, reference):
+    """Each source's bottlenecked traces weigh its share in the reference (plus one pseudo-trace
+    each); their total is their count; normal traces weigh 1."""
+    from bmeg.training.pipeline import source_mix_weights
+
+    sources_array = np.array(sources, dtype=object)
+    y = (sources_array != "none").astype(np.int64)
+    weights = source_mix_weights(y, sources_array, np.array(reference, dtype=object))
+    assert np.all(weights[y == 0] == 1.0) and np.all(weights > 0)
+    assert np.isclose(weights[y == 1].sum(), y.sum())
+    present = sorted(set(sources_array[y == 1]))
+    expected = np.array([reference.count(name) + 1.0 for name in present])
+    expected /= expected.sum()
+    got = np.array([weights[(y == 1) & (sources_array == name)].sum() for name in present]) / max(y.sum(), 1)
+    assert np.allclose(got, expected)
 
 
 def test_culprit_credit_counts_a_right_actionable_culprit_whatever_the_models_scale():

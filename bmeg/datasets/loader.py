@@ -3,7 +3,8 @@
 A dataset folder holds `spans.parquet` (SPAN_SCHEMA), `traces.parquet` (per-trace labels),
 `nodes.parquet` (per-span bottleneck labels) and `dataset.json` (its card). A folder whose
 sub-folders are such datasets (the shards of one job, `bmeg generate --shard i/n`) loads as
-their union.
+their union. `load_by_source` generates a dataset stratified by fault source: one part per
+source the scenario can draw, unioned.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +21,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import yaml
 
 from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_TRACES, generate_dataset
 from bmeg.faultinject.errors import SpecError
-from bmeg.faultinject.scenario import scenario_path
+from bmeg.faultinject.scenario import load_scenario, only_source, scenario_path, scenario_sources
 from bmeg.faultinject.spec import topology_path
 from bmeg.paths import cache_dir
 from bmeg.traces.schema import conform
@@ -141,3 +144,54 @@ def load_dataset(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return read_dataset(target)
+
+
+#: The parts of `load_by_source` are drawn with the seed plus this times the part's index, so
+#: that no two parts share trace ids (ids are drawn from the seed).
+SOURCE_SEED_STRIDE = 1000
+
+
+def load_by_source(
+    topology: str,
+    traces: int,
+    imbalance: float,
+    seed: int,
+    scenario: str | Path = "single",
+    progress: bool = False,
+) -> Dataset:
+    """`traces` traces of the topology at `imbalance`, an equal part for each fault source the
+    scenario draws (`scenario_sources`): each part generated (and cached) as `load_dataset`
+    does, under the scenario restricted to that source (`only_source`, written into the cache
+    as a scenario file) with seed `seed + SOURCE_SEED_STRIDE * i`; the parts unioned.
+
+    One draw of the whole scenario covers only the sources its few fault rounds happened to
+    draw (5,000 traces of `single` are one 60 s episode: four rounds, so at most four of the
+    five sources, often two); stratified, every source the scenario can draw is present. A
+    source whose faults bottleneck too few traces to fill its part (the generator gives up,
+    `generate_dataset`) is left out with a warning; the card of each part names its source."""
+    plan = load_scenario(scenario)
+    sources = scenario_sources(plan)
+    folder = cache_dir() / "scenarios"
+    folder.mkdir(parents=True, exist_ok=True)
+    parts: list[Dataset] = []
+    for index, source in enumerate(sources):
+        restricted = only_source(plan, source)
+        path = folder / f"{scenario_path(scenario).stem}-only-{source}.yaml"
+        text = yaml.safe_dump(restricted.model_dump(mode="json"), sort_keys=False)
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+        share = traces // len(sources) + (index < traces % len(sources))
+        try:
+            parts.append(load_dataset(topology, share, imbalance, seed + SOURCE_SEED_STRIDE * index, path, progress=progress))
+        except RuntimeError as error:
+            warnings.warn(f"{topology}: no {source} part in the stratified draw: {error}", stacklevel=2)
+    if not parts:
+        raise RuntimeError(f"{topology}: no fault source of scenario {plan.name!r} bottlenecked enough traces")
+
+    def union(name: str) -> pa.Table:
+        return pa.concat_tables([getattr(part, name) for part in parts])
+
+    traces_table = union("traces")
+    _check_distinct_traces(parts[0].path.parent, traces_table)
+    return Dataset(parts[0].path.parent, union("spans"), traces_table, union("nodes"),
+                   [card for part in parts for card in part.cards])

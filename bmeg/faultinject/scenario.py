@@ -229,6 +229,29 @@ def _overlaps(faults: list[FaultSpec]):
                 yield f"faults[{i}] and faults[{j}] overlap in time on {first.service!r}"
 
 
+def scenario_sources(scenario: Scenario) -> list[str]:
+    """The fault sources the scenario can draw: its explicit faults' and its campaign's, sorted."""
+    campaign = set(scenario.campaign.sources) if scenario.campaign else set()
+    return sorted(campaign | {fault.source for fault in scenario.faults})
+
+
+def only_source(scenario: Scenario, source: str) -> Scenario:
+    """The scenario with every fault of another source left out: its explicit faults of `source`
+    and a campaign that draws `source` only (same rounds, targets and ranges). A campaign
+    without `source` is dropped; a scenario left with no fault is refused."""
+    if source not in scenario_sources(scenario):
+        raise ValueError(f"scenario {scenario.name!r} draws no {source!r} faults (it draws {scenario_sources(scenario)})")
+    campaign = scenario.campaign
+    if campaign is not None:
+        campaign = None if source not in campaign.sources else campaign.model_copy(update={
+            "sources": {source: campaign.sources[source]},
+            "targets": {name: services for name, services in campaign.targets.items() if name == source}})
+    return parse_scenario({**scenario.model_dump(mode="json"), "name": f"{scenario.name}-only-{source}",
+                           "faults": [fault.model_dump(mode="json") for fault in scenario.faults if fault.source == source],
+                           "campaign": None if campaign is None else campaign.model_dump(mode="json")},
+                          f"{scenario.name} restricted to {source}")
+
+
 def plan_faults(scenario: Scenario, topology: TopologySpec, rng: np.random.Generator) -> list[Fault]:
     """The explicit faults plus one random draw of the campaign, sorted by start."""
     check_against(scenario, topology)

@@ -33,7 +33,7 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-from bmeg.datasets.loader import Dataset, load_dataset, stratified_pick
+from bmeg.datasets.loader import Dataset, load_by_source, load_dataset, stratified_pick
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
 from bmeg.graphs.features import self_time_ns
 from bmeg.models.detector import Detector, Scores
@@ -196,12 +196,33 @@ FRESH_SEED_OFFSET = 7
 def fresh_decision_data(config: TrainConfig, progress: bool = False) -> Labelled | None:
     """The router's decision data on a simulated application: `router_fresh` traces of the same
     scenario and imbalance drawn with another seed (other faults, at other times, mostly on
-    other services); None for a recorded dataset (a folder) or `router_fresh` 0."""
+    other services), stratified by fault source (`load_by_source`: one draw of the whole
+    scenario held two to four of its five sources, so the router decided on sources it was not
+    judged on and the other way round); None for a recorded dataset (a folder) or `router_fresh` 0."""
     if config.router_fresh <= 0 or Path(config.dataset).is_dir() or config.svm_max_services is not None:
         return None
-    dataset = load_dataset(config.dataset, config.router_fresh, config.imbalance, config.seed + FRESH_SEED_OFFSET,
-                           config.scenario, progress=progress)
+    dataset = load_by_source(config.dataset, config.router_fresh, config.imbalance, config.seed + FRESH_SEED_OFFSET,
+                             config.scenario, progress=progress)
     return label(dataset, config.seed)
+
+
+def source_mix_weights(y: np.ndarray, sources: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """float [T]: weights that give each fault source's bottlenecked traces (`y == 1`) the share
+    of the bottlenecked traces it has in `reference` (the sources of the training part's
+    bottlenecked traces: the campaign's own mix, as a draw of the whole scenario yields it; one
+    pseudo-trace per source so that none weighs 0), their sum kept; normal traces weigh 1.
+    The stratified decision draws (`fresh_decision_data`) give every source an equal part."""
+    weights = np.ones(len(y))
+    faulted = np.flatnonzero(y == 1)
+    names, counts = np.unique(np.asarray(sources, dtype=object)[faulted].astype(str), return_counts=True)
+    if len(names) == 0:
+        return weights
+    known = pd.Series(np.asarray(reference, dtype=object).astype(str)).value_counts()
+    share = known.reindex(names).fillna(0).to_numpy() + 1.0
+    share /= share.sum()
+    per_source = dict(zip(names, share * len(faulted) / counts))
+    weights[faulted] = [per_source[name] for name in np.asarray(sources, dtype=object)[faulted].astype(str)]
+    return weights
 
 
 def fit_detector(data: Labelled, config: TrainConfig, application: str,
@@ -285,8 +306,12 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
     held: list[str] = []
     if fresh is not None:
         judged, judge_raw = fresh, detector.score(fresh.forest, all_models=True, replay=True)
-        decision, weights = np.arange(fresh.forest.num_traces), np.ones(fresh.forest.num_traces)
-        where = f"{len(decision)} traces of other fault draws (simulated, seed {config.seed + FRESH_SEED_OFFSET})"
+        decision = np.arange(fresh.forest.num_traces)
+        fresh_sources, train_sources = _fault_sources(fresh), _fault_sources(data)
+        weights = (np.ones(len(decision)) if fresh_sources is None or train_sources is None else
+                   source_mix_weights(fresh.y, fresh_sources, train_sources[data.train[data.y[data.train] == 1]]))
+        where = (f"{len(decision)} traces of other fault draws (simulated, seed {config.seed + FRESH_SEED_OFFSET}, "
+                 f"stratified by fault source, weighed to the training mix)")
     else:
         services = node_services(data.forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         split = held_out_service_split(data, services, config.router_holdout, config.seed)
