@@ -197,3 +197,23 @@ def test_culprit_credit_is_unchanged_by_a_monotone_rescaling_of_the_scores(steps
     credit = named_culprit(scores, present, truth, threshold)
     assert set(credit.tolist()) <= {0.0, 1.0}
     assert credit.tolist() == named_culprit(rescaled(scores), present, truth, float(rescaled(threshold))).tolist()
+
+
+def test_labels_follow_the_forest_when_a_trace_has_no_spans(tmp_path):
+    """A trace listed in the labels but with no span (the simulator writes some, 0 ns long) has
+    no row in the forest; every other trace keeps its own label."""
+    from bmeg.datasets.loader import Dataset
+    from bmeg.training.pipeline import label
+
+    names = [f"t{t:02d}" for t in range(12)]
+    anomalous = [t % 3 == 0 for t in range(12)]
+    table = pa.concat_tables([spans([("0", None, 0, 30 if flag else 10)], name)
+                              for name, flag in zip(names, anomalous) if name != "t01"])
+    traces = pa.table({"trace_id": names, "anomalous": anomalous})
+    nodes = pa.table({"trace_id": table["trace_id"], "span_id": table["span_id"],
+                      "bottleneck": pa.array([d == 30 for d in table["duration_ns"].to_pylist()])})
+    data = label(Dataset(tmp_path, table, traces, nodes, [{}]), seed=0)
+    assert data.forest.num_traces == 11 and len(data.y) == 11
+    assert data.traces["trace_id"].to_pylist() == list(data.forest.trace_ids)
+    by_id = dict(zip(names, anomalous))
+    assert data.y.tolist() == [int(by_id[name]) for name in data.forest.trace_ids]

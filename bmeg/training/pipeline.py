@@ -116,7 +116,11 @@ def _plot(out: Path, detector: Detector, raw: Scores, data: Labelled, histories:
 def label(dataset: Dataset, seed: int) -> Labelled:
     forest = assemble(dataset.spans, on_bad_trace="drop")
     positions = pd.Index(forest.trace_ids)
-    traces = dataset.traces.take(pa.array(np.argsort(positions.get_indexer(dataset.traces["trace_id"].to_pylist()))))
+    # one row per assembled trace, in the forest's order (a trace dropped as bad has no row: it
+    # sorted first and shifted every label after it onto the wrong trace)
+    rows = positions.get_indexer(dataset.traces["trace_id"].to_pylist())
+    kept = np.flatnonzero(rows >= 0)
+    traces = dataset.traces.take(pa.array(kept[np.argsort(rows[kept])]))
     y = traces["anomalous"].to_numpy(zero_copy_only=False).astype(np.int64)
     bottleneck = pd.Series(dataset.nodes["bottleneck"].to_numpy(zero_copy_only=False), index=span_keys(dataset.nodes))
     node_y = bottleneck.reindex(span_keys(forest.spans)).fillna(False).to_numpy().astype(np.int64)
