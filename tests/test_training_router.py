@@ -134,6 +134,26 @@ def test_only_source_keeps_one_source_and_refuses_one_the_scenario_lacks():
         only_source(network, "saturation")
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c", "none"]), min_size=1, max_size=60),
+       st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=60))
+def test_source_mix_weights_give_each_source_its_reference_share(sources, reference):
+    """Each source's bottlenecked traces weigh its share in the reference (plus one pseudo-trace
+    each); their total is their count; normal traces weigh 1."""
+    from bmeg.training.pipeline import source_mix_weights
+
+    sources_array = np.array(sources, dtype=object)
+    y = (sources_array != "none").astype(np.int64)
+    weights = source_mix_weights(y, sources_array, np.array(reference, dtype=object))
+    assert np.all(weights[y == 0] == 1.0) and np.all(weights > 0)
+    assert np.isclose(weights[y == 1].sum(), y.sum())
+    present = sorted(set(sources_array[y == 1]))
+    expected = np.array([reference.count(name) + 1.0 for name in present])
+    expected /= expected.sum()
+    got = np.array([weights[(y == 1) & (sources_array == name)].sum() for name in present]) / max(y.sum(), 1)
+    assert np.allclose(got, expected)
+
+
 def test_culprit_credit_counts_a_right_actionable_culprit_whatever_the_models_scale():
     """The router's culprit credit (README, issue 17, session 8 second round): the GNN's node
     scores sit near 1, the SVM path's are a calibrated P(culprit); a right culprit named as a

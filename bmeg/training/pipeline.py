@@ -210,6 +210,25 @@ def fresh_decision_data(config: TrainConfig, progress: bool = False) -> Labelled
     return label(dataset, config.seed)
 
 
+def source_mix_weights(y: np.ndarray, sources: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """float [T]: weights that give each fault source's bottlenecked traces (`y == 1`) the share
+    of the bottlenecked traces it has in `reference` (the sources of the training part's
+    bottlenecked traces: the campaign's own mix, as a draw of the whole scenario yields it; one
+    pseudo-trace per source so that none weighs 0), their sum kept; normal traces weigh 1.
+    The stratified decision draws (`fresh_decision_data`) give every source an equal part."""
+    weights = np.ones(len(y))
+    faulted = np.flatnonzero(y == 1)
+    names, counts = np.unique(np.asarray(sources, dtype=object)[faulted].astype(str), return_counts=True)
+    if len(names) == 0:
+        return weights
+    known = pd.Series(np.asarray(reference, dtype=object).astype(str)).value_counts()
+    share = known.reindex(names).fillna(0).to_numpy() + 1.0
+    share /= share.sum()
+    per_source = dict(zip(names, share * len(faulted) / counts))
+    weights[faulted] = [per_source[name] for name in np.asarray(sources, dtype=object)[faulted].astype(str)]
+    return weights
+
+
 def fit_detector(data: Labelled, config: TrainConfig, application: str,
                  fresh: Labelled | None = None) -> tuple[Detector, dict, Scores]:
     """Fit every model; returns the detector, the learning histories and its raw scores on all
@@ -291,12 +310,12 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
     held: list[str] = []
     if fresh is not None:
         judged, judge_raw = fresh, detector.score(fresh.forest, all_models=True, replay=True)
-        # every source weighs alike, as the campaign draws them (each round's source uniformly);
-        # the training part's mix is one draw of a few rounds (hotelreservation's: 62%
-        # misconfiguration, no background; the judged seed-99 draws: no misconfiguration)
-        decision, weights = np.arange(fresh.forest.num_traces), np.ones(fresh.forest.num_traces)
+        decision = np.arange(fresh.forest.num_traces)
+        fresh_sources, train_sources = _fault_sources(fresh), _fault_sources(data)
+        weights = (np.ones(len(decision)) if fresh_sources is None or train_sources is None else
+                   source_mix_weights(fresh.y, fresh_sources, train_sources[data.train[data.y[data.train] == 1]]))
         where = (f"{len(decision)} traces of other fault draws (simulated, seed {config.seed + FRESH_SEED_OFFSET}, "
-                 f"stratified by fault source)")
+                 f"stratified by fault source, weighed to the training mix)")
     else:
         services = node_services(data.forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         split = held_out_service_split(data, services, config.router_holdout, config.seed)
