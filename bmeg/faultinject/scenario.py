@@ -33,7 +33,9 @@ KINDS: tuple[str, ...] = Kind.__args__
 #: Parameters each source takes (all optional ones have a default), and their campaign ranges.
 SOURCE_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
     # slowdown of the replica's CPU work (noisy neighbour: CPU, memory bandwidth, LLC)
-    "interference": {"factor": (2.0, 6.0), "replicas": (1, 1)},
+    # (testbed: `shared_cgroup` 1 puts the hog in the target's cgroup, so it slows the target
+    # alone; 0 beside it, where it slows every service pinned to its CPU as much)
+    "interference": {"factor": (2.0, 6.0), "replicas": (1, 1), "shared_cgroup": (0, 0)},
     # fraction of CPU left (container limit), or replicas left (scaled in too far)
     "saturation": {"capacity": (0.1, 0.3), "replicas": (1, 1)},
     # tc netem delay ± jitter on every message the service sends; tc tbf bandwidth
@@ -44,7 +46,7 @@ SOURCE_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
     "background": {"pause_ms": (50.0, 200.0), "every_ms": (300.0, 1000.0), "replicas": (1, 1)},
 }
 #: Parameters that are counts, drawn as integers.
-INTEGER_PARAMETERS = {"replicas", "pool_size"}
+INTEGER_PARAMETERS = {"replicas", "pool_size", "shared_cgroup"}
 #: Which parameters a source needs at least one of.
 NEEDS_ONE_OF = {
     "interference": ("factor",),
