@@ -33,9 +33,11 @@ KINDS: tuple[str, ...] = Kind.__args__
 #: Parameters each source takes (all optional ones have a default), and their campaign ranges.
 SOURCE_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
     # slowdown of the replica's CPU work (noisy neighbour: CPU, memory bandwidth, LLC)
-    "interference": {"factor": (2.0, 6.0), "replicas": (1, 1)},
-    # fraction of CPU left (container limit), or replicas left (scaled in too far)
-    "saturation": {"capacity": (0.1, 0.3), "replicas": (1, 1)},
+    # (with `slice_ms`: a CPU hog of (factor - 1) x its weight, taking time slices of slice_ms)
+    "interference": {"factor": (2.0, 6.0), "replicas": (1, 1), "slice_ms": (3.0, 3.0)},
+    # fraction of CPU left (container limit, as a slower CPU), replicas left (scaled in too far),
+    # or a CFS quota of `quota` x twice the service's own CPU use (throttled per 100-ms period)
+    "saturation": {"capacity": (0.1, 0.3), "replicas": (1, 1), "quota": (0.4, 0.8)},
     # tc netem delay ± jitter on every message the service sends; tc tbf bandwidth
     "network": {"delay_ms": (20.0, 50.0), "jitter_ms": (0.0, 5.0), "bandwidth_kbit": (1024, 1024)},
     # a worker pool of a few threads, or a cache too small (hits become misses)
@@ -48,7 +50,7 @@ INTEGER_PARAMETERS = {"replicas", "pool_size"}
 #: Which parameters a source needs at least one of.
 NEEDS_ONE_OF = {
     "interference": ("factor",),
-    "saturation": ("capacity", "replicas"),
+    "saturation": ("capacity", "replicas", "quota"),
     "network": ("delay_ms", "bandwidth_kbit"),
     "misconfiguration": ("pool_size", "hit_ratio"),
     "background": ("pause_ms",),
