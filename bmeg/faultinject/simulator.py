@@ -403,7 +403,7 @@ class Simulator:
         cores = replica.cores
         start = cores[0] if cores[0] > t else t
         run = work * replica.slowdown
-        replica.used_ns += run
+        replica.used_ns += work * replica.interference  # the CPU's time: a fraction of a core is not slower CPU
         if replica.quota:
             end, replica.window, replica.spent = throttle(start, run, replica.period, replica.quota,
                                                           replica.window, replica.spent)
