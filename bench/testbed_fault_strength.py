@@ -99,17 +99,24 @@ def simulated(spec_or_traces: str, faults: list[tuple[str, dict[str, float]]], n
 
 def summarise(frame: NodeFrame, faults: list[tuple[str, str, int, int]], baseline: np.ndarray) -> dict[str, dict[str, float]]:
     """Per group of faults `(group, service, start_ns, end_ns)`: medians over its faults of the
-    target's ratios against its own spans in `baseline` (faults with under 5 spans left out)."""
+    target's ratios against its own spans in `baseline` (faults with under 5 spans left out), and
+    where the target's p95 ratio ranks among every service's in the same window (1: the largest)."""
     per_source: dict[str, list[dict[str, float]]] = {}
+    services = sorted(set(frame.node_service[frame.is_node & (frame.forest.spans["kind"].to_numpy(zero_copy_only=False) == "server")]))
     for group, service, start_ns, end_ns in faults:
         during = (frame.start_ns >= start_ns) & (frame.start_ns < end_ns)
         row = compare(frame, service, during, baseline)
         if row["spans"] >= 5:
+            others = [compare(frame, other, during, baseline) for other in services]
+            ratios = [r["local_p95_ratio"] for r in others if r["spans"] >= 5]
+            row["target_rank"] = 1 + sum(r > row["local_p95_ratio"] for r in ratios)
             per_source.setdefault(group, []).append(row)
     return {source: {"faults": len(rows),
                      "local_p50_ratio": round(float(np.median([r["local_p50_ratio"] for r in rows])), 2),
                      "local_p95_ratio": round(float(np.median([r["local_p95_ratio"] for r in rows])), 2),
                      "p95_doubled_share": round(float(np.mean([r["local_p95_ratio"] >= 2 for r in rows])), 2),
+                     "target_p95_ratio_first": round(float(np.mean([r["target_rank"] == 1 for r in rows])), 2),
+                     "target_p95_ratio_rank": float(np.median([r["target_rank"] for r in rows])),
                      "error_share": round(float(np.mean([r["error_share"] for r in rows])), 2)}
             for source, rows in sorted(per_source.items())}
 
