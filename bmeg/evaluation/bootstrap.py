@@ -92,10 +92,15 @@ def pretrain_on_family(out: str | Path, apps: int = 12, traces: int = 3000, epoc
 
 
 def cached_run_dir(normal_traces: str | Path) -> Path:
-    """Where `cached_bootstrap` keeps the run bootstrapped from these normal traces."""
+    """Where `cached_bootstrap` keeps the run bootstrapped from these normal traces: keyed by
+    their path and each file's size and modification time, so that other traces written to the
+    same path (a dataset regenerated in place) get a run of their own, not the old one's."""
     from bmeg.paths import cache_dir
 
-    key = hashlib.sha256(str(Path(normal_traces).resolve()).encode()).hexdigest()[:10]
+    path = Path(normal_traces).resolve()
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    stamps = [f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    key = hashlib.sha256("\n".join([str(path), *stamps]).encode()).hexdigest()[:10]
     return cache_dir() / "runs" / f"bootstrap-{key}"
 
 
