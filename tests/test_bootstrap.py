@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 import bmeg
 from bmeg.datasets.loader import load_dataset
-from bmeg.evaluation.bootstrap import bootstrap
+from bmeg.evaluation.bootstrap import bootstrap, cached_run_dir
 from bmeg.cli import main
 from bmeg.evaluation.rankers import default_rankers
 from bmeg.faultinject import load_topology
@@ -182,3 +182,19 @@ def test_the_model_process_ranks_a_window_against_the_runs_normal_traces(bootstr
         child.close()
     expected = bmeg.diagnose(recorded.spans, model=run_dir, window=True)
     assert ranked.window_method == "normal-period" and ranked.ranking == expected.ranking
+
+
+def test_the_cached_run_follows_the_normal_traces_not_only_their_path(tmp_path):
+    # A testbed dataset regenerated at the same path got the old dataset's cached model.
+    normal = tmp_path / "normal.parquet"
+    normal.write_bytes(b"first dataset")
+    first = cached_run_dir(normal)
+    assert cached_run_dir(normal) == first
+    normal.write_bytes(b"the regenerated dataset")
+    assert cached_run_dir(normal) != first
+    folder = tmp_path / "normal"
+    folder.mkdir()
+    (folder / "a.csv").write_text("1")
+    before = cached_run_dir(folder)
+    (folder / "b.csv").write_text("2")
+    assert cached_run_dir(folder) != before

@@ -22,6 +22,7 @@ from bmeg.models import features
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.graphset import GraphSet
+from bmeg.models.inference import predict_proba
 from bmeg.models.history import StreamHistory
 from bmeg.models.router import Router, choose, distinct_paths
 from bmeg.models.svm import (
@@ -96,6 +97,25 @@ def test_minibatch_matches_the_forest_graphs():
     assert linked.sum() == 2 * (6 + 4)
     assert torch.equal(linked, linked.T) and linked.diagonal().all()
     assert not linked[:4, 4:].any() and not linked[4:, :4].any()
+
+
+class _MeanLogit(torch.nn.Module):
+    """A graph classifier whose positive-class logit is its graph's mean feature (negative: 0)."""
+
+    def forward(self, x, adj_t, batch):
+        mean = torch.zeros(int(batch.max()) + 1, dtype=x.dtype).index_reduce_(0, batch, x[:, 0], "mean", include_self=False)
+        return torch.stack([torch.zeros_like(mean), mean], dim=1)
+
+
+def test_probabilities_of_confident_traces_keep_their_order():
+    # Logit gaps of 17-33: in float32 every one of these rounds to P = 1.0, and a threshold set
+    # on healthy traces that score 1.0 can only go above 1 (stage 1 then flags nothing).
+    forest = assemble(span_table(many_traces(5)))
+    gaps = np.array([17.0, 21.0, 25.0, 29.0, 33.0], dtype=np.float32)
+    graphs = GraphSet.from_forest(forest, gaps[forest.trace_index][:, None])
+    scores = predict_proba({"graph": _MeanLogit()}, graphs, np.arange(5), torch.device("cpu"))["graph"]
+    assert np.all(np.diff(scores) > 0) and scores[-1] < 1.0
+    assert np.allclose(1.0 - scores, np.exp(-gaps.astype(np.float64)), rtol=1e-6)
 
 
 def test_graph_sets_of_a_one_span_trace_and_of_no_trace():

@@ -16,7 +16,8 @@ from bmeg.faultinject.scenario import Fault, plan_faults, scenario_path
 from bmeg.faultinject.spec import load_topology
 from bmeg.faultinject.testbed.campaign import load_testbed_scenario, with_code_faults
 from bmeg.faultinject.testbed.deployment import CFS_PERIOD_US, CODE_OPERATIONS
-from bmeg.faultinject.testbed.faults import SATURATION_HEADROOM, code_operation, saturation_quota
+from bmeg.faultinject.cpu import SATURATION_HEADROOM, saturation_quota
+from bmeg.faultinject.testbed.faults import code_operation
 
 
 def test_dataset_campaign_draws_every_source_thirty_times_in_seventeen_episodes():

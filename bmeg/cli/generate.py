@@ -25,7 +25,7 @@ from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_SCENARIO, DEFAULT_
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Processes.")
 @click.option("--backend", type=click.Choice(["simulator", "testbed"]), default="simulator", show_default=True,
               help="testbed: inject real faults into the running socialnet testbed (socialnet only; "
-                   "scenarios testbed-single, testbed-multiple, testbed-cascading, testbed-dataset) and label its real traces.")
+                   "scenarios testbed-single, testbed-multiple, testbed-cascading, testbed-dataset, testbed-dataset-single) and label its real traces.")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True),
               help="testbed: load in requests/s when the campaign starts the testbed itself (default 50).")
 @click.option("--calibration", "calibration_s", type=click.FloatRange(min=1), default=20.0, show_default=True,

@@ -65,11 +65,14 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
                    "(a binomial bound on the held-back traces; 0: their plain quantile).")
 @click.option("--pretrained", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Run directory (`bmeg pretrain`) whose GNN weights training starts from.")
+@click.option("--cpu-faults", type=click.Choice(["fluid", "scheduler"]), default="fluid", show_default=True,
+              help="How the training faults slow a CPU: every burst alike (fluid), or as the kernel's scheduler "
+                   "does (a CFS quota's periods, a CPU hog's time slices).")
 @format_option
 @json_option
 def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,
-              false_alarm_rate: float, confidence: float, pretrained: Path | None, input_format: str | None,
-              as_json: bool) -> None:
+              false_alarm_rate: float, confidence: float, pretrained: Path | None, cpu_faults: str,
+              input_format: str | None, as_json: bool) -> None:
     """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
     from bmeg.cli.models import metrics_rows
     from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
@@ -78,7 +81,7 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
         _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
                                    input_format=input_format, progress=not as_json, features=features,
                                    held_back=held_back, false_alarm_rate=false_alarm_rate,
-                                   confidence=confidence or None, pretrained=pretrained)
+                                   confidence=confidence or None, pretrained=pretrained, cpu_faults=cpu_faults)
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     if as_json:

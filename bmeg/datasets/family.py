@@ -21,23 +21,26 @@ from bmeg.faultinject.codefaults import code_fault_dataset
 from bmeg.faultinject.family import FamilyParams, random_topology
 from bmeg.faultinject.spec import load_topology
 
-#: The latency campaigns of the training shards, a shard each, beside a shard of code faults.
-SCENARIOS = ("single", "multiple")
+#: The latency campaigns of the training shards, a shard each, beside a shard of code faults,
+#: by how the CPU faults work: `fluid` (a CPU limit or a neighbour slows every burst alike) or
+#: `scheduler` (a CFS quota and a CPU hog's time slices, `bmeg.faultinject.cpu`).
+CPU_FAULT_SCENARIOS = {"fluid": ("single", "multiple"), "scheduler": ("single-scheduler", "multiple-scheduler")}
+SCENARIOS = CPU_FAULT_SCENARIOS["fluid"]
 #: Seeds of family members: member i of a family with seed s is drawn with s * SEED_STRIDE + i.
 SEED_STRIDE = 1000
 
 
 def write_training_shards(out: str | Path, topology: str | Path, traces: int, imbalance: float, seed: int,
-                          progress: bool = True, prefix: str = "") -> list[Path]:
-    """The latency-campaign shards and the code-fault shard of `topology` (a spec file) under
-    `out` (`<prefix><shard>/`); returns their folders."""
+                          progress: bool = True, prefix: str = "", scenarios: tuple[str, ...] = SCENARIOS) -> list[Path]:
+    """The latency-campaign shards (one per scenario) and the code-fault shard of `topology` (a
+    spec file) under `out` (`<prefix><shard>/`); returns their folders."""
     out = Path(out)
-    shard_traces = traces // (len(SCENARIOS) + 1)
+    shard_traces = traces // (len(scenarios) + 1)
     folders = []
-    for index, scenario in enumerate(SCENARIOS):  # a seed each: the shards' trace ids must differ
+    for index, scenario in enumerate(scenarios):  # a seed each: the shards' trace ids must differ
         folders.append(out / f"{prefix}{scenario}")
         generate_dataset(folders[-1], topology=topology, traces=shard_traces, imbalance=imbalance,
-                         seed=seed * len(SCENARIOS) + index, scenario=scenario, progress=progress)
+                         seed=seed * len(scenarios) + index, scenario=scenario, progress=progress)
     folders.append(out / f"{prefix}code")
     code_fault_dataset(load_topology(topology), folders[-1], traces=shard_traces, seed=seed)
     return folders

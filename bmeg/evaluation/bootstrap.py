@@ -21,7 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from bmeg.datasets.family import generate_family, write_training_shards
+from bmeg.datasets.family import CPU_FAULT_SCENARIOS, generate_family, write_training_shards
 from bmeg.faultinject.family import FamilyParams
 from bmeg.models.window import with_normal_baselines
 from bmeg.faultinject.twin import fit_twin
@@ -40,14 +40,16 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
               epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True,
               features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
               false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE,
-              pretrained: str | Path | None = None):
+              pretrained: str | Path | None = None, cpu_faults: str = "fluid"):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
     or any run on the same features) both GNN stages start from its weights and specialise on the
-    twin."""
+    twin. `cpu_faults` picks the training campaigns' CPU faults (`CPU_FAULT_SCENARIOS`)."""
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
+    if cpu_faults not in CPU_FAULT_SCENARIOS:
+        raise ValueError(f"cpu_faults must be one of {', '.join(CPU_FAULT_SCENARIOS)}, not {cpu_faults!r}")
     if pretrained is not None:  # refuse a run on other features before the data are made
         from bmeg.models.features import FeatureEncoder
         from bmeg.training.pipeline import pretrained_stages
@@ -62,7 +64,8 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     write_spans(fitting, out / NORMAL_TRACES_FILE, "parquet")
     # the latency campaigns and a shard of code faults: without it the model never sees a
     # fault that changes structure and not time, and reads an error or a missing call as noise
-    write_training_shards(out / "data", twin_file, traces, imbalance, seed, progress)
+    write_training_shards(out / "data", twin_file, traces, imbalance, seed, progress,
+                          scenarios=CPU_FAULT_SCENARIOS[cpu_faults])
     detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features,
                               pretrained=None if pretrained is None else str(pretrained))
     detector = with_normal_baselines(detector, rpc_view(fitting))
@@ -89,10 +92,15 @@ def pretrain_on_family(out: str | Path, apps: int = 12, traces: int = 3000, epoc
 
 
 def cached_run_dir(normal_traces: str | Path) -> Path:
-    """Where `cached_bootstrap` keeps the run bootstrapped from these normal traces."""
+    """Where `cached_bootstrap` keeps the run bootstrapped from these normal traces: keyed by
+    their path and each file's size and modification time, so that other traces written to the
+    same path (a dataset regenerated in place) get a run of their own, not the old one's."""
     from bmeg.paths import cache_dir
 
-    key = hashlib.sha256(str(Path(normal_traces).resolve()).encode()).hexdigest()[:10]
+    path = Path(normal_traces).resolve()
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    stamps = [f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    key = hashlib.sha256("\n".join([str(path), *stamps]).encode()).hexdigest()[:10]
     return cache_dir() / "runs" / f"bootstrap-{key}"
 
 

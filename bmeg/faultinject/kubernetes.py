@@ -194,6 +194,9 @@ class KubernetesCampaign:
         capacity, replicas = fault.parameter("capacity"), fault.parameter("replicas")
         if replicas is not None:
             return self.executor.scale(fault.service, int(replicas))
+        if capacity is None:
+            raise ValueError(f"saturation on {fault.service}: a cluster's fault cuts the CPU limit to `capacity` "
+                             "of itself; `quota` (relative to measured use) is the simulator's and the testbed's")
         state = self.executor.state(fault.service)
         if state.cpu_cores is None:
             raise ValueError(f"saturation on {fault.service}: its container has no CPU limit to shrink")

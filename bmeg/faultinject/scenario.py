@@ -34,7 +34,7 @@ KINDS: tuple[str, ...] = Kind.__args__
 SOURCE_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
     # slowdown of the replica's CPU work (noisy neighbour: CPU, memory bandwidth, LLC)
     "interference": {"factor": (2.0, 6.0), "replicas": (1, 1)},
-    # fraction of CPU left (container limit), or replicas left (scaled in too far)
+    # fraction of CPU left (container limit, as a slower CPU), or replicas left (scaled in too far)
     "saturation": {"capacity": (0.1, 0.3), "replicas": (1, 1)},
     # tc netem delay ± jitter on every message the service sends; tc tbf bandwidth
     "network": {"delay_ms": (20.0, 50.0), "jitter_ms": (0.0, 5.0), "bandwidth_kbit": (1024, 1024)},
@@ -43,12 +43,23 @@ SOURCE_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
     # stop-the-world pauses (GC): `pause_ms` long, one every `every_ms` on average
     "background": {"pause_ms": (50.0, 200.0), "every_ms": (300.0, 1000.0), "replicas": (1, 1)},
 }
+#: Parameters that make a CPU fault as the kernel's scheduler does (`bmeg.faultinject.cpu`), and
+#: their campaign ranges (the `*-scheduler` campaigns); apart, so that what draws every parameter
+#: of `SOURCE_PARAMETERS` (`bmeg evaluate rca-sim`) keeps its faults:
+#: `slice_ms`: the factor is a CPU hog of (factor - 1) x the replica's weight taking slices this long;
+#: `quota`: a CFS quota of `quota` x twice the service's own CPU use, throttled per 100-ms period;
+#: `shared_cgroup` (testbed): 1 puts the hog in the target's cgroup, so it slows the target alone;
+#: 0 beside it, where it slows every service pinned to its CPU as much.
+SCHEDULER_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
+    "interference": {"slice_ms": (3.0, 3.0), "shared_cgroup": (0, 0)},
+    "saturation": {"quota": (0.6, 1.0)},
+}
 #: Parameters that are counts, drawn as integers.
-INTEGER_PARAMETERS = {"replicas", "pool_size"}
+INTEGER_PARAMETERS = {"replicas", "pool_size", "shared_cgroup"}
 #: Which parameters a source needs at least one of.
 NEEDS_ONE_OF = {
     "interference": ("factor",),
-    "saturation": ("capacity", "replicas"),
+    "saturation": ("capacity", "replicas", "quota"),
     "network": ("delay_ms", "bandwidth_kbit"),
     "misconfiguration": ("pool_size", "hit_ratio"),
     "background": ("pause_ms",),
@@ -97,9 +108,9 @@ class Campaign(_Strict):
         if not 1 <= low <= high:
             raise ValueError(f"faults_per_round {list(self.faults_per_round)} must be [min, max] with 1 <= min <= max")
         for source, ranges in self.sources.items():
-            unknown = set(ranges) - set(SOURCE_PARAMETERS[source])
+            unknown = set(ranges) - parameter_names(source)
             if unknown:
-                raise ValueError(f"sources.{source}: unknown parameters {sorted(unknown)}; known: {sorted(SOURCE_PARAMETERS[source])}")
+                raise ValueError(f"sources.{source}: unknown parameters {sorted(unknown)}; known: {sorted(parameter_names(source))}")
             for name, (lo, hi) in ranges.items():
                 if lo > hi:
                     raise ValueError(f"sources.{source}.{name}: range [{lo}, {hi}] has min above max")
@@ -134,10 +145,15 @@ class Scenario(_Strict):
         return self
 
 
+def parameter_names(source: str) -> set[str]:
+    """Every parameter a source takes."""
+    return set(SOURCE_PARAMETERS[source]) | set(SCHEDULER_PARAMETERS.get(source, {}))
+
+
 def _check_parameters(source: str, names: set[str]) -> None:
-    unknown = names - set(SOURCE_PARAMETERS[source])
+    unknown = names - parameter_names(source)
     if unknown:
-        raise ValueError(f"{source} takes parameters {sorted(SOURCE_PARAMETERS[source])}, not {sorted(unknown)}")
+        raise ValueError(f"{source} takes parameters {sorted(parameter_names(source))}, not {sorted(unknown)}")
     if not names & set(NEEDS_ONE_OF[source]):
         raise ValueError(f"{source} needs one of the parameters {list(NEEDS_ONE_OF[source])}")
 

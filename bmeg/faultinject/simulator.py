@@ -9,7 +9,18 @@ Mechanics (why bottlenecks behave like real ones):
   from the cores' next-free times (a small heap), which keeps the event count low.
 - An operation does half its self time, then its steps (calls, parallel groups, branches,
   cache lookups), then the other half. Every message pays a network delay.
-- Faults change replica or service state between their start and end events.
+- Faults change replica or service state between their start and end events. A saturation
+  fault's `capacity` shrinks the replica's cores (a fraction of a core slows every burst
+  alike); its `quota` instead sets a CFS bandwidth quota (`bmeg.faultinject.cpu`) of `quota` x
+  twice the replica's own average CPU use so far, per 100-ms period, as the testbed does: bursts
+  run at full speed until the period's quota is spent, then wait for the next period. An
+  interference fault's `factor` slows every burst alike (a noisy neighbour on the memory
+  bandwidth, the caches); with `slice_ms` it is a CPU hog with (factor - 1) x the replica's
+  weight instead: it holds the CPU for a time slice of `slice_ms`, the replica runs in the
+  gaps of slice / (factor - 1) between them (`bmeg.faultinject.cpu.timeshare`). One CPU fault
+  per replica at a time: a quota and a hog together apply the quota only. Taking a request
+  in needs the CPU too: under either, a request that arrives while the replica may not run
+  waits before its server span starts (the gap between the caller's client span and it).
 
 Times are float nanoseconds from the episode's start. The output is columnar (lists turned
 into numpy arrays) and becomes Arrow tables in `bmeg.faultinject.tables`.
@@ -27,6 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from bmeg.faultinject.cpu import saturation_quota, throttle, timeshare
 from bmeg.faultinject.scenario import Fault
 from bmeg.faultinject.spec import (
     BranchStep,
@@ -39,6 +51,8 @@ from bmeg.faultinject.spec import (
 
 SERVER, CLIENT = 0, 1
 SAMPLE_BLOCK = 4096
+#: CPU a wake-up needs (ns): under a spent CFS quota even that waits for the next period
+WAKEUP_NS = 1.0
 
 
 def _lognormal_stream(rng: np.random.Generator, mu: float, sigma: float):
@@ -53,7 +67,7 @@ def _uniform_stream(rng: np.random.Generator):
 
 class Replica:
     __slots__ = ("index", "cpu", "cores", "slowdown", "interference", "pool", "busy", "queue", "fault",
-                 "pause_starts", "pause_ends", "link_free")
+                 "pause_starts", "pause_ends", "link_free", "used_ns", "quota", "period", "window", "spent", "hog")
 
     def __init__(self, index: int, cores: float, workers: int):
         self.index = index  # global instance number
@@ -69,6 +83,12 @@ class Replica:
         self.pause_starts: list[float] = []
         self.pause_ends: list[float] = []
         self.link_free = 0.0
+        self.used_ns = 0.0  # CPU time its bursts took since the episode started
+        self.quota = 0.0  # a CFS quota (ns of CPU per `period` ns); 0: none
+        self.period = 0.0
+        self.window = 0  # the CFS ledger: the period it is in and the quota spent there
+        self.spent = 0.0
+        self.hog: tuple[float, float, float] | None = None  # a CPU hog's (cycle, slice, phase) in ns
 
 
 class ServiceState:
@@ -333,6 +353,23 @@ class Simulator:
         service.next_rr += 1
         visit.replica = replica
         visit.t_arrive = t
+        ready = self._wakeup(replica, t)
+        if ready > t:  # the request waits in the socket until the replica may run
+            self._at(ready, self._take, visit)
+        else:
+            self._take(visit, t)
+
+    def _wakeup(self, replica: Replica, t: float) -> float:
+        """When a message that arrives at t can be taken in: a throttled replica (its period's
+        quota spent) waits for the next period, one under a hog for the end of the hog's slice."""
+        if replica.quota:
+            return throttle(t, WAKEUP_NS, replica.period, replica.quota, replica.window, replica.spent)[0] - WAKEUP_NS
+        if replica.hog is not None:
+            return timeshare(t, 0.0, *replica.hog)
+        return t
+
+    def _take(self, visit: Visit, t: float) -> None:
+        replica, service = visit.replica, visit.op.service
         if replica.busy < replica.pool:
             replica.busy += 1
             self._start(visit, t)
@@ -365,7 +402,15 @@ class Simulator:
         """FCFS on the replica's cores; returns when this burst of work ends."""
         cores = replica.cores
         start = cores[0] if cores[0] > t else t
-        end = start + work * replica.slowdown
+        run = work * replica.slowdown
+        replica.used_ns += work * replica.interference  # the CPU's time: a fraction of a core is not slower CPU
+        if replica.quota:
+            end, replica.window, replica.spent = throttle(start, run, replica.period, replica.quota,
+                                                          replica.window, replica.spent)
+        elif replica.hog is not None:
+            end = timeshare(start, run, *replica.hog)
+        else:
+            end = start + run
         if replica.pause_starts:
             end = _stall(replica.pause_starts, replica.pause_ends, start, end)
         heapreplace(cores, end)
@@ -543,15 +588,27 @@ class Simulator:
         return effects.get(fault.source, self._background)
 
     def _interference(self, fault: Fault, service: ServiceState, t: float, on: bool) -> None:
+        factor, slice_ms = fault.parameter("factor"), fault.parameter("slice_ms")
         for replica in self._targets(fault):
-            _interfere(replica, fault.parameter("factor") if on else 1.0)
+            if slice_ms is None:
+                _interfere(replica, factor if on else 1.0)
+            elif not on or factor <= 1:
+                replica.hog = None
+            else:  # the hog's slice, then the replica's gap of slice / (factor - 1); a random phase
+                hold = slice_ms * 1e6
+                cycle = hold * factor / (factor - 1)
+                replica.hog = (cycle, hold, t + next(self.uniform) * cycle)
 
     def _saturation(self, fault: Fault, service: ServiceState, t: float, on: bool) -> None:
         if not on:
             for replica in service.replicas:
                 _resize_cores(replica, service.spec.cores, t)
+                replica.quota = 0.0
             service.active = len(service.replicas)
             return
+        if fault.parameter("quota") is not None:
+            for replica in service.replicas:
+                _set_quota(replica, fault.parameter("quota"), t)
         if fault.parameter("capacity") is not None:
             for replica in service.replicas:
                 _resize_cores(replica, service.spec.cores * fault.parameter("capacity"), t)
@@ -636,6 +693,14 @@ def _resize_cores(replica: Replica, cores: float, t: float) -> None:
     replica.cores = kept
     replica.cpu = cores
     _interfere(replica, replica.interference)
+
+
+def _set_quota(replica: Replica, share: float, t: float) -> None:
+    """A CFS quota of `share` x twice the replica's average CPU use since the episode started."""
+    cores, period_us = saturation_quota(share, replica.used_ns / t if t > 0 else 0.0)
+    replica.period = period_us * 1e3
+    replica.quota = cores * replica.period
+    replica.window, replica.spent = int(t // replica.period), 0.0
 
 
 def _interfere(replica: Replica, factor: float) -> None:

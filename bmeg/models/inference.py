@@ -45,7 +45,12 @@ def logits_and_labels(model: nn.Module, batch: MiniBatch, target: Target) -> tup
 def predict_proba(models: dict[Target, nn.Module], graphs: GraphSet, traces: np.ndarray,
                   device: torch.device, batch_size: int = 512) -> dict[Target, np.ndarray]:
     """Each model's P(positive) on the given traces: per graph (target "graph") or per node
-    (target "node"). The models share every mini-batch, and so its adjacency."""
+    (target "node"). The models share every mini-batch, and so its adjacency.
+
+    The probabilities are taken in float64: in float32 every logit gap above ~17 rounds to
+    P = 1.0, and a model bootstrapped from a twin is that sure of some real healthy traces (11
+    of the testbed's 496 held-back ones), so a threshold calibrated above them went above 1 and
+    stage 1 flagged nothing at all (README, issue 12, session 9)."""
     for model in models.values():
         if model.training:  # eval() walks every submodule: too dear for a served request
             model.eval()
@@ -54,5 +59,5 @@ def predict_proba(models: dict[Target, nn.Module], graphs: GraphSet, traces: np.
         batch = batch.to(device)
         for target, model in models.items():
             logits, _ = logits_and_labels(model, batch, target)
-            parts[target].append(torch.softmax(logits, dim=-1)[:, 1].cpu().numpy())
+            parts[target].append(torch.softmax(logits.double(), dim=-1)[:, 1].cpu().numpy())
     return {target: np.concatenate(arrays) for target, arrays in parts.items()}

@@ -19,10 +19,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from bmeg.faultinject.cpu import CFS_PERIOD_US as CFS_PERIOD_US  # the testbed's cgroups use the kernel's default
+
 DEFAULT_PORT_BASE = 27100
 #: each service's CPU limit (cgroup v1 cfs_quota_us / cfs_period_us): the scale-up action raises it
 DEFAULT_QUOTA_CORES = 0.5
-CFS_PERIOD_US = 100_000
 DEFAULT_WORKERS = 64
 DEFAULT_DB_POOL = 8
 DEFAULT_CACHE_ITEMS = 10_000

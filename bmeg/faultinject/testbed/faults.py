@@ -36,6 +36,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bmeg.faultinject.cpu import saturation_quota
 from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.deployment import (
     CFS_PERIOD_US,
@@ -55,10 +56,6 @@ SERVICE_SHARES = 1024
 SMALL_CACHE_ITEMS = 4
 #: hogs and pausers end by themselves this long after the fault should have: a safety net
 SAFETY_MARGIN_S = 30.0
-#: a saturation fault's capacity 1 is this many times the service's average CPU use
-SATURATION_HEADROOM = 2.0
-#: the longest CFS period a saturation fault sets (the kernel's maximum)
-SATURATION_MAX_PERIOD_US = 1_000_000
 TESTBED_SOURCES = ("interference", "saturation", "network", "misconfiguration", "background", "code")
 
 
@@ -173,22 +170,6 @@ def hog_quota(quota_cores: float | None) -> float | None:
 
 
 # --- saturation: the CPU quota cut -------------------------------------------------------
-
-
-def saturation_quota(capacity: float, demand_cores: float) -> tuple[float, int]:
-    """(quota in cores, CFS period in us) for a service that used `demand_cores` on average.
-
-    The cut is relative to what the service uses, not to its limit: the services use 0.003-0.04
-    of a core, so a cut of the 0.5-core limit to 0.025 left most of them unthrottled (measured:
-    the dataset's saturation faults did not slow their services). `capacity` x twice the demand:
-    the span exporter's batches and the GC come in bursts, so a quota of the average use alone
-    (0.5) throttles every burst, and 0.4 of it (0.8 x the demand) built a backlog of seconds in
-    a 40-s fault (measured: p95 1.5-2 s, 40% of requests failed). The kernel takes no quota
-    below 1 ms per period, so a small quota gets a longer period (at most 1 s; below 0.001 of
-    a core the quota stays 1 ms per second)."""
-    cores = max(0.0, capacity) * SATURATION_HEADROOM * demand_cores
-    period = CFS_PERIOD_US if cores * CFS_PERIOD_US >= 1000 else min(SATURATION_MAX_PERIOD_US, int(1000 / max(cores, 1e-9)) + 1)
-    return max(cores, 1000 / period), period
 
 
 def _saturation(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> None:

@@ -1,0 +1,135 @@
+"""The CPU faults as the kernel's scheduler makes them (`bmeg.faultinject.cpu`), and in the simulator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from builders import chain_topology
+
+from bmeg.faultinject import Fault, simulate
+from bmeg.faultinject.cpu import throttle, timeshare
+from bmeg.faultinject.scenario import load_scenario, parse_scenario, plan_faults
+from bmeg.faultinject.spec import load_topology
+
+
+def _throttled_by_ticks(bursts: list[tuple[int, int]], period: int, quota: int) -> list[int]:
+    """Reference: one core, time in ticks; a tick of work runs only while its period has quota."""
+    ends, t, spent = [], 0, {}
+    for gap, run in bursts:
+        t += gap
+        while run:
+            k = t // period
+            if spent.get(k, 0) < quota:
+                spent[k] = spent.get(k, 0) + 1
+                run -= 1
+            t += 1
+        ends.append(t)
+    return ends
+
+
+@given(period=st.integers(2, 20), data=st.data(),
+       bursts=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=12))
+def test_throttle_runs_each_period_up_to_its_quota_then_waits_for_the_next(period, data, bursts):
+    quota = data.draw(st.integers(1, period))
+    expected = _throttled_by_ticks(bursts, period, quota)
+    t, window, used, ends = 0.0, 0, 0.0, []
+    for gap, run in bursts:  # bursts one after the other on one core, as the simulator asks for them
+        end, window, used = throttle(t + gap, float(run), float(period), float(quota), window, used)
+        ends.append(end)
+        t = end
+    assert ends == pytest.approx(expected)
+
+
+def test_throttle_charges_a_burst_behind_the_ledger_to_the_ledgers_period():
+    # another core spent period 3's quota: a burst asked for at time 10 (period 1) waits for period 4
+    assert throttle(10.0, 1.0, 100.0, 20.0, 3, 20.0) == (401.0, 4, 1.0)
+
+
+@pytest.mark.parametrize("quota, period", [(0.0, 100.0), (10.0, 0.0), (-1.0, 100.0)])
+def test_throttle_refuses_a_quota_that_never_runs(quota, period):
+    with pytest.raises(ValueError, match="positive quota"):
+        throttle(0.0, 1.0, period, quota, 0, 0.0)
+
+
+@given(cycle=st.integers(2, 20), data=st.data(), start=st.integers(0, 100), run=st.integers(1, 60))
+def test_timeshare_runs_only_in_the_gaps_between_the_hogs_slices(cycle, data, start, run):
+    hold, phase = data.draw(st.integers(0, cycle - 1)), data.draw(st.integers(0, 3 * cycle))
+    t, left = start, run
+    while left:  # reference, in ticks: the hog holds [phase + k cycle, phase + k cycle + hold)
+        if (t - phase) % cycle >= hold:
+            left -= 1
+        t += 1
+    assert timeshare(float(start), float(run), float(cycle), float(hold), float(phase)) == pytest.approx(t)
+
+
+def test_timeshare_wakeup_waits_for_the_slice_to_end():
+    assert timeshare(12.0, 0.0, 10.0, 6.0, 0.0) == 16.0  # in the hog's slice [10, 16)
+    assert timeshare(17.0, 0.0, 10.0, 6.0, 0.0) == 17.0  # in the gap
+    with pytest.raises(ValueError, match="holds a part"):
+        timeshare(0.0, 1.0, 10.0, 10.0, 0.0)
+
+
+def _leaf(result, since_s: float, until_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """The leaf's local times in a time range, and the gap from its caller's client span to its server span."""
+    key = result.op_keys.index("leaf:compute")
+    visits = result.visit_key == key
+    spans = result.visit_span[visits]
+    starts = result.span_start[spans]
+    chosen = (starts >= since_s * 1e9) & (starts < until_s * 1e9)
+    gap = starts - result.span_start[result.span_parent[spans]]
+    return result.visit_local[visits][chosen], gap[chosen]
+
+
+def test_a_cfs_quota_moves_the_tail_and_leaves_the_median():
+    fault = Fault("leaf", "saturation", "single", 4.0, 10.0, {"quota": 0.6})  # 1.2 x its use
+    result = simulate(chain_topology(), [fault], 10, 5)
+    before, _ = _leaf(result, 0.5, 4)
+    during, _ = _leaf(result, 4, 10)
+    assert np.median(during) < 1.3 * np.median(before)
+    # a few requests land after a burst spent the period's quota and wait for the next period
+    assert 0.005 < np.mean(during > before.max()) < 0.2
+    assert during.max() > 3 * before.max()
+
+
+def test_a_fluid_capacity_cut_moves_the_median_as_much_as_the_tail():
+    result = simulate(chain_topology(), [Fault("leaf", "saturation", "single", 4.0, 10.0, {"capacity": 0.5})], 10, 5)
+    before, _ = _leaf(result, 0.5, 4)
+    during, _ = _leaf(result, 4, 10)
+    assert np.median(during) > 1.8 * np.median(before)
+
+
+def test_a_cpu_hog_makes_requests_wait_before_the_server_span_starts():
+    fault = Fault("leaf", "interference", "single", 3.0, 6.0, {"factor": 20, "slice_ms": 3})
+    result = simulate(chain_topology(), [fault], 6, 2)
+    before, gap_before = _leaf(result, 0.5, 3)
+    during, gap_during = _leaf(result, 3.2, 6)
+    assert np.median(during) > 3 * np.median(before)
+    assert np.percentile(gap_during, 90) > np.percentile(gap_before, 90) + 1e6  # a slice's milliseconds
+    after, _ = _leaf(simulate(chain_topology(), [fault], 8, 2), 7, 8)
+    assert np.median(after) < 1.5 * np.median(before)  # the hog gone, the replica runs as before
+
+
+def test_scheduler_campaigns_plan_quota_and_hog_faults():
+    topology = load_topology("socialnet")
+    for name in ("single-scheduler", "multiple-scheduler"):
+        faults = plan_faults(load_scenario(name), topology, np.random.default_rng(0))
+        cpu = [f for f in faults if f.source in ("saturation", "interference")]
+        assert cpu and all("quota" in f.parameters or "slice_ms" in f.parameters for f in cpu)
+
+
+def test_a_negative_quota_is_refused():
+    scenario = {"name": "bad", "kind": "single", "duration_s": 5,
+                "faults": [{"service": "leaf", "source": "saturation", "start_s": 1, "duration_s": 1,
+                            "parameters": {"quota": -0.5}}]}
+    with pytest.raises(Exception, match="must not be negative"):
+        parse_scenario(scenario)
+
+
+def test_bootstrap_refuses_an_unknown_cpu_fault_model(tmp_path):
+    from bmeg.evaluation.bootstrap import bootstrap
+
+    with pytest.raises(ValueError, match="cpu_faults must be one of fluid, scheduler"):
+        bootstrap(tmp_path / "none.parquet", tmp_path / "run", cpu_faults="slow")
