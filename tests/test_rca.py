@@ -161,6 +161,27 @@ def test_empty_window_names_the_traces_time_range_and_a_whole_hour_slip_is_found
     assert all(r.rankings for r in shifted) and shifted[0].rankings["self-time"][0] == "pay"
 
 
+def test_a_recent_normal_period_sets_aside_a_change_that_came_before_the_fault(tmp_path):
+    """The cart service is slower than in the fixed normal period for the whole stretch (no
+    fault: what changed before the fault), the payment service only from the fault on: against
+    the fixed period the cart's larger shift comes first, against the 10 s before the fault the
+    payment service; with too few recent traces the fixed period is used."""
+    topology = parse_topology(SPEC)
+    normal = spans_of(simulate(topology, [], 10, 1), EPOCH)
+    drift = Fault("cart", "interference", "single", 0.0, 20.0, {"factor": 4.0})
+    fault = Fault("pay", "interference", "single", 10.0, 20.0, {"factor": 2.5})
+    write_spans(spans_of(simulate(topology, [drift, fault], 20, 2), EPOCH + 60 * 10**9), tmp_path / "part.parquet", "parquet")
+    files, faults = TraceFiles(tmp_path), [InjectedFault("pay", "cpu_contention", EPOCH + 70 * 10**9, "pay-x-y")]
+
+    def first(recent_minutes):
+        [result] = run_rca(files, faults, rpc_view(normal), [SelfTimeRanker()], 0.15, recent_minutes=recent_minutes)
+        return result.rankings["self-time"][0]
+
+    assert first(None) == "cart"
+    assert first(10 / 60) == "pay"
+    assert first(0.02 / 60) == "cart"  # 20 ms before the fault: a handful of traces
+
+
 def replace_start(fault: InjectedFault, hours: int) -> InjectedFault:
     from dataclasses import replace
 
