@@ -1,6 +1,6 @@
 """False alarms on fresh healthy traffic: stage 1 calibrated by the plain quantile vs the binomial bound.
 
-    python bench/healthy.py --model RUN --normal NORMAL_TRACES --healthy MORE_HEALTHY_TRACES \
+    python bench/healthy.py --model RUN --normal NORMAL_TRACES --healthy MORE_HEALTHY_TRACES [--healthy MORE ...] \
         [--anomalous ANOMALOUS_TRACES] [--json OUT]
     python bench/healthy.py --model RUN --normal D/normal.parquet --dataset D   # a testbed dataset D
 
@@ -10,7 +10,11 @@ NORMAL_TRACES that `bmeg bootstrap` used, once per rule (`bmeg.training.calibrat
 (1 - α) quantile, and the Clopper-Pearson bound at 95%), and each calibrated detector is scored
 on MORE_HEALTHY_TRACES, traces neither the twin nor the calibration saw (e.g. the testbed's
 fault-free traces recorded between fault rounds, with the campaign loading the machine).
-Prints the share of them flagged, per rule and target rate, in one run; with ANOMALOUS_TRACES
+Prints the share of them flagged, per rule and target rate, in one run (also by the model as
+bootstrapped, its own thresholds); several `--healthy` sets (e.g. recorded by `bmeg testbed
+record` at rest and with the machine loaded) are scored side by side by the same model, each
+named by its file's stem, with the services the bootstrapped model blamed (ranked first) for
+the traces it flagged; with ANOMALOUS_TRACES
 (traces labelled anomalous), the share of those flagged too: the recall each rule keeps.
 With `--dataset D` (a `bmeg generate --backend testbed` dataset), both sets come from it:
 healthy, its traces labelled fault-free that neither start nor end within `MARGIN_S` of any
@@ -59,46 +63,78 @@ def testbed_sets(dataset: Path) -> tuple[pa.Table, pa.Table]:
 RATES = (0.01, 0.005)
 
 
+def healthy_sets(paths: list[Path], dataset: Path | None) -> tuple[dict[str, pa.Table], pa.Table | None]:
+    """({name: fresh healthy spans}, anomalous spans or None): each `--healthy` file under its
+    stem, a testbed dataset's traces between fault rounds under "between-rounds"."""
+    sets = {path.stem: read_spans(path) for path in paths}
+    if len(sets) < len(paths):
+        raise SystemExit("give the --healthy files distinct names: each set is reported under its file's stem")
+    if dataset is None:
+        return sets, None
+    sets["between-rounds"], anomalous = testbed_sets(dataset)
+    return sets, anomalous
+
+
+def blamed(detector: Detector, scores) -> dict[str, int]:
+    """How many flagged traces each service was blamed for (ranked first), most first."""
+    routed = detector.route(scores)
+    flagged = np.flatnonzero(routed.anomalous)
+    first = np.where(routed.present, routed.service, -np.inf)[flagged].argmax(axis=1)
+    names, counts = np.unique(np.asarray(routed.services)[first], return_counts=True)
+    return {str(n): int(c) for n, c in sorted(zip(names, counts), key=lambda item: (-item[1], item[0]))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--normal", type=Path, required=True)
-    parser.add_argument("--healthy", type=Path, default=None)
+    parser.add_argument("--healthy", type=Path, action="append", default=[],
+                        help="fresh healthy traces; repeat for sets scored side by side (named by file stem)")
     parser.add_argument("--anomalous", type=Path, default=None)
     parser.add_argument("--dataset", type=Path, default=None, help="a testbed dataset: both sets from it")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if (args.healthy is None) == (args.dataset is None):
+    if not args.healthy and args.dataset is None:
         parser.error("give --healthy (and --anomalous) or --dataset")
-    if args.dataset is not None:
-        healthy_spans, anomalous_spans = testbed_sets(args.dataset)
-    else:
-        healthy_spans = read_spans(args.healthy)
-        anomalous_spans = read_spans(args.anomalous) if args.anomalous else None
+    if args.dataset is not None and args.anomalous is not None:
+        parser.error("--dataset brings its own anomalous traces: leave out --anomalous")
+    sets, anomalous_spans = healthy_sets(args.healthy, args.dataset)
+    if args.anomalous is not None:
+        anomalous_spans = read_spans(args.anomalous)
     loaded = Detector.load(args.model)
     uncalibrated = replace(loaded, thresholds=loaded.metrics["calibration"]["thresholds_before"])
     _, held_back = split_by_time(read_spans(args.normal), HELD_BACK)
     held_back_forest = rpc_view(held_back)
-    fresh = rpc_view(healthy_spans)
-    scores = uncalibrated.score(fresh)
+    scores = {name: uncalibrated.score(rpc_view(spans)) for name, spans in sets.items()}
     faulty = uncalibrated.score(rpc_view(anomalous_spans)) if anomalous_spans is not None else None
 
     def recall(detector: Detector) -> float | None:
         return None if faulty is None else float(detector.route(faulty).anomalous.mean())
 
-    rows = [{"rule": "uncalibrated", "rate": None, "held_back_flagged": None,
-             "fresh_flagged": float(uncalibrated.route(scores).anomalous.mean()), "recall": recall(uncalibrated)}]
+    def flagged(detector: Detector) -> dict[str, float]:
+        return {name: float(detector.route(s).anomalous.mean()) for name, s in scores.items()}
+
+    rows = [{"rule": "as bootstrapped", "rate": None, "held_back_flagged": None, "graph_threshold": loaded.thresholds["graph"],
+             "fresh_flagged": flagged(loaded), "recall": recall(loaded)},
+            {"rule": "uncalibrated", "rate": None, "held_back_flagged": None,
+             "fresh_flagged": flagged(uncalibrated), "recall": recall(uncalibrated)}]
     for rate in RATES:
         for rule, confidence in RULES.items():
             calibrated, calibration = calibrate_on_healthy(uncalibrated, held_back_forest, rate, confidence)
             rows.append({"rule": rule, "rate": rate, "held_back_flagged": calibration.flagged_after,
                          "bound_met": calibration.bound_met, "graph_threshold": calibration.after["graph"],
-                         "fresh_flagged": float(calibrated.route(scores).anomalous.mean()),
-                         "recall": recall(calibrated)})
-    result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": fresh.num_traces, "rows": rows}
+                         "fresh_flagged": flagged(calibrated), "recall": recall(calibrated)})
+    traces = {name: len(s.anomalous) for name, s in scores.items()}
+    blame = {name: blamed(loaded, s) for name, s in scores.items()}
+    result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": traces, "rows": rows,
+              "as_bootstrapped_blamed": blame}
     for row in rows:
-        print(f"{row['rule']:>12} rate {row['rate']!s:>6}: held-back flagged {row['held_back_flagged']!s:>22}, "
-              f"fresh flagged {row['fresh_flagged']:.4f} of {fresh.num_traces}, anomalous flagged {row['recall']}")
+        shares = ", ".join(f"{name} {share:.4f} of {traces[name]}" for name, share in row["fresh_flagged"].items())
+        print(f"{row['rule']:>15} rate {row['rate']!s:>6}: held-back flagged {row['held_back_flagged']!s:>22}; "
+              f"fresh flagged: {shares}; anomalous flagged {row['recall']}")
+    for name, counts in blame.items():
+        print(f"as bootstrapped, {name}: {sum(counts.values())} of {traces[name]} flagged, blamed: "
+              + (", ".join(f"{service} {count}" for service, count in counts.items()) or "none"))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

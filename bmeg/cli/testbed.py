@@ -58,6 +58,28 @@ def down(as_json) -> None:
 
 
 @testbed.command()
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), required=True,
+              help="How long to record.")
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="The span Parquet file to write.")
+@json_option
+def record(seconds, out, as_json) -> None:
+    """Record the running testbed's fault-free traffic for a time (for `bmeg bootstrap`, or
+    as fresh healthy traffic); no fault may be in force."""
+    from bmeg.faultinject.testbed.campaign import record_healthy
+    from bmeg.faultinject.testbed.system import TestbedError
+
+    try:
+        card = record_healthy(out, seconds, _testbed())
+    except TestbedError as error:
+        raise click.ClickException(str(error)) from None
+    if as_json:
+        print_json(card)
+        return
+    print_table([{"what": key, "value": card[key]} for key in ("seconds", "rate", "traces", "spans", "load_average_1_5_15")],
+                title=f"fault-free testbed traffic -> {card['out']}")
+
+
+@testbed.command()
 @json_option
 def status(as_json) -> None:
     """What runs: processes, pids, ports, CPU quotas, the load rate, faults in force."""

@@ -16,6 +16,11 @@
    `<service>-testbed-<n>`, so the default two-part pod suffix yields the service).
 SIGTERM and SIGINT undo the faults in force before the campaign exits; after a SIGKILL the
 next campaign, `up` or `down` does (the state file holds every fault's undo record).
+
+`record_healthy` (`bmeg testbed record`) is the campaign without faults: the running testbed's
+traffic for a fixed time, as it is (no fault in force, the load at the rate `up` was given),
+written as one span Parquet file of the traces that began in that time, for `bmeg bootstrap`
+or as fresh healthy traffic to count false alarms on (`bench/healthy.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import signal
 import time
 from dataclasses import asdict, replace
@@ -140,6 +146,44 @@ def run_campaign(out: str | Path, scenario: str | Path, traces: int, seed: int =
         if started_here:
             down(bed)
     return card
+
+
+def record_healthy(out: str | Path, seconds: float, testbed: Testbed | None = None) -> dict:
+    """Record the running testbed's fault-free traffic for `seconds` into the Parquet file `out`;
+    returns what was recorded. The testbed must run (`bmeg testbed up`) with its load and no
+    fault in force (a fault would make the traffic unhealthy)."""
+    if not seconds > 0:
+        raise ValueError(f"seconds must be positive, not {seconds}")
+    bed = testbed or Testbed.default()
+    state = bed.state()
+    if state is None or not all(r.alive() for r in state.processes.values() if r.role != "hog"):
+        raise TestbedError(f"the testbed on port base {bed.base} is not running (or degraded): run `bmeg testbed up` first")
+    if state.faults:
+        raise TestbedError(f"faults in force ({', '.join(sorted(state.faults))}): the traffic would not be "
+                           "fault-free; `bmeg testbed down` undoes them")
+    began = time.time_ns()
+    time.sleep(seconds)
+    ended = time.time_ns()
+    load_average = os.getloadavg()
+    time.sleep(FLUSH_S)  # the traces that began last reach the Collector's file
+    spans = traces_started_between(read_collector_spans(Path(state.spans_file)), began, ended)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(spans, out)
+    return {"out": str(out), "seconds": round((ended - began) / 1e9, 1), "rate": state.rate,
+            "traces": pc.count_distinct(spans["trace_id"]).as_py(), "spans": spans.num_rows,
+            "began_ns": began, "ended_ns": ended, "port_base": bed.base,
+            "load_average_1_5_15": [round(v, 2) for v in load_average]}
+
+
+def traces_started_between(spans: pa.Table, began: int, ended: int) -> pa.Table:
+    """The spans of the traces whose first span starts in [began, ended) (whole traces: none
+    cut by the window's edges)."""
+    if spans.num_rows == 0:
+        return spans
+    first = spans.group_by("trace_id").aggregate([("start_ns", "min")])
+    inside = pc.and_(pc.greater_equal(first["start_ns_min"], began), pc.less(first["start_ns_min"], ended))
+    return spans.filter(pc.is_in(spans["trace_id"], first["trace_id"].filter(inside)))
 
 
 def _run_episode(bed, state, faults, duration_s: float, episode: int, seed: int, first: int,
