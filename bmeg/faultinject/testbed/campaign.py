@@ -54,6 +54,9 @@ from bmeg.faultinject.testbed.system import TestbedError
 INJECT_TYPES = {"interference": "cpu_contention", "saturation": "cpu_consumed", "network": "network_delay",
                 "misconfiguration": "misconfiguration", "background": "gc_pause", "code": "exception"}
 FLUSH_S = 3.0  # the SDK's batch delay (5 s max) is cut by the services' shutdown, the Collector's by 200 ms
+#: a recording's last traces reach the Collector's file within the SDK's batch delay (5 s, the
+#: services keep running), the Collector's batch (200 ms) and its file's flush (500 ms)
+RECORD_FLUSH_S = 7.0
 
 
 def load_testbed_scenario(path: Path) -> tuple[Scenario, float]:
@@ -165,7 +168,7 @@ def record_healthy(out: str | Path, seconds: float, testbed: Testbed | None = No
     time.sleep(seconds)
     ended = time.time_ns()
     load_average = os.getloadavg()
-    time.sleep(FLUSH_S)  # the traces that began last reach the Collector's file
+    time.sleep(RECORD_FLUSH_S)
     spans = traces_started_between(read_collector_spans(Path(state.spans_file)), began, ended)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
