@@ -89,8 +89,10 @@ MIN_CALIBRATION_TRACES = 64
 #: A window is compared with the latest this many traces before it (on the testbed at 100 traces/s,
 #: 3 s: the gap between two of its fault rounds) ...
 RECENT_TRACES = 300
-#: ... begun at most this long before the window ...
-RECENT_MAX_AGE_S = 600.0
+#: ... begun at most this long before the window: older traffic is no baseline for what changed at
+#: its start (the dev-set check found it: Nezha keeps traces only around its faults, so the latest
+#: 300 before a fault were the previous fault's window, 8 minutes earlier, on the same service) ...
+RECENT_MAX_AGE_S = 60.0
 #: ... and with at least this many (fewer are too noisy: the fixed normal period is used).
 MIN_RECENT_TRACES = 100
 #: The spans a streaming caller keeps of its recent traffic (`RecentTraffic`), in bytes.
