@@ -84,14 +84,15 @@ class Diagnosis(BaseModel):
     ranking: list[ServiceScore] | None = Field(
         None, description="Services ranked over all the traces given (window mode)."
     )
-    window_method: Literal["normal-period", "mean-node-score"] | None = Field(
+    window_method: Literal["normal-period", "recent-traffic", "mean-node-score"] | None = Field(
         None, description="How the window was ranked (window mode): `normal-period`, bmeg's ranker against a "
                           "fault-free period of the application (the normal traces a `bmeg bootstrap` run keeps, "
-                          "or `--normal`); `mean-node-score`, the detector's mean node score, with no normal "
+                          "or `--normal`); `recent-traffic`, the same ranker against the latest traces the server "
+                          "received before the window (its health still against the normal period); `mean-node-score`, the detector's mean node score, with no normal "
                           "period at hand (a `bmeg train` run): weaker, it follows where traces spend their time."
     )
     window_health: WindowHealth | None = Field(
-        None, description="With `normal-period`: whether the window changed at all; when healthy, no service "
+        None, description="With `normal-period` or `recent-traffic`: whether the window changed at all; when healthy, no service "
                           "in `ranking` is marked a bottleneck."
     )
 

@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from click.testing import CliRunner
@@ -198,3 +199,58 @@ def test_the_cached_run_follows_the_normal_traces_not_only_their_path(tmp_path):
     before = cached_run_dir(folder)
     (folder / "b.csv").write_text("2")
     assert cached_run_dir(folder) != before
+
+
+def test_the_server_ranks_a_window_against_the_traffic_just_before_it(bootstrapped):
+    """The stream's own recent traffic replaces the kept normal period where it holds enough
+    traces: the geo service slowed (no fault: a change that came before) from the start, the
+    profile service only from the window on. Against the kept normal period the drift is a
+    change too; against the traffic before the window only the profile service changed."""
+    from bmeg.faultinject import Fault, simulate, spans_of
+    from bmeg.models.history import StreamedDetector
+    from bmeg.models.window import MIN_RECENT_TRACES, latest_before
+
+    _, _, run_dir, _, _ = bootstrapped
+    topology = load_topology("hotelreservation")
+    topology = topology.model_copy(update={"workload": topology.workload.model_copy(update={"rate": 60})})
+    drift = Fault("geo", "interference", "single", 0.0, 16.0, {"factor": 5.0})
+    fault = Fault("profile", "interference", "single", 8.0, 16.0, {"factor": 5.0})
+    spans = spans_of(simulate(topology, [drift, fault], 16, 5), 1_700_000_000 * 10**9)
+    start = pc.min(spans["start_ns"]).as_py() + 8 * 10**9
+    first = spans.group_by("trace_id").aggregate([("start_ns", "min")])
+    window_ids = first.filter(pc.greater_equal(first["start_ns_min"], start))["trace_id"]
+    window = spans.filter(pc.is_in(spans["trace_id"], window_ids))
+    before = spans.filter(pc.invert(pc.is_in(spans["trace_id"], window_ids)))
+
+    streamed = StreamedDetector(Detector.load(run_dir, device="cpu"))
+    alone = streamed.diagnose(window, window=True)  # nothing served yet: the kept normal period
+    assert alone.window_method == "normal-period"
+    for part in range(0, before.num_rows, 500):  # served as they came, in batches
+        streamed.diagnose(before.slice(part, 500))
+    recent = streamed.diagnose(window, window=True)
+    assert recent.window_method == "recent-traffic"
+    assert rpc_view(latest_before(before, start)).num_traces >= MIN_RECENT_TRACES
+    expected, _ = streamed.window_ranker.against(latest_before(before, start)).ranking(window)
+    assert recent.ranking == expected  # the rule `bmeg evaluate rca --recent-traces` measures
+    assert recent.ranking[0].service == "profile"
+    assert alone.ranking[0].service == "geo"  # against the kept normal period the drift comes first
+
+
+def test_recent_traffic_keeps_the_latest_traces_within_its_bytes():
+    from bmeg.models.window import RecentTraffic, latest_before
+
+    spans = load_dataset("hotelreservation", traces=60, imbalance=0.0, seed=4, progress=False).spans
+    first = spans.group_by("trace_id").aggregate([("start_ns", "min")]).sort_by("start_ns_min")
+    ids, starts = first["trace_id"].to_pylist(), first["start_ns_min"].to_pylist()
+    chosen = latest_before(spans, starts[40], traces=10)
+    assert set(chosen["trace_id"].to_pylist()) == set(ids[30:40])
+    assert latest_before(spans, starts[40], traces=10, max_age_s=(starts[40] - starts[35]) / 1e9).column(
+        "trace_id").unique().to_pylist() == ids[35:40]
+    traffic = RecentTraffic(max_bytes=spans.nbytes * 2)
+    for part in range(3):  # the oldest copy is let go: twice the bytes fit
+        traffic.record(spans)
+    window = spans.filter(pc.is_in(spans["trace_id"], pa.array(ids[40:])))
+    kept = traffic.before(window)
+    assert set(kept["trace_id"].to_pylist()) == set(ids[:40])  # none of the window's own, none after
+    assert traffic._bytes <= traffic.max_bytes
+    assert RecentTraffic().before(window).num_rows == 0

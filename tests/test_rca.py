@@ -173,13 +173,16 @@ def test_a_recent_normal_period_sets_aside_a_change_that_came_before_the_fault(t
     write_spans(spans_of(simulate(topology, [drift, fault], 20, 2), EPOCH + 60 * 10**9), tmp_path / "part.parquet", "parquet")
     files, faults = TraceFiles(tmp_path), [InjectedFault("pay", "cpu_contention", EPOCH + 70 * 10**9, "pay-x-y")]
 
-    def first(recent_minutes):
-        [result] = run_rca(files, faults, rpc_view(normal), [SelfTimeRanker()], 0.15, recent_minutes=recent_minutes)
+    def first(recent_minutes=None, recent_traces=None):
+        [result] = run_rca(files, faults, rpc_view(normal), [SelfTimeRanker()], 0.15, recent_minutes=recent_minutes,
+                           recent_traces=recent_traces)
         return result.rankings["self-time"][0]
 
-    assert first(None) == "cart"
+    assert first() == "cart"
     assert first(10 / 60) == "pay"
     assert first(0.02 / 60) == "cart"  # 20 ms before the fault: a handful of traces
+    assert first(recent_traces=300) == "pay"  # the latest 300 traces before it, as the server ranks a window
+    assert first(recent_traces=50) == "cart"  # fewer than MIN_RECENT_TRACES
 
 
 def replace_start(fault: InjectedFault, hours: int) -> InjectedFault:

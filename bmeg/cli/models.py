@@ -127,6 +127,7 @@ def print_diagnosis(diagnosis) -> None:
 #: How `print_diagnosis` names each `Diagnosis.window_method`.
 WINDOW_METHOD_WORDS = {
     "normal-period": "ranked against the normal period",
+    "recent-traffic": "ranked against the traffic just before it",
     "mean-node-score": "by the mean node score: no normal traces; give --normal or a `bmeg bootstrap` run",
     "": "",
 }

@@ -152,12 +152,16 @@ def evaluate() -> None:
 @click.option("--recent-minutes", type=float, default=None,
               help="Compare each window with the traces of this many minutes before its fault "
                    "(default: with --normal; --normal is still used where those are too few).")
+@click.option("--recent-traces", type=int, default=None,
+              help="Compare each window with the latest this many traces before its fault, as the REST "
+                   "server ranks a window (300 there; --normal where fewer than 100).")
 @click.option("--published/--no-published", default=True, show_default=True,
               help="Run RCAEval's TraceRCA and MicroRank too (when the `eval` extra is installed).")
 @format_option
 @json_option
 def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path | None, window_minutes: float,
-        pod_suffix_parts: int, offset_hours: int, recent_minutes: float | None, published: bool,
+        pod_suffix_parts: int, offset_hours: int, recent_minutes: float | None, recent_traces: int | None,
+        published: bool,
         input_format: str | None, as_json: bool) -> None:
     """Rank root-cause services after each injected fault; AC@k for bmeg and the baselines."""
     from bmeg.evaluation.bootstrap import cached_bootstrap
@@ -178,7 +182,7 @@ def rca(traces_path: Path, faults_path: Path, normal_path: Path, run_dir: Path |
         files = TraceFiles(traces_path, input_format, progress=not as_json)
         slip = hour_offset(files, faults, window_minutes)
         results = run_rca(files, faults, normal, rankers, window_minutes, progress=not as_json,
-                          offset_hours=offset_hours, recent_minutes=recent_minutes)
+                          offset_hours=offset_hours, recent_minutes=recent_minutes, recent_traces=recent_traces)
     except (TraceInputError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     summary = report(results, [r.name for r in rankers], files, window_minutes)

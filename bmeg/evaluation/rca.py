@@ -12,12 +12,13 @@ the most faults' windows over the trace files; where it puts more there than no 
 report says so (and `run_rca(..., offset_hours=...)` applies a shift the user confirms).
 
 The normal period is one fixed set of fault-free traces, or, with `recent_minutes`, the traces
-of the minutes just before each fault (RCAEval's cases are laid out so: normal data, then the
+of the minutes just before each fault, or, with `recent_traces`, the latest that many traces
+before it (`bmeg.models.window.latest_before`: the rule the REST server's window ranking follows) (RCAEval's cases are laid out so: normal data, then the
 injection), the same for every ranker. A fixed period can differ from the hours of the faults
 for reasons that are no fault: on the testbed the entry service's own time was twice its
 calibration phase's in the campaign's healthy traces too (README, testbed, session 9), and a
-time-shift ranker then puts it first. A fault whose recent minutes hold fewer than
-`MIN_RECENT_TRACES` traces is compared with the fixed period.
+time-shift ranker then puts it first. A fault whose recent traces are fewer than
+`MIN_RECENT_TRACES` is compared with the fixed period.
 """
 
 from __future__ import annotations
@@ -34,14 +35,13 @@ from bmeg.models.normal import NormalStats
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view
+from bmeg.models.window import MIN_RECENT_TRACES, RECENT_MAX_AGE_S, latest_before
 from bmeg.training.metrics import accuracy_at_k, average_at_k
 
 DEFAULT_WINDOW_MINUTES = 2.0
 HOUR_NS = 3600 * 10**9
 #: Time-zone offsets tried by `hour_offset` (UTC-12 to UTC+14, either way round).
 MAX_OFFSET_HOURS = 14
-#: A recent normal period with fewer traces than this is too noisy: the fixed one is used.
-MIN_RECENT_TRACES = 100
 
 
 @dataclass
@@ -99,11 +99,13 @@ def hour_offset(files: TraceFiles, faults: Sequence[InjectedFault],
 
 def run_rca(files: TraceFiles, faults: Sequence[InjectedFault], normal: SpanForest, rankers: Sequence[Ranker],
             window_minutes: float = DEFAULT_WINDOW_MINUTES, progress: bool = False,
-            offset_hours: int = 0, recent_minutes: float | None = None) -> list[FaultResult]:
+            offset_hours: int = 0, recent_minutes: float | None = None,
+            recent_traces: int | None = None) -> list[FaultResult]:
     """Rank services for each fault with every ranker; faults with an empty window get no rankings.
     `offset_hours` shifts every fault's time (a fault list written in another time zone);
-    `recent_minutes` compares each window with the traces of that many minutes before its fault
-    (the fixed `normal` period where they are fewer than `MIN_RECENT_TRACES`)."""
+    `recent_minutes` compares each window with the traces of that many minutes before its fault,
+    `recent_traces` with the latest that many before it (the fixed `normal` period where they are
+    fewer than `MIN_RECENT_TRACES`)."""
     fixed = NormalStats.from_forest(rpc_view(normal))
     length_ns = int(window_minutes * 60e9)
     results = []
@@ -112,15 +114,23 @@ def run_rca(files: TraceFiles, faults: Sequence[InjectedFault], normal: SpanFore
         window = rpc_view(files.window(fault.start_ns, fault.start_ns + length_ns))
         result = FaultResult(fault, window.num_traces)
         if window.num_traces:
-            stats = fixed if recent_minutes is None else _recent_normal(files, fault.start_ns, recent_minutes, fixed)
+            stats = _recent_normal(files, fault.start_ns, fixed, recent_minutes, recent_traces)
             result.rankings = {ranker.name: [s for s, _ in ranker.rank(window, stats)] for ranker in rankers}
         results.append(result)
     return results
 
 
-def _recent_normal(files: TraceFiles, start_ns: int, minutes: float, fixed: NormalStats) -> NormalStats:
-    """The normal period of the `minutes` before `start_ns`, or `fixed` where it is too thin."""
-    recent = rpc_view(files.window(start_ns - int(minutes * 60e9), start_ns))
+def _recent_normal(files: TraceFiles, start_ns: int, fixed: NormalStats, minutes: float | None,
+                   traces: int | None) -> NormalStats:
+    """The normal period of the `minutes` before `start_ns`, or of the latest `traces` before it,
+    or `fixed` where neither is asked for or it is too thin."""
+    if traces is not None:
+        spans = latest_before(files.window(start_ns - int(RECENT_MAX_AGE_S * 1e9), start_ns), start_ns, traces)
+    elif minutes is not None:
+        spans = files.window(start_ns - int(minutes * 60e9), start_ns)
+    else:
+        return fixed
+    recent = rpc_view(spans)
     return NormalStats.from_forest(recent) if recent.num_traces >= MIN_RECENT_TRACES else fixed
 
 

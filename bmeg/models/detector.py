@@ -35,7 +35,7 @@ from bmeg.models.graphset import GraphSet
 from bmeg.models.history import Observation, StreamHistory
 from bmeg.models.inference import limit_cpu_threads, predict_proba, resolve_device
 from bmeg.models.router import Router, distinct_paths
-from bmeg.models.window import WINDOW_MEAN_NODE_SCORE, WINDOW_NORMAL_PERIOD, WindowRanker
+from bmeg.models.window import WINDOW_MEAN_NODE_SCORE, WindowRanker
 from bmeg.models.svm import (
     CulpritScorer,
     FirmSVM,
@@ -280,7 +280,7 @@ class Detector:
         ranking, method, health = None, None, None
         if window and ranker is not None:
             ranking, health = self._ranked_against_normal(ranker, forest, scores, replay)
-            method = WINDOW_NORMAL_PERIOD
+            method = ranker.method
         elif window:
             ranking, method = self._window_ranking(scores), WINDOW_MEAN_NODE_SCORE
         return {

@@ -18,8 +18,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
-from bmeg.models.window import WindowRanker
+from bmeg.graphs import SpanForest
+
+from bmeg.models.window import RecentTraffic, WindowRanker
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,11 @@ class StreamedDetector:
 
     `diagnose` passes the history to `Detector.diagnose`, which reads it and records the batch
     into it. Calls must be serialised (they change the history); the detector itself is shared.
-    A window (`diagnose(window=True)`) is ranked against the normal traces the detector's run
-    keeps (`bmeg.models.window.WindowRanker.of_run`, read here, once, when the model loads),
-    else by the mean node score; the window's ranking never reads the stream's history.
+    A window (`diagnose(window=True)`) is ranked against the latest traces the stream served
+    before it (`bmeg.models.window.RecentTraffic`, `WindowRanker.against`), else, where those are
+    too few, against the normal traces the detector's run keeps (`WindowRanker.of_run`, read
+    here, once, when the model loads); with no kept normal traces, by the mean node score. The
+    window's ranking never reads the stream's feature history.
     """
 
     def __init__(self, detector: Any):
@@ -79,6 +84,7 @@ class StreamedDetector:
         self.application: str = detector.application
         self.run_dir = detector.run_dir
         self.window_ranker = WindowRanker.of_run(detector)
+        self.recent = RecentTraffic()
 
     @property
     def version(self) -> str:
@@ -90,5 +96,14 @@ class StreamedDetector:
         return list(self.detector.services)
 
     def diagnose(self, spans: Any, window: bool = False) -> Any:
-        return self.detector.diagnose(spans, window=window, history=self.history,
-                                      ranker=self.window_ranker if window else None)
+        ranker = None
+        if window and self.window_ranker is not None:
+            ranker = self.window_ranker.against(self.recent.before(_table(spans)))
+        diagnosis = self.detector.diagnose(spans, window=window, history=self.history, ranker=ranker)
+        if self.window_ranker is not None:  # only a ranker against a normal period reads it
+            self.recent.record(_table(spans))
+        return diagnosis
+
+
+def _table(spans: pa.Table | SpanForest) -> pa.Table:
+    return spans.spans if isinstance(spans, SpanForest) else spans

@@ -19,10 +19,24 @@ or `WINDOW_MEAN_NODE_SCORE`).
 A window's ranking is scored as a recorded stream (each trace reads the window's earlier
 traces, `Detector.score(replay=True)`), never the server's stream history, so the same traces
 get the same ranking at every door.
+
+The stream's recent traffic. A fixed normal period can stop being the application's normal for
+reasons that are no fault (on the testbed the entry service's own time doubled between the
+calibration phase and the campaign, README), and a time-shift ranker then names what drifted. A
+streaming caller (the REST server) keeps the traces it served (`RecentTraffic`) and compares a
+window with the latest `RECENT_TRACES` of them begun before the window's first trace
+(`latest_before`, `WindowRanker.against`): their statistics and the detector's scores of them
+replace the fixed period's; the detector's feature baselines and the health bound stay the fixed
+period's. Where fewer than `MIN_RECENT_TRACES` are at hand the fixed period is used. `bmeg
+evaluate rca --recent-traces N` measures the same rule on recorded faults. A fault that lasts
+longer than the recent traffic it is compared with becomes its own baseline: this compares a
+window with what came just before it, so it answers "what changed at the window's start".
 """
 
 from __future__ import annotations
 
+import copy
+from collections import deque
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -49,6 +63,8 @@ Scores = Any
 
 #: `Diagnosis.window_method` of a window ranked by `WindowRanker` against a normal period.
 WINDOW_NORMAL_PERIOD = "normal-period"
+#: ... against the stream's traffic just before it (`WindowRanker.against`).
+WINDOW_RECENT_TRAFFIC = "recent-traffic"
 #: ... of a window ranked by the detector's mean node score (no normal period at hand).
 WINDOW_MEAN_NODE_SCORE = "mean-node-score"
 
@@ -70,6 +86,17 @@ CALIBRATION_SPLITS = 4
 #: means over a handful of traces vary so much that the bound would call faulty windows healthy
 #: (16-trace windows: a bound of 4.7 log2, above a Hotel Reservation window with 30% of faults).
 MIN_CALIBRATION_TRACES = 64
+#: A window is compared with the latest this many traces before it (on the testbed at 100 traces/s,
+#: 3 s: the gap between two of its fault rounds) ...
+RECENT_TRACES = 300
+#: ... begun at most this long before the window: older traffic is no baseline for what changed at
+#: its start (the dev-set check found it: Nezha keeps traces only around its faults, so the latest
+#: 300 before a fault were the previous fault's window, 8 minutes earlier, on the same service) ...
+RECENT_MAX_AGE_S = 60.0
+#: ... and with at least this many (fewer are too noisy: the fixed normal period is used).
+MIN_RECENT_TRACES = 100
+#: The spans a streaming caller keeps of its recent traffic (`RecentTraffic`), in bytes.
+RECENT_BYTES = 32 * 1024 * 1024
 
 
 class WindowRanker:
@@ -82,7 +109,8 @@ class WindowRanker:
         self.stats = NormalStats.from_forest(forest)
         self.detector = with_normal_baselines(detector, forest)
         self.normal_scores = self.detector.score(forest, replay=True)
-        self.health = HealthBound.of(forest)
+        self.health, self.health_stats = HealthBound.of(forest), self.stats
+        self.method = WINDOW_NORMAL_PERIOD
 
     @classmethod
     def of_run(cls, detector: Detector) -> WindowRanker | None:
@@ -92,6 +120,19 @@ class WindowRanker:
         if kept is None or not kept.is_file():
             return None
         return cls(detector, read_spans(kept, format="parquet"))
+
+    def against(self, recent: pa.Table) -> WindowRanker:
+        """This ranker comparing windows with `recent` (the stream's traffic just before a window,
+        `latest_before`) instead of the fixed period, where it holds at least `MIN_RECENT_TRACES`
+        complete traces; else this ranker itself. The health bound stays the fixed period's."""
+        forest = rpc_view(recent)
+        if forest.num_traces < MIN_RECENT_TRACES:
+            return self
+        ranker = copy.copy(self)
+        ranker.stats = NormalStats.from_forest(forest)
+        ranker.normal_scores = self.detector.score(forest, replay=True)
+        ranker.method = WINDOW_RECENT_TRAFFIC
+        return ranker
 
     def scores_reusable(self, encoder: FeatureEncoder) -> bool:
         """Whether a detector with `encoder` scores a window as this ranker's detector does (its
@@ -112,10 +153,51 @@ class WindowRanker:
         calibrate it: then the first is the bottleneck, as before). The first is the bottleneck, unless the window is healthy: then none is."""
         view = rpc_view(window)
         ranked = self.rank(view, window_scores)
-        health = None if self.health is None else self.health.check(self.stats, view)
+        health = None if self.health is None else self.health.check(self.health_stats, view)
         named = health is None or not health.healthy
         return [ServiceScore(service=service, score=1.0 / rank, bottleneck=named and rank == 1)
                 for rank, (service, _) in enumerate(ranked, start=1)], health
+
+
+def latest_before(spans: pa.Table, start_ns: int, traces: int = RECENT_TRACES,
+                  max_age_s: float = RECENT_MAX_AGE_S) -> pa.Table:
+    """The spans of the latest `traces` traces of `spans` whose first span began before `start_ns`,
+    at most `max_age_s` before it."""
+    if spans.num_rows == 0:
+        return spans
+    first = spans.group_by("trace_id").aggregate([("start_ns", "min")])
+    starts = first["start_ns_min"].to_numpy()
+    before = np.flatnonzero((starts < start_ns) & (starts >= start_ns - int(max_age_s * 1e9)))
+    latest = before[np.argsort(starts[before], kind="stable")[-traces:]] if traces > 0 else before[:0]
+    return spans.filter(pc.is_in(spans["trace_id"], first["trace_id"].take(pa.array(latest, pa.int64()))))
+
+
+class RecentTraffic:
+    """The spans a streaming caller served lately, at most `max_bytes` of them (the oldest
+    batches are let go first), to compare a window with (`before`)."""
+
+    def __init__(self, max_bytes: int = RECENT_BYTES):
+        self.max_bytes = max_bytes
+        self._batches: deque[tuple[pa.Table, int]] = deque()
+        self._bytes = 0
+
+    def record(self, spans: pa.Table) -> None:
+        size = spans.nbytes
+        if spans.num_rows == 0 or size > self.max_bytes:
+            return
+        self._batches.append((spans, size))
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            self._bytes -= self._batches.popleft()[1]
+
+    def before(self, window: pa.Table) -> pa.Table:
+        """The latest traces begun before the window's first span (`latest_before`), the
+        window's own traces left out (a trace served before may come again in a window)."""
+        if not self._batches or window.num_rows == 0:
+            return window.slice(0, 0)
+        kept = pa.concat_tables([batch for batch, _ in self._batches], promote_options="permissive")
+        kept = kept.filter(pc.invert(pc.is_in(kept["trace_id"], pc.unique(window["trace_id"]))))
+        return latest_before(kept, int(pc.min(window["start_ns"]).as_py()))
 
 
 class WindowDetector:
