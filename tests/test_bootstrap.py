@@ -201,11 +201,13 @@ def test_the_cached_run_follows_the_normal_traces_not_only_their_path(tmp_path):
     assert cached_run_dir(folder) != before
 
 
-def test_the_server_ranks_a_window_against_the_traffic_just_before_it(bootstrapped):
+def test_the_server_ranks_a_window_against_the_traffic_just_before_it(bootstrapped, tmp_path):
     """The stream's own recent traffic replaces the kept normal period where it holds enough
     traces: the geo service slowed (no fault: a change that came before) from the start, the
     profile service only from the window on. Against the kept normal period the drift is a
     change too; against the traffic before the window only the profile service changed."""
+    from datetime import UTC, datetime
+
     from bmeg.faultinject import Fault, simulate, spans_of
     from bmeg.models.history import StreamedDetector
     from bmeg.models.window import MIN_RECENT_TRACES, latest_before
@@ -235,6 +237,19 @@ def test_the_server_ranks_a_window_against_the_traffic_just_before_it(bootstrapp
     assert recent.ranking[0].service == "profile"
     assert alone.ranking[0].service == "geo"  # against the kept normal period the drift comes first
 
+    # a recording of the same stream, its window named by time: ranked as the server ranked it
+    recorded = bmeg.diagnose(spans, model=run_dir, since_ns=start)
+    assert recorded.window_method == "recent-traffic" and recorded.ranking == recent.ranking
+    assert {trace.trace_id for trace in recorded.traces} == set(window_ids.to_pylist())
+    write_spans(spans, tmp_path / "stream.parquet", "parquet")
+    since = datetime.fromtimestamp(start / 1e9, UTC).isoformat()
+    command = CliRunner().invoke(main, ["diagnose", str(tmp_path / "stream.parquet"), "--model", str(run_dir),
+                                        "--since", since, "--json"])
+    assert command.exit_code == 0, command.output
+    assert json.loads(command.output)["ranking"][0]["service"] == "profile"
+    bad = CliRunner().invoke(main, ["diagnose", str(tmp_path / "stream.parquet"), "--model", str(run_dir), "--since", "noon"])
+    assert bad.exit_code != 0 and "neither Unix seconds nor an ISO 8601 time" in bad.output
+
 
 def test_recent_traffic_keeps_the_latest_traces_within_its_bytes():
     from bmeg.models.window import RecentTraffic, latest_before
@@ -254,3 +269,11 @@ def test_recent_traffic_keeps_the_latest_traces_within_its_bytes():
     assert set(kept["trace_id"].to_pylist()) == set(ids[:40])  # none of the window's own, none after
     assert traffic._bytes <= traffic.max_bytes
     assert RecentTraffic().before(window).num_rows == 0
+
+
+def test_since_reads_unix_seconds_and_iso_times_to_the_nanosecond():
+    from bmeg.cli.models import _time_ns
+
+    assert _time_ns("1700000000.123456789") == 1_700_000_000_123_456_789
+    assert _time_ns("2023-11-14T22:13:20Z") == _time_ns("2023-11-15T00:13:20+02:00") == 1_700_000_000 * 10**9
+    assert _time_ns("2023-11-14T22:13:20.5") == 1_700_000_000_500_000_000  # no zone: UTC

@@ -82,9 +82,13 @@ def _given(**options) -> dict:
 @click.option("--normal", "normal_path", type=click.Path(exists=True, path_type=Path), default=None,
               help="Traces of a fault-free period of the same application: the window's ranking compares "
                    "with it (bmeg's ranker, as `bmeg evaluate rca` measures it). Implies --window.")
+@click.option("--since", "since", default=None, metavar="TIME",
+              help="Diagnose only the traces begun from TIME on (ISO 8601, UTC unless it says; or Unix "
+                   "seconds), as a window ranked against the latest 300 earlier traces of SOURCE (within "
+                   "60 s), as the server ranks a window against the traffic before it. Implies --window.")
 @json_option
 def diagnose(source: Path, run_dir: Path | None, input_format: str | None, window: bool, normal_path: Path | None,
-             as_json: bool) -> None:
+             since: str | None, as_json: bool) -> None:
     """Diagnose the traces in SOURCE (a file or a folder of trace files)."""
     import bmeg
     from bmeg.models.checkpoint import CheckpointError
@@ -93,13 +97,31 @@ def diagnose(source: Path, run_dir: Path | None, input_format: str | None, windo
 
     try:
         normal = None if normal_path is None else read_spans(normal_path, format=input_format)
-        diagnosis = bmeg.diagnose(read_spans(source, format=input_format), model=run_dir, window=window, normal=normal)
+        diagnosis = bmeg.diagnose(read_spans(source, format=input_format), model=run_dir, window=window, normal=normal,
+                                  since_ns=None if since is None else _time_ns(since))
     except (CheckpointError, TraceInputError) as error:
         raise click.ClickException(str(error)) from error
     if as_json:
         print_json(diagnosis.model_dump(mode="json"))
         return
     print_diagnosis(diagnosis)
+
+
+def _time_ns(text: str) -> int:
+    """Unix seconds or an ISO 8601 time (UTC when it names no zone), in nanoseconds."""
+    from datetime import UTC, datetime, timedelta
+    from decimal import Decimal, InvalidOperation
+
+    try:
+        return int(Decimal(text) * 10**9)  # exact: a float has no nanoseconds left at today's seconds
+    except InvalidOperation:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError as error:
+        raise click.BadParameter(f"{text!r} is neither Unix seconds nor an ISO 8601 time", param_hint="--since") from error
+    since_epoch = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)) - datetime(1970, 1, 1, tzinfo=UTC)
+    return since_epoch // timedelta(microseconds=1) * 1000
 
 
 def print_diagnosis(diagnosis) -> None:

@@ -172,6 +172,13 @@ def latest_before(spans: pa.Table, start_ns: int, traces: int = RECENT_TRACES,
     return spans.filter(pc.is_in(spans["trace_id"], first["trace_id"].take(pa.array(latest, pa.int64()))))
 
 
+def traces_from(spans: pa.Table, start_ns: int) -> pa.Table:
+    """The spans of the traces of `spans` whose first span began at or after `start_ns`."""
+    first = spans.group_by("trace_id").aggregate([("start_ns", "min")])
+    later = first.filter(pc.greater_equal(first["start_ns_min"], start_ns))["trace_id"]
+    return spans.filter(pc.is_in(spans["trace_id"], later))
+
+
 class RecentTraffic:
     """The spans a streaming caller served lately, at most `max_bytes` of them (the oldest
     batches are let go first), to compare a window with (`before`)."""
