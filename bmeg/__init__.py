@@ -28,7 +28,8 @@ def diagnose(spans, model=None, window: bool = False, normal=None, since_ns: int
     """
     from bmeg.mitigation.planner import suggest
     from bmeg.models.detector import Detector, default_run_dir
-    from bmeg.models.window import WindowRanker, latest_before, traces_from
+    from bmeg.models.window import WindowRanker, latest_before
+    from bmeg.traces.schema import traces_begun_between
 
     detector = model if isinstance(model, Detector) else Detector.load(model or default_run_dir())
     window = window or normal is not None or since_ns is not None
@@ -40,5 +41,5 @@ def diagnose(spans, model=None, window: bool = False, normal=None, since_ns: int
     if since_ns is not None:
         if ranker is not None:
             ranker = ranker.against(latest_before(spans, since_ns))
-        spans = traces_from(spans, since_ns)
+        spans = traces_begun_between(spans, since_ns)
     return suggest(detector.diagnose(spans, window=window, replay=True, ranker=ranker))

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bmeg.cli import main
-from bmeg.faultinject.testbed.campaign import record_healthy, traces_started_between
+from bmeg.faultinject.testbed.campaign import record_healthy
+from bmeg.traces.schema import traces_begun_between
 from bmeg.faultinject.testbed.state import Testbed, TestbedState
 from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.system import SOURCE_ROOT
@@ -34,7 +35,7 @@ needs_testbed = [
 def test_keeps_whole_traces_that_begin_in_the_window(rows, began, ended):
     spans = pa.table({"trace_id": pa.array([f"t{t}" for t, _ in rows], pa.string()),
                       "start_ns": pa.array([s for _, s in rows], pa.int64())})
-    kept = traces_started_between(spans, began, ended)
+    kept = traces_begun_between(spans, began, ended)
     first: dict[str, int] = {}
     for trace, start in rows:
         first[f"t{trace}"] = min(start, first.get(f"t{trace}", start))

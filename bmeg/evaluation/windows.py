@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from bmeg.traces.errors import TraceInputError
 from bmeg.traces.io import read_spans
-from bmeg.traces.schema import empty_span_table
+from bmeg.traces.schema import empty_span_table, trace_starts, traces_begun_between
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,6 @@ class TraceFiles:
             return empty_span_table()
         if self._held is None or self._held[0] != paths:
             table = pa.concat_tables([self._read(path) for path in paths])
-            self._held = (paths, table, table.group_by("trace_id").aggregate([("start_ns", "min")]))
+            self._held = (paths, table, trace_starts(table))
         _, table, first = self._held
-        starts = first["start_ns_min"].to_numpy()
-        inside = first["trace_id"].filter(pa.array((starts >= start_ns) & (starts < end_ns)))
-        return table.filter(pc.is_in(table["trace_id"], inside))
+        return traces_begun_between(table, start_ns, end_ns, starts=first)

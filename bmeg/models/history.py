@@ -21,7 +21,6 @@ import pandas as pd
 import pyarrow as pa
 
 from bmeg.graphs import SpanForest
-
 from bmeg.models.window import RecentTraffic, WindowRanker
 
 

@@ -55,6 +55,7 @@ from bmeg.models.normal import NormalStats, Ranking
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.traces import TraceInputError
 from bmeg.traces.io import read_spans
+from bmeg.traces.schema import trace_starts
 
 #: `bmeg.models.detector.Detector` and its `Scores`, by duck type: the detector module uses this
 #: one, never the other way round.
@@ -165,18 +166,11 @@ def latest_before(spans: pa.Table, start_ns: int, traces: int = RECENT_TRACES,
     at most `max_age_s` before it."""
     if spans.num_rows == 0:
         return spans
-    first = spans.group_by("trace_id").aggregate([("start_ns", "min")])
+    first = trace_starts(spans)
     starts = first["start_ns_min"].to_numpy()
     before = np.flatnonzero((starts < start_ns) & (starts >= start_ns - int(max_age_s * 1e9)))
     latest = before[np.argsort(starts[before], kind="stable")[-traces:]] if traces > 0 else before[:0]
     return spans.filter(pc.is_in(spans["trace_id"], first["trace_id"].take(pa.array(latest, pa.int64()))))
-
-
-def traces_from(spans: pa.Table, start_ns: int) -> pa.Table:
-    """The spans of the traces of `spans` whose first span began at or after `start_ns`."""
-    first = spans.group_by("trace_id").aggregate([("start_ns", "min")])
-    later = first.filter(pc.greater_equal(first["start_ns_min"], start_ns))["trace_id"]
-    return spans.filter(pc.is_in(spans["trace_id"], later))
 
 
 class RecentTraffic:

@@ -63,3 +63,22 @@ def span_keys(table: pa.Table) -> np.ndarray:
     """`trace_id/span_id` of each row of a table with both columns (spans, node labels): a span's
     key across tables whose rows are in different orders."""
     return pc.binary_join_element_wise(table["trace_id"], table["span_id"], "/").to_numpy(zero_copy_only=False)
+
+
+def trace_starts(spans: pa.Table) -> pa.Table:
+    """Each trace of a span table and when it began (its earliest span): `trace_id`, `start_ns_min`."""
+    return spans.group_by("trace_id").aggregate([("start_ns", "min")])
+
+
+def traces_begun_between(spans: pa.Table, begin_ns: int | None = None, end_ns: int | None = None,
+                         starts: pa.Table | None = None) -> pa.Table:
+    """The spans of the traces whose earliest span began in [begin_ns, end_ns) (an open end where
+    None): whole traces, none cut at the edges. `starts`: `trace_starts(spans)`, when at hand."""
+    first = trace_starts(spans) if starts is None else starts
+    began = first["start_ns_min"].to_numpy()
+    inside = np.ones(len(began), dtype=bool)
+    if begin_ns is not None:
+        inside &= began >= begin_ns
+    if end_ns is not None:
+        inside &= began < end_ns
+    return spans.filter(pc.is_in(spans["trace_id"], first["trace_id"].filter(pa.array(inside))))

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 from scipy.special import gammaln
 
 from bmeg.graphs import SpanForest
+from bmeg.traces.schema import trace_starts
 
 #: The share of healthy traces stage 1 may flag.
 DEFAULT_FALSE_ALARM_RATE = 0.01
@@ -45,7 +46,7 @@ def split_by_time(spans: pa.Table, held_back: float) -> tuple[pa.Table, pa.Table
     time (ties in trace-id order), at least one trace in each part."""
     if not 0.0 < held_back < 1.0:
         raise ValueError(f"held_back must be between 0 and 1, not {held_back}")
-    first = spans.group_by("trace_id").aggregate([("start_ns", "min")])
+    first = trace_starts(spans)
     starts = first["start_ns_min"].to_numpy()
     if len(starts) < 2:
         raise ValueError(f"{len(starts)} trace(s) cannot be split into a fitting and a held-back part")

@@ -49,6 +49,7 @@ from bmeg.faultinject.testbed.deployment import CODE_OPERATIONS, SERVICES
 from bmeg.faultinject.testbed.faults import apply_fault, undo_all, undo_fault
 from bmeg.faultinject.testbed.supervisor import DEFAULT_RATE, Testbed, down, start_load, up
 from bmeg.faultinject.testbed.system import TestbedError
+from bmeg.traces.schema import traces_begun_between
 
 #: Nezha fault types for the fault list (`bmeg.evaluation.faults.LATENCY_FAULTS` are latency faults)
 INJECT_TYPES = {"interference": "cpu_contention", "saturation": "cpu_consumed", "network": "network_delay",
@@ -169,7 +170,7 @@ def record_healthy(out: str | Path, seconds: float, testbed: Testbed | None = No
     ended = time.time_ns()
     load_average = os.getloadavg()
     time.sleep(RECORD_FLUSH_S)
-    spans = traces_started_between(read_collector_spans(Path(state.spans_file)), began, ended)
+    spans = traces_begun_between(read_collector_spans(Path(state.spans_file)), began, ended)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(spans, out)
@@ -177,16 +178,6 @@ def record_healthy(out: str | Path, seconds: float, testbed: Testbed | None = No
             "traces": pc.count_distinct(spans["trace_id"]).as_py(), "spans": spans.num_rows,
             "began_ns": began, "ended_ns": ended, "port_base": bed.base,
             "load_average_1_5_15": [round(v, 2) for v in load_average]}
-
-
-def traces_started_between(spans: pa.Table, began: int, ended: int) -> pa.Table:
-    """The spans of the traces whose first span starts in [began, ended) (whole traces: none
-    cut by the window's edges)."""
-    if spans.num_rows == 0:
-        return spans
-    first = spans.group_by("trace_id").aggregate([("start_ns", "min")])
-    inside = pc.and_(pc.greater_equal(first["start_ns_min"], began), pc.less(first["start_ns_min"], ended))
-    return spans.filter(pc.is_in(spans["trace_id"], first["trace_id"].filter(inside)))
 
 
 def _run_episode(bed, state, faults, duration_s: float, episode: int, seed: int, first: int,
