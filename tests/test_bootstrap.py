@@ -5,6 +5,7 @@ import shutil
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import click
 import pytest
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
@@ -277,3 +278,6 @@ def test_since_reads_unix_seconds_and_iso_times_to_the_nanosecond():
     assert _time_ns("1700000000.123456789") == 1_700_000_000_123_456_789
     assert _time_ns("2023-11-14T22:13:20Z") == _time_ns("2023-11-15T00:13:20+02:00") == 1_700_000_000 * 10**9
     assert _time_ns("2023-11-14T22:13:20.5") == 1_700_000_000_500_000_000  # no zone: UTC
+    for hostile in ("nan", "inf", "1e400", "-5", "9999-01-01", "noon", ""):
+        with pytest.raises(click.BadParameter):
+            _time_ns(hostile)

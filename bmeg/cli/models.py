@@ -113,15 +113,18 @@ def _time_ns(text: str) -> int:
     from decimal import Decimal, InvalidOperation
 
     try:
-        return int(Decimal(text) * 10**9)  # exact: a float has no nanoseconds left at today's seconds
-    except InvalidOperation:
-        pass
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError as error:
-        raise click.BadParameter(f"{text!r} is neither Unix seconds nor an ISO 8601 time", param_hint="--since") from error
-    since_epoch = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)) - datetime(1970, 1, 1, tzinfo=UTC)
-    return since_epoch // timedelta(microseconds=1) * 1000
+        ns = int(Decimal(text) * 10**9)  # exact: a float has no nanoseconds left at today's seconds
+    except (InvalidOperation, ValueError, OverflowError):  # not a number, NaN, infinity
+        try:
+            moment = datetime.fromisoformat(text)
+        except ValueError as error:
+            raise click.BadParameter(f"{text!r} is neither Unix seconds nor an ISO 8601 time",
+                                     param_hint="--since") from error
+        since_epoch = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)) - datetime(1970, 1, 1, tzinfo=UTC)
+        ns = since_epoch // timedelta(microseconds=1) * 1000
+    if not 0 <= ns < 2**63:  # span times are int64 nanoseconds since 1970 (to the year 2262)
+        raise click.BadParameter(f"{text!r} is outside 1970-2262, the span times' range", param_hint="--since")
+    return ns
 
 
 def print_diagnosis(diagnosis) -> None:
