@@ -20,9 +20,7 @@ Mechanics (why bottlenecks behave like real ones):
   gaps of slice / (factor - 1) between them (`bmeg.faultinject.cpu.timeshare`). One CPU fault
   per replica at a time: a quota and a hog together apply the quota only. Taking a request
   in needs the CPU too: under either, a request that arrives while the replica may not run
-  waits before its server span starts (the gap between the caller's client span and it), and
-  so does reading a response: under a quota, a hog or a pause the caller's client span ends
-  when it runs again, so a CPU fault slows its client spans to callees it did not touch.
+  waits before its server span starts (the gap between the caller's client span and it).
 
 Times are float nanoseconds from the episode's start. The output is columnar (lists turned
 into numpy arrays) and becomes Arrow tables in `bmeg.faultinject.tables`.
@@ -370,14 +368,6 @@ class Simulator:
             return timeshare(t, 0.0, *replica.hog)
         return t
 
-    def _response_read(self, replica: Replica, t: float) -> float:
-        """When the caller's replica reads a response that arrives at t, which ends its client
-        span: like taking a request in, after a spent quota's period or a hog's slice, and
-        after a stop-the-world pause (a stopped process reads nothing), so a CPU fault on the
-        caller stretches its client spans too, as on the testbed."""
-        ready = self._wakeup(replica, t)
-        return _stall(replica.pause_starts, replica.pause_ends, ready, ready) if replica.pause_starts else ready
-
     def _take(self, visit: Visit, t: float) -> None:
         replica, service = visit.replica, visit.op.service
         if replica.busy < replica.pool:
@@ -451,7 +441,7 @@ class Simulator:
             arrive = t
         else:
             arrive = self._send(service, replica, t, visit.op.response_bytes, visit)
-            self._at(self._response_read(visit.frame.visit.replica, arrive), self._returned, visit)
+            self._at(arrive, self._returned, visit)
         fault = visit.fault if visit.fault >= 0 else replica.fault
         self.visit_span.append(visit.span if visit.span >= 0 else visit.client_span)
         self.visit_key.append(visit.op.key)
