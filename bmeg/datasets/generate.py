@@ -7,6 +7,16 @@ normal traces, chosen at random after the warm-up, so the kept traces spread ove
 episodes and fault rounds; it stops as soon as both totals are met. A sparse scenario and a
 high R therefore cost more simulated traces than kept ones (the card says how many).
 
+The traces an episode simulated but did not keep (warm-up, and those beyond the quotas) are
+written too, as context (`context.parquet`, spans only): they are never samples (no labels,
+never split, trained on or scored), only the history that history features read. A trace's
+temporal context (`recent_z_self_time`, `bmeg.models.features`) is the mean over its service's
+recent visits in the stream; over the kept traces alone, a dataset sampled down to 1%
+bottlenecked traces has dropped most of a faulty service's slow visits that a served stream
+would hold. Training and evaluation read the kept traces' history over kept + context in time
+order (`bmeg.training.pipeline.label`). Cards of this layout say `"format": DATASET_FORMAT`;
+a folder without a context file (format 1) loads as before, its history over the kept traces.
+
 Episodes are independent, so `workers` processes run them in parallel; results are consumed
 in episode order, so the output does not depend on the number of workers. Worker processes are
 spawned, so a script calling this with workers > 1 needs the usual `if __name__ == "__main__":`.
@@ -42,6 +52,9 @@ BASE_EPOCH_NS = 1_704_067_200 * 10**9
 SHARD_STRIDE_NS = 10**6 * 10**9
 #: Give up when a scenario yields too few anomalous traces: this many times the planned episodes.
 MAX_EPISODE_FACTOR = 50
+#: The dataset layout's version, in the card: 2 adds the context file. A cached dataset of
+#: another version is generated again (`bmeg.datasets.loader.load_dataset`).
+DATASET_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,15 @@ class EpisodeJob:
         return BASE_EPOCH_NS + self.shard.index * SHARD_STRIDE_NS + self.episode * episode_ns
 
 
-def run_episode(job: EpisodeJob) -> EpisodeTables:
+@dataclass(frozen=True)
+class EpisodeOutput:
+    """The kept traces' tables of an episode and the spans of its other traces (context)."""
+
+    tables: EpisodeTables
+    context: pa.Table
+
+
+def run_episode(job: EpisodeJob) -> EpisodeOutput:
     plan_seed, sim_seed, sample_seed = job.seed_sequence().spawn(3)
     faults = plan_faults(job.scenario, job.topology, np.random.default_rng(plan_seed))
     result = simulate(job.topology, faults, job.scenario.duration_s, sim_seed)
@@ -98,7 +119,13 @@ def run_episode(job: EpisodeJob) -> EpisodeTables:
             _sample(np.flatnonzero(after_warmup & ~labels.trace_anomalous), job.normal_quota, rng),
         ]
     )
-    return episode_tables(result, labels, np.sort(keep), job.episode, job.epoch_ns(), rng)
+    keep = np.sort(keep)
+    tables = episode_tables(result, labels, keep, job.episode, job.epoch_ns(), rng)
+    # the context's ids from a seed of their own, so the kept traces are those generated without it
+    others = np.setdiff1d(np.arange(len(result.trace_start)), keep)
+    context_rng = np.random.default_rng(job.seed_sequence().spawn(5)[4])
+    context = episode_tables(result, labels, others, job.episode, job.epoch_ns(), context_rng).spans
+    return EpisodeOutput(tables, context)
 
 
 def _sample(indices: np.ndarray, quota: int, rng: np.random.Generator) -> np.ndarray:
@@ -107,8 +134,10 @@ def _sample(indices: np.ndarray, quota: int, rng: np.random.Generator) -> np.nda
     return rng.choice(indices, size=quota, replace=False)
 
 
-def _trim(tables: EpisodeTables, anomalous: int, normal: int, seed: np.random.SeedSequence) -> EpisodeTables:
-    """Keep `anomalous` anomalous and `normal` normal traces of an episode (the last one needed)."""
+def _trim(output: EpisodeOutput, anomalous: int, normal: int, seed: np.random.SeedSequence) -> EpisodeOutput:
+    """Keep `anomalous` anomalous and `normal` normal traces of an episode (the last one needed);
+    the spans of the others join the context."""
+    tables = output.tables
     rng = np.random.default_rng(seed)
     flags = tables.traces["anomalous"].to_numpy(zero_copy_only=False)
     keep = np.sort(
@@ -117,11 +146,11 @@ def _trim(tables: EpisodeTables, anomalous: int, normal: int, seed: np.random.Se
         )
     )
     traces = tables.traces.take(pa.array(keep))
-    kept_ids = traces["trace_id"]
-    return EpisodeTables(
-        tables.spans.filter(pc.is_in(tables.spans["trace_id"], kept_ids)),
-        traces,
-        tables.nodes.filter(pc.is_in(tables.nodes["trace_id"], kept_ids)),
+    kept = pc.is_in(tables.spans["trace_id"], traces["trace_id"])
+    return EpisodeOutput(
+        EpisodeTables(tables.spans.filter(kept), traces,
+                      tables.nodes.filter(pc.is_in(tables.nodes["trace_id"], traces["trace_id"]))),
+        pa.concat_tables([output.context, tables.spans.filter(pc.invert(kept))]),
     )
 
 
@@ -142,7 +171,8 @@ def generate_dataset(
     workers: int = 1,
     progress: bool = True,
 ) -> dict:
-    """Write spans.parquet, traces.parquet, nodes.parquet and dataset.json into `out`; return the card."""
+    """Write spans.parquet, traces.parquet, nodes.parquet, context.parquet and dataset.json into
+    `out`; return the card."""
     if traces < 1:
         raise ValueError(f"traces must be at least 1, not {traces}")
     if imbalance < 0:
@@ -171,12 +201,13 @@ def generate_dataset(
     out.mkdir(parents=True, exist_ok=True)
     counts = _Counts()
     with _Writers(out) as writers, tqdm(total=total, unit="trace", disable=not progress, desc=spec.name) as bar:
-        for job, tables in _episodes(jobs, workers):
+        for job, output in _episodes(jobs, workers):
             counts.simulated_episodes += 1
-            tables = _take_needed(tables, need, job)
-            writers.write(tables)
-            counts.add(tables.traces)
-            bar.update(tables.traces.num_rows)
+            output = _take_needed(output, need, job)
+            writers.write(output)
+            counts.add(output.tables.traces)
+            counts.context_traces += pc.count_distinct(output.context["trace_id"]).as_py()
+            bar.update(output.tables.traces.num_rows)
             if not any(need.values()):
                 break
     if any(need.values()):
@@ -190,15 +221,15 @@ def generate_dataset(
     return card
 
 
-def _take_needed(tables: EpisodeTables, need: dict[str, int], job: EpisodeJob) -> EpisodeTables:
-    flags = tables.traces["anomalous"].to_numpy(zero_copy_only=False)
+def _take_needed(output: EpisodeOutput, need: dict[str, int], job: EpisodeJob) -> EpisodeOutput:
+    flags = output.tables.traces["anomalous"].to_numpy(zero_copy_only=False)
     have = {"anomalous": int(flags.sum()), "normal": int((~flags).sum())}
     take = {kind: min(have[kind], need[kind]) for kind in need}
     if take != have:
-        tables = _trim(tables, take["anomalous"], take["normal"], job.seed_sequence().spawn(4)[3])
+        output = _trim(output, take["anomalous"], take["normal"], job.seed_sequence().spawn(4)[3])
     for kind in need:
         need[kind] -= take[kind]
-    return tables
+    return output
 
 
 def _episodes(jobs, workers: int):
@@ -235,11 +266,12 @@ class _Writers:
             "spans": pq.ParquetWriter(out / "spans.parquet", SPAN_SCHEMA),
             "traces": pq.ParquetWriter(out / "traces.parquet", TRACES_SCHEMA),
             "nodes": pq.ParquetWriter(out / "nodes.parquet", NODES_SCHEMA),
+            "context": pq.ParquetWriter(out / "context.parquet", SPAN_SCHEMA),
         }
 
-    def write(self, tables: EpisodeTables) -> None:
+    def write(self, output: EpisodeOutput) -> None:
         for name, writer in self.writers.items():
-            writer.write_table(getattr(tables, name))
+            writer.write_table(output.context if name == "context" else getattr(output.tables, name))
 
     def __enter__(self) -> _Writers:
         return self
@@ -252,7 +284,7 @@ class _Writers:
 class _Counts:
     def __init__(self):
         self.simulated_episodes = 0
-        self.traces = self.anomalous = self.spans = 0
+        self.traces = self.anomalous = self.spans = self.context_traces = 0
         self.kinds: dict[str, int] = {}
         self.sources: dict[str, int] = {}
 
@@ -272,6 +304,7 @@ def _card(spec, spec_file, plan, scenario_file, thresholds, traces, imbalance, s
     normal = counts.traces - counts.anomalous
     return {
         "name": f"{spec.name}-{plan.name}-n{traces}-r{imbalance:g}-s{seed}",
+        "format": DATASET_FORMAT,
         "topology": {"name": spec.name, "file": str(spec_file), "sha256": _sha256(spec_file)},
         "scenario": {"name": plan.name, "kind": plan.kind, "file": str(scenario_file), "sha256": _sha256(scenario_file)},
         "traces": counts.traces,
@@ -288,6 +321,9 @@ def _card(spec, spec_file, plan, scenario_file, thresholds, traces, imbalance, s
         "fault_sources": dict(sorted(counts.sources.items())),
         "labels": LABEL_RULE,
         "calibration_p99_local_us": {key: round(value / 1e3, 1) for key, value in thresholds.local_ns.items()},
-        "files": {"spans": "spans.parquet", "traces": "traces.parquet", "nodes": "nodes.parquet"},
+        # context: the simulated traces not kept, as history only (never samples; module docstring)
+        "context_traces": counts.context_traces,
+        "files": {"spans": "spans.parquet", "traces": "traces.parquet", "nodes": "nodes.parquet",
+                  "context": "context.parquet"},
         "generation": {"workers": workers, "seconds": round(elapsed, 2), "traces_per_second": round(counts.traces / elapsed, 1)},
     }

@@ -1,7 +1,9 @@
 """Load a dataset by name (generated into the cache on first use) or from a folder.
 
 A dataset folder holds `spans.parquet` (SPAN_SCHEMA), `traces.parquet` (per-trace labels),
-`nodes.parquet` (per-span bottleneck labels) and `dataset.json` (its card). A folder whose
+`nodes.parquet` (per-span bottleneck labels), `dataset.json` (its card) and, from format 2 on
+(`bmeg.datasets.generate.DATASET_FORMAT`), `context.parquet`: the spans of the simulated traces
+not kept, history only, never samples (`Dataset.context`; None for a folder without it). A folder whose
 sub-folders are such datasets (the shards of one job, `bmeg generate --shard i/n`) loads as
 their union. `load_by_source` generates a dataset stratified by fault source: one part per
 source the scenario can draw, unioned.
@@ -23,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
-from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_TRACES, generate_dataset
+from bmeg.datasets.generate import DATASET_FORMAT, DEFAULT_IMBALANCE, DEFAULT_TRACES, generate_dataset
 from bmeg.faultinject.errors import SpecError
 from bmeg.faultinject.scenario import load_scenario, only_source, scenario_path, scenario_sources
 from bmeg.faultinject.spec import topology_path
@@ -46,6 +48,8 @@ class Dataset:
     traces: pa.Table  # trace labels: trace_id, anomalous, fault_kind, fault_source, fault_services, ...
     nodes: pa.Table  # node labels: trace_id, span_id, service, bottleneck
     cards: list[dict]
+    # spans of traces that are history only (never labelled, split or scored); None: none stored
+    context: pa.Table | None = None
 
     @property
     def card(self) -> dict:
@@ -92,7 +96,13 @@ def read_dataset(path: str | Path) -> Dataset:
     traces = table("traces")
     if len(folders) > 1:
         _check_distinct_traces(path, traces)
-    return Dataset(path, conform(table("spans")), traces, table("nodes"), cards)
+    return Dataset(path, conform(table("spans")), traces, table("nodes"), cards, _context(folders))
+
+
+def _context(folders: list[Path]) -> pa.Table | None:
+    """The folders' context spans, unioned; None when none has a context file."""
+    tables = [pq.read_table(folder / "context.parquet") for folder in folders if (folder / "context.parquet").is_file()]
+    return conform(pa.concat_tables(tables)) if tables else None
 
 
 def _check_distinct_traces(path: Path, traces: pa.Table) -> None:
@@ -133,7 +143,7 @@ def load_dataset(
     except SpecError:
         raise FileNotFoundError(f"{name_or_path!r} is neither a dataset folder nor a known topology") from None
     target = cached_path(name_or_path, traces, imbalance, seed, scenario)
-    if not (target / "dataset.json").is_file():
+    if not _current(target):
         target.parent.mkdir(parents=True, exist_ok=True)
         # generate beside the target and rename, so an interrupted run leaves no half dataset
         staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
@@ -144,6 +154,12 @@ def load_dataset(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return read_dataset(target)
+
+
+def _current(folder: Path) -> bool:
+    """Whether a cached dataset is there in this bmeg's layout (an older one is generated again)."""
+    card = folder / "dataset.json"
+    return card.is_file() and json.loads(card.read_text()).get("format", 1) == DATASET_FORMAT
 
 
 #: The parts of `load_by_source` are drawn with the seed plus this times the part's index, so
@@ -193,5 +209,6 @@ def load_by_source(
 
     traces_table = union("traces")
     _check_distinct_traces(parts[0].path.parent, traces_table)
+    contexts = [part.context for part in parts if part.context is not None]
     return Dataset(parts[0].path.parent, union("spans"), traces_table, union("nodes"),
-                   [card for part in parts for card in part.cards])
+                   [card for part in parts for card in part.cards], pa.concat_tables(contexts) if contexts else None)

@@ -10,7 +10,9 @@ The merged folder is an ordinary dataset (`read_dataset` reads it as one): the t
 tables are the shards' tables one after another, in shard order; trace ids must be distinct
 across shards (each shard draws its own, from its own seeds); the `episode` column is
 renumbered so that episodes of different shards stay distinct. Its card sums the shards'
-counts and lists the shards it came from (folder, card name, trace count).
+counts and lists the shards it came from (folder, card name, trace count). The shards'
+context spans (history only, `bmeg.datasets.generate`) are merged likewise when every shard
+has them; otherwise the merged folder has none, as shards of an older format.
 """
 
 from __future__ import annotations
@@ -140,6 +142,10 @@ def _write_tables(shards: list[tuple[Path, dict]], out: Path) -> None:
     finally:
         for writer in writers.values():
             writer.close()
+    if all((folder / "context.parquet").is_file() for folder, _ in shards):
+        with pq.ParquetWriter(out / "context.parquet", SPAN_SCHEMA) as writer:
+            for folder, _ in shards:
+                writer.write_table(pq.read_table(folder / "context.parquet", schema=SPAN_SCHEMA))
 
 
 def _merged_card(shards: list[tuple[Path, dict]]) -> dict:
@@ -149,8 +155,12 @@ def _merged_card(shards: list[tuple[Path, dict]]) -> dict:
     anomalous = sum(card["anomalous_traces"] for card in cards)
     normal = traces - anomalous
     seconds = [card.get("generation", {}).get("seconds", 0.0) for card in cards]
+    with_context = all("context_traces" in card for card in cards)
+    files = {name: file for name, file in first.get("files", {}).items() if with_context or name != "context"}
     return {
-        **first,
+        **{key: value for key, value in first.items() if with_context or key not in ("context_traces", "format")},
+        **({"context_traces": sum(card["context_traces"] for card in cards)} if with_context else {}),
+        "files": files,
         "traces": traces,
         "anomalous_traces": anomalous,
         "normal_traces": normal,

@@ -114,15 +114,16 @@ class Detector:
 
     # -- scoring -----------------------------------------------------------------------------
     def score(self, forest: SpanForest, paths: CriticalPaths | None = None, history: StreamHistory | None = None,
-              all_models: bool = False, replay: bool = False) -> Scores:
+              all_models: bool = False, replay: bool = False, context: SpanForest | None = None) -> Scores:
         """Scores of the traces. Each trace reads `history` (none: nothing before it), never its
         batch; with `replay` the forest is a recorded stream and each trace also reads the
-        forest's earlier traces (training and evaluation). The router picks one model per trace,
-        or both run everywhere with `all_models` (evaluation)."""
+        forest's earlier traces, and those of `context` (the stream's traces that are history
+        only: a generated dataset's unsampled ones), in time order (training and evaluation).
+        The router picks one model per trace, or both run everywhere with `all_models` (evaluation)."""
         paths = paths or critical_paths(forest)
         services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         past = None if replay else (history.z_self if history is not None else {})
-        x = self.encoder.transform(forest, paths, services, past)
+        x = self.encoder.transform(forest, paths, services, past, context if replay else None)
         codes, names = pd.factorize(services)
         present = np.zeros((forest.num_traces, len(names)), dtype=bool)
         present[forest.trace_index, codes] = True

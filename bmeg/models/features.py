@@ -25,7 +25,9 @@
   real faults).
 
 Where the earlier traces come from: over a recorded stream (training, evaluation: `past=None`)
-they are the forest's own earlier traces; a served trace (`past` given: each service's latest
+they are the forest's own earlier traces, and those of `context` where given (a generated
+dataset's traces simulated but not sampled, `bmeg.datasets.generate`: read as history, never
+given rows); a served trace (`past` given: each service's latest
 self-time z-scores, oldest first, from a `bmeg.models.history.StreamHistory`) reads only `past`
 and its own trace, never the other traces of its batch, so its verdict does not depend on them.
 
@@ -47,6 +49,7 @@ from bmeg.graphs import DEFAULT_FEATURES, SERVICE_TIME_ONLY, SpanForest, base_co
 from bmeg.graphs import operation_key_array as _operation_key_array
 from bmeg.graphs import operation_keys as _operation_keys
 from bmeg.graphs.critical_path import CriticalPaths
+from bmeg.graphs.features import NodeColumns
 
 VARIANTS = ("thesis", "full", "relative")
 BASELINE_COLUMNS = ("log_self_time_us", "log_duration_us", "log_wait_us")
@@ -117,9 +120,11 @@ class FeatureEncoder:
         return self
 
     def transform(self, forest: SpanForest, paths: CriticalPaths | None = None,
-                  services: np.ndarray | None = None, past: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+                  services: np.ndarray | None = None, past: Mapping[str, np.ndarray] | None = None,
+                  context: SpanForest | None = None) -> np.ndarray:
         """float32 [num_spans, num_features], in `names` order (`services`: node services, if known;
-        `past`: the stream's earlier visits per service, see the module's docstring)."""
+        `past`: the stream's earlier visits per service; `context`: the recorded stream's other
+        traces, history only, with `past` None; see the module's docstring)."""
         columns = _columns(forest, paths)
         if self.variant == "thesis":
             return _stack(columns, SERVICE_TIME_ONLY)
@@ -131,8 +136,13 @@ class FeatureEncoder:
         columns["unknown_operation"] = (~known).astype(np.float64)
         if services is None:
             services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
-        columns["recent_z_self_time"] = (self._recent(forest, z[:, 0], services) if past is None
-                                         else self._recent_after(forest, z[:, 0], services, past))
+        if past is None:
+            visits = (services, _trace_starts(forest), z[:, 0])
+            if context is not None:
+                visits = tuple(np.concatenate(pair) for pair in zip(visits, self._visits(context), strict=True))
+            columns["recent_z_self_time"] = self._recent(*visits)[: forest.num_spans]
+        else:
+            columns["recent_z_self_time"] = self._recent_after(forest, z[:, 0], services, past)
         if self.variant == "relative":
             columns.update(_relative_columns(forest, columns, z, self._raw_deltas(position, columns)))
         return _stack(columns, self.names)
@@ -169,20 +179,29 @@ class FeatureEncoder:
             raise ValueError(f"the checkpoint's features {saved_names} differ from this bmeg's {encoder.names}")
         return encoder
 
-    def _z_scores(self, position: np.ndarray, columns: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _visits(self, context: SpanForest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(service, trace start, self-time z-score) of each node of `context`."""
+        services = node_services(context, storage_nodes=True).to_numpy(zero_copy_only=False)
+        z, _ = self._z_scores(self._positions(context), NodeColumns(context), count=1)
+        return services, _trace_starts(context), z[:, 0]
+
+    def _z_scores(self, position: np.ndarray, columns: Mapping[str, np.ndarray],
+                  count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Robust z-scores of the first `count` baseline columns (all by default), and which nodes' operations are known."""
         _, medians, spreads = self._baselines
+        names = self.baseline_columns[:count]
         known = position >= 0
-        values = np.stack([columns[name] for name in self.baseline_columns], axis=1)
-        median = medians[position[known]]
-        spread = spreads[position[known]]
+        values = np.stack([columns[name] for name in names], axis=1)
+        median = medians[position[known]][:, : len(names)]
+        spread = spreads[position[known]][:, : len(names)]
         z = np.zeros_like(values)
         z[known] = np.clip((values[known] - median) / spread, -Z_LIMIT, Z_LIMIT)
         return z, known
 
-    def _recent(self, forest: SpanForest, z_self: np.ndarray, services: np.ndarray) -> np.ndarray:
-        """Mean z-score of the node's service over its last `history` visits, in time order."""
+    def _recent(self, services: np.ndarray, trace_start: np.ndarray, z_self: np.ndarray) -> np.ndarray:
+        """Per visit (node), the mean z-score of its service over its last `history` visits, in
+        time order (by trace start; a trace's own nodes in their order)."""
         codes, _ = pd.factorize(services)
-        trace_start = forest.start_ns[forest.root][forest.trace_index]
         order = np.lexsort((trace_start, codes))  # by service, then time
         group = codes[order]
         first = np.r_[0, np.flatnonzero(group[1:] != group[:-1]) + 1]
@@ -217,6 +236,11 @@ class FeatureEncoder:
         recent = np.empty(len(order))
         recent[order] = (own_sum + tails[tail_start[code] + taken]) / (own + taken)
         return recent
+
+
+def _trace_starts(forest: SpanForest) -> np.ndarray:
+    """Each node's trace's start (its root's)."""
+    return forest.start_ns[forest.root][forest.trace_index]
 
 
 def _columns(forest: SpanForest, paths: CriticalPaths | None) -> dict[str, np.ndarray]:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def evaluate(detector: Detector, data: Labelled, raw: Scores | None = None, cost: bool = False) -> dict:
     """The thesis's table per model on the test traces, AC@k, per fault kind, the routing; with
     `cost`, each model's inference throughput on (up to 1,000) test traces, measured in one run."""
-    raw = raw if raw is not None else detector.score(data.forest, all_models=True, replay=True)
+    raw = raw if raw is not None else detector.score(data.forest, all_models=True, replay=True, context=data.context)
     routed = detector.route(raw)
     truth = true_services(data, raw)
     test, y = data.test, data.y[data.test]

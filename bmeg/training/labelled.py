@@ -24,3 +24,5 @@ class Labelled:
     val: np.ndarray
     test: np.ndarray
     traces: pa.Table  # trace labels in forest order
+    # the dataset's context traces (history only: no labels, in no split); None: none stored
+    context: SpanForest | None = None

@@ -129,7 +129,9 @@ def label(dataset: Dataset, seed: int) -> Labelled:
     train_all = np.flatnonzero(positions.isin(list(split.train)))
     val = stratified_pick(train_all, y[train_all] == 1, 0.2, np.random.default_rng(seed + 1))
     train_part = np.setdiff1d(train_all, val)
-    return Labelled(forest, y, node_y, train_part, np.sort(val), test, traces)
+    # the context traces are assembled apart: they are read as history, never labelled or split
+    context = None if dataset.context is None else assemble(dataset.context, on_bad_trace="drop")
+    return Labelled(forest, y, node_y, train_part, np.sort(val), test, traces, context)
 
 
 def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[Detector, dict, Scores]:
@@ -138,7 +140,7 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
     paths = critical_paths(forest)
     normal_train = data.train[data.y[data.train] == 0]
     encoder = FeatureEncoder(config.features).fit(_subforest(forest, normal_train))
-    graphs = GraphSet.from_forest(forest, encoder.transform(forest, paths), data.y, data.node_y)
+    graphs = GraphSet.from_forest(forest, encoder.transform(forest, paths, context=data.context), data.y, data.node_y)
 
     torch.manual_seed(config.seed)
     sizes = np.diff(forest.trace_offsets)
@@ -175,7 +177,7 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
         detector = replace(detector, culprit=_fit_culprit(detector, forest, graphs.x, services, data, config))
     detector.dgcnn.to(detector.device)
     detector.gcn.to(detector.device)
-    raw = detector.score(forest, paths, all_models=True, replay=True)
+    raw = detector.score(forest, paths, all_models=True, replay=True, context=data.context)
     return detector, histories, raw
 
 
@@ -309,7 +311,7 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
     judge, judged, judge_raw, decision, weights = detector, data, raw, data.val, np.ones(len(data.val))
     held: list[str] = []
     if fresh is not None:
-        judged, judge_raw = fresh, detector.score(fresh.forest, all_models=True, replay=True)
+        judged, judge_raw = fresh, detector.score(fresh.forest, all_models=True, replay=True, context=fresh.context)
         decision = np.arange(fresh.forest.num_traces)
         fresh_sources, train_sources = _fault_sources(fresh), _fault_sources(data)
         weights = (np.ones(len(decision)) if fresh_sources is None or train_sources is None else
