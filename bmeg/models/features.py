@@ -137,9 +137,9 @@ class FeatureEncoder:
         if services is None:
             services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         if past is None:
-            visits = (services, _trace_starts(forest), z[:, 0])
-            if context is not None:
-                visits = tuple(np.concatenate(pair) for pair in zip(visits, self._visits(context), strict=True))
+            visits = [services, _trace_starts(forest), z[:, 0]]
+            if context is not None:  # after the forest's nodes: a trace start both share sorts the forest's first
+                visits = [np.concatenate(pair) for pair in zip(visits, self._visits(context), strict=True)]
             columns["recent_z_self_time"] = self._recent(*visits)[: forest.num_spans]
         else:
             columns["recent_z_self_time"] = self._recent_after(forest, z[:, 0], services, past)
