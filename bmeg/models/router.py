@@ -199,7 +199,8 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
                     f"distinct paths: {figures(row)}, the GNN alone ahead in only {behind:.0%} of resampled decision "
                     f"sets (needs {confidence:.0%} to keep the traces), {row['cost_s_per_trace'] * 1e6:.0f} against "
                     f"{gnn_alone['cost_s_per_trace'] * 1e6:.0f} µs per trace")
-    return Router(), rows, why
+    return Router(), rows, (f"{why}; nor is a cheaper cut tied with it (each flags traces worse, names culprits "
+                            f"worse on a fault source, or is beaten in {confidence:.0%} of resampled decision sets)")
 
 
 def _routed(to_svm: np.ndarray, y: np.ndarray, verdicts: dict[str, np.ndarray],

@@ -347,6 +347,7 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
     detector = replace(detector, router=router)
     detector.hparams["router_choice"] = {
         "cost_s_per_trace": cost, "tolerance": config.router_tolerance, "chosen": chosen, "gnn_only": candidates[0],
+        "all_svm": candidates[-1],  # the largest cut: every decision trace to the SVM
         "best_f1": max(row["f1"] for row in candidates), "held_out_services": held,
         "decision_traces": int(len(decision)), "decision_bottlenecked": int(np.sum(y == 1)), "why": router.why,
     }
