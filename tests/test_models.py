@@ -662,10 +662,12 @@ def test_a_lead_that_a_resample_of_few_traces_undoes_is_a_tie_and_goes_to_the_ch
     assert "not reliably better" in Router(why=why).reasons(np.array([3]), np.array([2]))[0]
     router, _, why = choose(y, verdicts, named, services, paths, {"gnn": 1e-3, "svm": 1e-5})
     assert router == Router(3, 2) and why.startswith("svm: tied on quality, cheaper") and "only 0% of" in why
-    # the other way round (the GNN names six, the SVM five) is a tie too: neither lead holds in 95% of resamples
+    # the other way round (the GNN names six, the SVM five) is no tie, though the GNN's lead holds
+    # in only about 2 of 3 resamples: a cut whose culprit F1 is below the GNN's by more than the
+    # tolerance (0.833 against 1.0) is not taken for its cost
     router, _, why = choose(y, verdicts, {"gnn": np.ones(12), "svm": gnn_named}, services, paths,
                             {"gnn": 1e-3, "svm": 1e-5})
-    assert router == Router(3, 2) and "tied on quality, cheaper" in why
+    assert router == Router() and "nor is a cheaper cut tied with it" in why
 
 
 def _history_of(detector, traces: int) -> StreamHistory:
