@@ -49,6 +49,14 @@ from bmeg.faultinject.spec import (
     TopologySpec,
 )
 
+#: The version of what the simulator outputs. BUMP IT BY HAND WHEN A CHANGE CAN CHANGE THE
+#: OUTPUT (a mechanic here, in `cpu.py`, the twin's fit, the tables, the shipped campaigns):
+#: the caches of generated datasets (`bmeg.datasets.loader.cached_path`) and of bootstrapped
+#: runs (`bmeg.evaluation.bootstrap.cached_run_dir`) are keyed by it, so a stale one is never
+#: reused. `tests/test_simulator_version.py` fails when a small episode's output changes and
+#: the version did not.
+SIMULATOR_VERSION = 1
+
 SERVER, CLIENT = 0, 1
 SAMPLE_BLOCK = 4096
 #: CPU a wake-up needs (ns): under a spent CFS quota even that waits for the next period
