@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 import bmeg
 from bmeg.datasets.loader import load_dataset
+from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS
 from bmeg.evaluation.bootstrap import bootstrap, cached_run_dir
 from bmeg.cli import main
 from bmeg.evaluation.rankers import default_rankers
@@ -200,6 +201,22 @@ def test_the_cached_run_follows_the_normal_traces_not_only_their_path(tmp_path):
     before = cached_run_dir(folder)
     (folder / "b.csv").write_text("2")
     assert cached_run_dir(folder) != before
+
+
+def test_the_cached_run_follows_every_option_that_changes_it(tmp_path, monkeypatch):
+    # A cached fluid-trained run would have been reused for the scheduler's CPU faults, and a
+    # run trained on an older simulator's data after the simulator changed.
+    from bmeg.faultinject import simulator
+
+    normal = tmp_path / "normal.parquet"
+    normal.write_bytes(b"traces")
+    first = cached_run_dir(normal)
+    assert cached_run_dir(normal, None, DEFAULT_CPU_FAULTS) == first
+    others = {cached_run_dir(normal, None, model) for model in CPU_FAULT_SCENARIOS if model != DEFAULT_CPU_FAULTS}
+    assert others and first not in others
+    assert cached_run_dir(normal, "csv") != first
+    monkeypatch.setattr(simulator, "SIMULATOR_VERSION", simulator.SIMULATOR_VERSION + 1)
+    assert cached_run_dir(normal) != first
 
 
 def test_the_server_ranks_a_window_against_the_traffic_just_before_it(bootstrapped, tmp_path):

@@ -76,6 +76,7 @@ def test_code_fault_dataset_loads_as_a_labelled_dataset_with_every_service_and_k
 def test_bootstrap_trains_on_latency_and_code_faults_and_returns_a_calibrated_detector(topology, tmp_path):
     """`bmeg bootstrap` end to end on a small application (it once failed at its last step,
     writing metrics into the frozen Detector)."""
+    from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS
     from bmeg.evaluation.bootstrap import bootstrap
     from bmeg.models.detector import Detector
     from bmeg.traces.io import write_spans
@@ -83,7 +84,7 @@ def test_bootstrap_trains_on_latency_and_code_faults_and_returns_a_calibrated_de
     normal = tmp_path / "normal.parquet"
     write_spans(spans_of(simulate(topology, [], 8, 5)), normal, "parquet")
     detector, metrics = bootstrap(normal, tmp_path / "run", traces=900, epochs=2, progress=False)
-    assert {p.name for p in (tmp_path / "run" / "data").iterdir()} == {"single", "multiple", "code"}
+    assert {p.name for p in (tmp_path / "run" / "data").iterdir()} == {*CPU_FAULT_SCENARIOS[DEFAULT_CPU_FAULTS], "code"}
     calibration = metrics["calibration"]
     assert calibration["healthy_traces"] > 300 and calibration["bound_met"]
     assert calibration["flagged_after"] <= 0.01

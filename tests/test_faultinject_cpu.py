@@ -112,6 +112,29 @@ def test_a_cpu_hog_makes_requests_wait_before_the_server_span_starts():
     assert np.median(after) < 1.5 * np.median(before)  # the hog gone, the replica runs as before
 
 
+def test_a_cpu_quota_or_hog_on_the_caller_makes_its_client_spans_end_late():
+    """A throttled or hogged process reads a response only when it may run again: its client
+    span to an unharmed callee outlasts the callee's server span by the wait (the testbed showed
+    it: a CPU fault on a service slows its client spans to its stores, which no fault touched).
+    A pause does not (kept out so that the data of the fluid campaigns stay as they were)."""
+    def return_gaps(faults, since_s, until_s):
+        result = simulate(chain_topology(), faults, 6, 2)
+        key = result.op_keys.index("leaf:compute")
+        spans = result.visit_span[result.visit_key == key]
+        client = result.span_parent[spans]
+        chosen = (result.span_start[spans] >= since_s * 1e9) & (result.span_start[spans] < until_s * 1e9)
+        return (result.span_end[client] - result.span_end[spans])[chosen]
+
+    quiet = return_gaps([], 3.2, 6)
+    hogged = return_gaps([Fault("mid", "interference", "single", 3.0, 6.0, {"factor": 20, "slice_ms": 3})], 3.2, 6)
+    throttled = return_gaps([Fault("mid", "saturation", "single", 3.0, 6.0, {"quota": 0.5})], 3.2, 6)
+    paused = return_gaps([Fault("mid", "background", "single", 3.0, 6.0, {"pause_ms": 50, "every_ms": 200})], 3.2, 6)
+    assert np.percentile(hogged, 90) > np.percentile(quiet, 90) + 1e6  # a slice's milliseconds
+    # below its use, the quota runs out in some periods: a response landing then waits for the next
+    assert (quiet > 1e6).sum() == 0 and (throttled > 1e6).sum() >= 0.05 * len(throttled)
+    assert paused.max() < 1e6  # a pause stops the caller's calls, not its reads
+
+
 def test_scheduler_campaigns_plan_quota_and_hog_faults():
     topology = load_topology("socialnet")
     for name in ("single-scheduler", "multiple-scheduler"):

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from bmeg.cli.output import json_option, print_json, print_table
+from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS
 from bmeg.faultinject.family import FamilyParams
 
 format_option = click.option("--format", "input_format", default=None, help="Trace format (default: detected).")
@@ -65,7 +66,7 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
                    "(a binomial bound on the held-back traces; 0: their plain quantile).")
 @click.option("--pretrained", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Run directory (`bmeg pretrain`) whose GNN weights training starts from.")
-@click.option("--cpu-faults", type=click.Choice(["fluid", "scheduler"]), default="fluid", show_default=True,
+@click.option("--cpu-faults", type=click.Choice(sorted(CPU_FAULT_SCENARIOS)), default=DEFAULT_CPU_FAULTS, show_default=True,
               help="How the training faults slow a CPU: every burst alike (fluid), or as the kernel's scheduler "
                    "does (a CFS quota's periods, a CPU hog's time slices).")
 @format_option

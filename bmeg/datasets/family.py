@@ -25,6 +25,9 @@ from bmeg.faultinject.spec import load_topology
 #: by how the CPU faults work: `fluid` (a CPU limit or a neighbour slows every burst alike) or
 #: `scheduler` (a CFS quota and a CPU hog's time slices, `bmeg.faultinject.cpu`).
 CPU_FAULT_SCENARIOS = {"fluid": ("single", "multiple"), "scheduler": ("single-scheduler", "multiple-scheduler")}
+#: The CPU-fault model `bmeg bootstrap` trains on unless told otherwise: `scheduler` since
+#: session 11 (README, "Issue 12, session 11"), ahead of `fluid` on the testbed's single faults.
+DEFAULT_CPU_FAULTS = "scheduler"
 SCENARIOS = CPU_FAULT_SCENARIOS["fluid"]
 #: Seeds of family members: member i of a family with seed s is drawn with s * SEED_STRIDE + i.
 SEED_STRIDE = 1000

@@ -28,6 +28,7 @@ import yaml
 from bmeg.datasets.generate import DATASET_FORMAT, DEFAULT_IMBALANCE, DEFAULT_TRACES, generate_dataset
 from bmeg.faultinject.errors import SpecError
 from bmeg.faultinject.scenario import load_scenario, only_source, scenario_path, scenario_sources
+from bmeg.faultinject.simulator import SIMULATOR_VERSION
 from bmeg.faultinject.spec import topology_path
 from bmeg.paths import cache_dir
 from bmeg.traces.schema import conform
@@ -117,12 +118,14 @@ def _check_distinct_traces(path: Path, traces: pa.Table) -> None:
 
 
 def cached_path(topology: str | Path, traces: int, imbalance: float, seed: int, scenario: str | Path) -> Path:
-    """`<topology>-<scenario>-n<traces>-r<imbalance>-s<seed>`; spec files given by path add a content hash."""
+    """`<topology>-<scenario>-n<traces>-r<imbalance>-s<seed>-v<simulator version>`; spec files
+    given by path add a content hash. The simulator's version (`SIMULATOR_VERSION`) is in the
+    key so that data generated before a change to the simulator's output is not reused."""
     parts = []
     for given, resolved in ((topology, topology_path(topology)), (scenario, scenario_path(scenario))):
         named = resolved.stem == str(given)
         parts.append(resolved.stem if named else f"{resolved.stem}.{hashlib.sha256(resolved.read_bytes()).hexdigest()[:8]}")
-    return cache_dir() / "datasets" / f"{parts[0]}-{parts[1]}-n{traces}-r{imbalance:g}-s{seed}"
+    return cache_dir() / "datasets" / f"{parts[0]}-{parts[1]}-n{traces}-r{imbalance:g}-s{seed}-v{SIMULATOR_VERSION}"
 
 
 def load_dataset(

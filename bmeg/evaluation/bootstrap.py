@@ -16,12 +16,13 @@ window against them (`bmeg.models.window.WindowRanker`).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from bmeg.datasets.family import CPU_FAULT_SCENARIOS, generate_family, write_training_shards
+from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS, generate_family, write_training_shards
 from bmeg.faultinject.family import FamilyParams
 from bmeg.models.window import with_normal_baselines
 from bmeg.faultinject.twin import fit_twin
@@ -40,7 +41,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
               epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True,
               features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
               false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE,
-              pretrained: str | Path | None = None, cpu_faults: str = "fluid"):
+              pretrained: str | Path | None = None, cpu_faults: str = DEFAULT_CPU_FAULTS):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
     or any run on the same features) both GNN stages start from its weights and specialise on the
@@ -91,25 +92,34 @@ def pretrain_on_family(out: str | Path, apps: int = 12, traces: int = 3000, epoc
                  svm_max_services=-1)
 
 
-def cached_run_dir(normal_traces: str | Path) -> Path:
-    """Where `cached_bootstrap` keeps the run bootstrapped from these normal traces: keyed by
-    their path and each file's size and modification time, so that other traces written to the
-    same path (a dataset regenerated in place) get a run of their own, not the old one's."""
+def cached_run_dir(normal_traces: str | Path, input_format: str | None = None,
+                   cpu_faults: str = DEFAULT_CPU_FAULTS) -> Path:
+    """Where `cached_bootstrap` keeps the run bootstrapped from these normal traces. Keyed by
+    everything that changes the run: the traces' path and each file's size and modification
+    time (other traces written to the same path, a dataset regenerated in place, get a run of
+    their own), the options given, `bootstrap`'s defaults for the rest, and the simulator's
+    version (`SIMULATOR_VERSION`: the twin's training data come from it)."""
+    from bmeg.faultinject.simulator import SIMULATOR_VERSION
     from bmeg.paths import cache_dir
 
     path = Path(normal_traces).resolve()
     files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
     stamps = [f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
-    key = hashlib.sha256("\n".join([str(path), *stamps]).encode()).hexdigest()[:10]
-    return cache_dir() / "runs" / f"bootstrap-{key}"
+    settings = {name: parameter.default for name, parameter in inspect.signature(bootstrap).parameters.items()
+                if parameter.default is not inspect.Parameter.empty and name != "progress"}
+    settings.update(input_format=input_format, cpu_faults=cpu_faults, simulator_version=SIMULATOR_VERSION)
+    key = hashlib.sha256("\n".join([str(path), *stamps, json.dumps(settings, sort_keys=True, default=str)]).encode())
+    return cache_dir() / "runs" / f"bootstrap-{key.hexdigest()[:10]}"
 
 
-def cached_bootstrap(normal_traces: str | Path, input_format: str | None = None, progress: bool = True) -> Path:
-    """The run directory of a model bootstrapped from `normal_traces` with the defaults: from the
-    cache when a finished run is there (its metrics.json, written last), else trained now."""
-    run_dir = cached_run_dir(normal_traces)
+def cached_bootstrap(normal_traces: str | Path, input_format: str | None = None, progress: bool = True,
+                     cpu_faults: str = DEFAULT_CPU_FAULTS) -> Path:
+    """The run directory of a model bootstrapped from `normal_traces` with the defaults (and
+    `cpu_faults`): from the cache when a finished run is there (its metrics.json, written
+    last), else trained now."""
+    run_dir = cached_run_dir(normal_traces, input_format, cpu_faults)
     if not (run_dir / "metrics.json").is_file():
         if progress:
             print(f"no model given: bootstrapping one from {normal_traces} into {run_dir}", file=sys.stderr)
-        bootstrap(normal_traces, run_dir, input_format=input_format, progress=progress)
+        bootstrap(normal_traces, run_dir, input_format=input_format, progress=progress, cpu_faults=cpu_faults)
     return run_dir
