@@ -253,7 +253,10 @@ def test_the_server_ranks_a_window_against_the_traffic_just_before_it(bootstrapp
     expected, _ = streamed.window_ranker.against(latest_before(before, start)).ranking(window)
     assert recent.ranking == expected  # the rule `bmeg evaluate rca --recent-traces` measures
     assert recent.ranking[0].service == "profile"
-    assert alone.ranking[0].service == "geo"  # against the kept normal period the drift comes first
+    # against the kept normal period the drift is a change too (first or second: which of the two
+    # changes leads there depends on the model the bootstrap drew); against recent traffic it sinks
+    alone_order, recent_order = ([row.service for row in diagnosis.ranking] for diagnosis in (alone, recent))
+    assert alone_order.index("geo") < 2 and alone_order.index("geo") < recent_order.index("geo")
 
     # a recording of the same stream, its window named by time: ranked as the server ranked it
     recorded = bmeg.diagnose(spans, model=run_dir, since_ns=start)
