@@ -19,6 +19,13 @@ the traces it flagged; with ANOMALOUS_TRACES
 With `--dataset D` (a `bmeg generate --backend testbed` dataset), both sets come from it:
 healthy, its traces labelled fault-free that neither start nor end within `MARGIN_S` of any
 fault's window (the gaps between fault rounds); anomalous, its traces labelled anomalous.
+
+The crowd check (`bmeg.models.crowd`) needs the stream's past, so it is measured on streams
+replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, and with
+`--dataset` the whole dataset (its fault rounds and the gaps between them), of which the
+between-rounds and the anomalous traces are counted. The model as bootstrapped is scored so,
+without and with the check, side by side ("replayed" rows; the rows above them score each
+trace on its own, with no past, as before).
 """
 
 from __future__ import annotations
@@ -46,6 +53,14 @@ MARGIN_S = 0.5
 
 def testbed_sets(dataset: Path) -> tuple[pa.Table, pa.Table]:
     """(healthy spans between fault rounds, anomalous spans) of a testbed dataset (see above)."""
+    spans, healthy, anomalous = testbed_stream(dataset)
+    return (spans.filter(pc.is_in(spans["trace_id"], healthy)),
+            spans.filter(pc.is_in(spans["trace_id"], anomalous)))
+
+
+def testbed_stream(dataset: Path) -> tuple[pa.Table, pa.Array, pa.Array]:
+    """(all spans, ids of the healthy traces between fault rounds, ids of the anomalous traces)
+    of a testbed dataset (see above)."""
     traces = pq.read_table(dataset / "traces.parquet")
     faults = json.loads((dataset / "faults.json").read_text())
     start = traces["start_ns"].to_numpy()
@@ -54,13 +69,35 @@ def testbed_sets(dataset: Path) -> tuple[pa.Table, pa.Table]:
     for fault in faults:
         near_fault |= (start < fault["end_ns"] + MARGIN_S * 1e9) & (end > fault["start_ns"])
     fault_free = pc.equal(traces["fault_source"], "none").to_numpy(zero_copy_only=False)
-    spans = pq.read_table(dataset / "spans.parquet")
+    ids = traces["trace_id"]
+    return (pq.read_table(dataset / "spans.parquet"), ids.filter(pa.array(fault_free & ~near_fault)),
+            ids.filter(traces["anomalous"]))
 
-    def spans_of(mask: np.ndarray) -> pa.Table:
-        return spans.filter(pc.is_in(spans["trace_id"], traces["trace_id"].filter(pa.array(mask))))
 
-    return spans_of(fault_free & ~near_fault), spans_of(traces["anomalous"].to_numpy(zero_copy_only=False))
 RATES = (0.01, 0.005)
+
+
+def replayed(detector: Detector, healthy: list[Path], dataset: Path | None) -> list[dict]:
+    """The model as bootstrapped on streams replayed in time order, without and with the crowd
+    check: per set, the share flagged (healthy sets) or the recall (the dataset's anomalous)."""
+    streams: list[tuple[str, pa.Table, dict[str, pa.Array | None]]] = [
+        (path.stem, read_spans(path), {path.stem: None}) for path in healthy]
+    if dataset is not None:
+        spans, between, anomalous = testbed_stream(dataset)
+        streams.append((dataset.name, spans, {"between-rounds": between, "anomalous": anomalous}))
+    rows = []
+    for _, spans, parts in streams:
+        forest = rpc_view(spans)
+        scores = detector.score(forest, replay=True)
+        ids = pa.array(forest.trace_ids)
+        for part, chosen in parts.items():
+            mask = np.ones(forest.num_traces, bool) if chosen is None else pc.is_in(ids, chosen).to_numpy(
+                zero_copy_only=False)
+            without = replace(detector, crowd=None).route(scores).anomalous[mask]
+            held = scores.crowd_explained[mask] & without
+            rows.append({"set": part, "traces": int(mask.sum()), "flagged_without_crowd": float(without.mean()),
+                         "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum())})
+    return rows
 
 
 def healthy_sets(paths: list[Path], dataset: Path | None) -> tuple[dict[str, pa.Table], pa.Table | None]:
@@ -126,8 +163,9 @@ def main() -> None:
                          "fresh_flagged": flagged(calibrated), "recall": recall(calibrated)})
     traces = {name: len(s.anomalous) for name, s in scores.items()}
     blame = {name: blamed(loaded, s) for name, s in scores.items()}
+    streams = replayed(loaded, args.healthy, args.dataset)
     result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": traces, "rows": rows,
-              "as_bootstrapped_blamed": blame}
+              "as_bootstrapped_blamed": blame, "replayed": streams}
     for row in rows:
         shares = ", ".join(f"{name} {share:.4f} of {traces[name]}" for name, share in row["fresh_flagged"].items())
         print(f"{row['rule']:>15} rate {row['rate']!s:>6}: held-back flagged {row['held_back_flagged']!s:>22}; "
@@ -135,6 +173,10 @@ def main() -> None:
     for name, counts in blame.items():
         print(f"as bootstrapped, {name}: {sum(counts.values())} of {traces[name]} flagged, blamed: "
               + (", ".join(f"{service} {count}" for service, count in counts.items()) or "none"))
+    for row in streams:
+        print(f"as bootstrapped, replayed, {row['set']} ({row['traces']} traces): flagged "
+              f"{row['flagged_without_crowd']:.4f} without the crowd check, {row['flagged_with_crowd']:.4f} with it "
+              f"({row['held_by_crowd']} held)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 
