@@ -55,17 +55,20 @@ class CrowdRule:
         """(services of the past, bool [T, S]: slow in each trace's crowd, bool [T, S]: counted),
         for traces beginning at `starts_ns`; the crowd is `past`'s nodes whose trace began in
         [start - window_s, start)."""
-        codes, names = pd.factorize(past.services, use_na_sentinel=False)
         starts_ns = np.asarray(starts_ns, dtype=np.int64)
+        lower = starts_ns - int(self.window_s * 1e9)
+        if len(starts_ns):  # only what some trace's window reads (a served history keeps more)
+            past = past.where((past.trace_start_ns >= lower.min()) & (past.trace_start_ns < starts_ns.max()))
+        codes, names = pd.factorize(past.services, use_na_sentinel=False)
+        order = np.lexsort((past.trace_start_ns, codes))  # by service, then time
+        when, slow_visit = past.trace_start_ns[order], past.z_self[order] >= self.slow_z
+        bounds = np.searchsorted(codes[order], np.arange(len(names) + 1))
         visits = np.zeros((len(starts_ns), len(names)), dtype=np.int64)
         slow = np.zeros_like(visits)
-        lower = starts_ns - int(self.window_s * 1e9)
         for i in range(len(names)):
-            mine = codes == i
-            order = np.argsort(past.trace_start_ns[mine], kind="stable")
-            when = past.trace_start_ns[mine][order]
-            slow_so_far = np.r_[0, np.cumsum(past.z_self[mine][order] >= self.slow_z)]
-            lo, hi = np.searchsorted(when, lower, "left"), np.searchsorted(when, starts_ns, "left")
+            mine = slice(bounds[i], bounds[i + 1])
+            slow_so_far = np.r_[0, np.cumsum(slow_visit[mine])]
+            lo, hi = np.searchsorted(when[mine], lower, "left"), np.searchsorted(when[mine], starts_ns, "left")
             visits[:, i], slow[:, i] = hi - lo, slow_so_far[hi] - slow_so_far[lo]
         counted = visits >= self.min_visits
         return list(names), counted & (slow >= self.slow_share * visits), counted
