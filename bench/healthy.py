@@ -25,7 +25,8 @@ replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, 
 `--dataset` the whole dataset (its fault rounds and the gaps between them), of which the
 between-rounds and the anomalous traces are counted. The model as bootstrapped is scored so,
 without and with the check, side by side ("replayed" rows; the rows above them score each
-trace on its own, with no past, as before).
+trace on its own, with no past, as before); `--machine-share X` (repeatable) adds the check
+with that machine share (`bmeg.models.crowd.CrowdRule`), the parameter it was chosen by.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import pyarrow.parquet as pq
 
 from bmeg.evaluation.bootstrap import HELD_BACK
 from bmeg.graphs.rpc import rpc_view
+from bmeg.models.crowd import CrowdRule
 from bmeg.models.detector import Detector
 from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
@@ -77,9 +79,10 @@ def testbed_stream(dataset: Path) -> tuple[pa.Table, pa.Array, pa.Array]:
 RATES = (0.01, 0.005)
 
 
-def replayed(detector: Detector, healthy: list[Path], dataset: Path | None) -> list[dict]:
+def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shares: list[float]) -> list[dict]:
     """The model as bootstrapped on streams replayed in time order, without and with the crowd
-    check: per set, the share flagged (healthy sets) or the recall (the dataset's anomalous)."""
+    check (its default, and with each of `shares` as its machine share): per set, the share
+    flagged (healthy sets) or the recall (the dataset's anomalous)."""
     streams: list[tuple[str, pa.Table, dict[str, pa.Array | None]]] = [
         (path.stem, read_spans(path), {path.stem: None}) for path in healthy]
     if dataset is not None:
@@ -90,13 +93,19 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None) -> l
         forest = rpc_view(spans)
         scores = detector.score(forest, replay=True)
         ids = pa.array(forest.trace_ids)
+        rules = {"default": scores.crowd_explained}
+        for share in shares:
+            other = replace(detector, crowd=replace(CrowdRule(), machine_share=share))
+            rules[f"machine_share {share}"] = other.crowd_explained(forest, scores.observation, None, replay=True)
         for part, chosen in parts.items():
             mask = np.ones(forest.num_traces, bool) if chosen is None else pc.is_in(ids, chosen).to_numpy(
                 zero_copy_only=False)
             without = replace(detector, crowd=None).route(scores).anomalous[mask]
-            held = scores.crowd_explained[mask] & without
-            rows.append({"set": part, "traces": int(mask.sum()), "flagged_without_crowd": float(without.mean()),
-                         "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum())})
+            for rule, explained in rules.items():
+                held = explained[mask] & without
+                rows.append({"set": part, "rule": rule, "traces": int(mask.sum()),
+                             "flagged_without_crowd": float(without.mean()),
+                             "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum())})
     return rows
 
 
@@ -129,6 +138,8 @@ def main() -> None:
                         help="fresh healthy traces; repeat for sets scored side by side (named by file stem)")
     parser.add_argument("--anomalous", type=Path, default=None)
     parser.add_argument("--dataset", type=Path, default=None, help="a testbed dataset: both sets from it")
+    parser.add_argument("--machine-share", type=float, action="append", default=[],
+                        help="also the crowd check with this machine share (repeatable), on the replayed streams")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if not args.healthy and args.dataset is None:
@@ -163,7 +174,7 @@ def main() -> None:
                          "fresh_flagged": flagged(calibrated), "recall": recall(calibrated)})
     traces = {name: len(s.anomalous) for name, s in scores.items()}
     blame = {name: blamed(loaded, s) for name, s in scores.items()}
-    streams = replayed(loaded, args.healthy, args.dataset)
+    streams = replayed(loaded, args.healthy, args.dataset, args.machine_share)
     result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": traces, "rows": rows,
               "as_bootstrapped_blamed": blame, "replayed": streams}
     for row in rows:
@@ -174,7 +185,7 @@ def main() -> None:
         print(f"as bootstrapped, {name}: {sum(counts.values())} of {traces[name]} flagged, blamed: "
               + (", ".join(f"{service} {count}" for service, count in counts.items()) or "none"))
     for row in streams:
-        print(f"as bootstrapped, replayed, {row['set']} ({row['traces']} traces): flagged "
+        print(f"as bootstrapped, replayed, {row['set']} ({row['traces']} traces), crowd check {row['rule']}: flagged "
               f"{row['flagged_without_crowd']:.4f} without the crowd check, {row['flagged_with_crowd']:.4f} with it "
               f"({row['held_by_crowd']} held)")
     if args.json:

@@ -151,11 +151,11 @@ class Detector:
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
             service=gnn_service, observation=observation,
-            crowd_explained=self._crowd_explained(forest, observation, history, replay),
+            crowd_explained=self.crowd_explained(forest, observation, history, replay),
         )
         return self.route(raw)
 
-    def _crowd_explained(self, forest: SpanForest, observation: Observation | None,
+    def crowd_explained(self, forest: SpanForest, observation: Observation | None,
                          history: StreamHistory | None, replay: bool) -> np.ndarray:
         """`CrowdRule.explained` against the stream's past: the forest itself when replayed (each
         trace reads only the traces begun before it), else the history's recent nodes."""
