@@ -91,7 +91,7 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shar
     rows = []
     for _, spans, parts in streams:
         forest = rpc_view(spans)
-        scores = detector.score(forest, replay=True)
+        scores = detector.score(forest, replay=True, crowd=True)
         ids = pa.array(forest.trace_ids)
         rules = {"default": scores.crowd_explained}
         for share in shares:

@@ -8,8 +8,9 @@ per-trace SVM and the others to the GNN stages; only the chosen model runs on a 
 A `Detector` holds no state between calls: calling it twice on the same traces gives the same
 answer. History features read an explicit `StreamHistory` that a streaming caller owns and
 passes in (`bmeg.models.history`); without one, each trace is judged on its own. So does the
-crowd check (`bmeg.models.crowd`): a trace that stage 1 flags is not anomalous when the
-stream's traces begun just before it show the whole machine as slow as it is.
+crowd check of a diagnosis (`bmeg.models.crowd`): a trace that stage 1 flags is not anomalous
+when the stream's traces begun just before it show the whole machine as slow as it is.
+Training and evaluation (`score` without `crowd`) measure the models' own verdicts.
 """
 
 from __future__ import annotations
@@ -122,12 +123,14 @@ class Detector:
 
     # -- scoring -----------------------------------------------------------------------------
     def score(self, forest: SpanForest, paths: CriticalPaths | None = None, history: StreamHistory | None = None,
-              all_models: bool = False, replay: bool = False) -> Scores:
+              all_models: bool = False, replay: bool = False, crowd: bool = False) -> Scores:
         """Scores of the traces. Each trace reads `history` (none: nothing before it), never its
         batch; with `replay` the forest is a recorded stream and each trace also reads the
         forest's earlier traces (training and evaluation). The router picks one model per trace,
-        or both run everywhere with `all_models` (evaluation). The crowd check reads the same
-        past: `history`'s recent nodes, or with `replay` the forest's own earlier traces."""
+        or both run everywhere with `all_models` (evaluation). With `crowd` (a verdict given to a
+        user: `diagnose`; not training and evaluation, whose metrics stay the models' own) the
+        crowd check reads the same past: `history`'s recent nodes, or with `replay` the forest's
+        own earlier traces."""
         paths = paths or critical_paths(forest)
         services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         past = None if replay else (history.z_self if history is not None else {})
@@ -151,7 +154,8 @@ class Detector:
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
             service=gnn_service, observation=observation,
-            crowd_explained=self.crowd_explained(forest, observation, history, replay),
+            crowd_explained=(self.crowd_explained(forest, observation, history, replay) if crowd
+                             else np.zeros(forest.num_traces, dtype=bool)),
         )
         return self.route(raw)
 
@@ -298,7 +302,7 @@ class Detector:
         `bmeg.diagnosis.single_trace_json`) skips building the typed objects."""
         forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="raise")
         paths = critical_paths(forest)
-        scores = self.score(forest, paths, history, replay=replay)
+        scores = self.score(forest, paths, history, replay=replay, crowd=True)
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
             history.record(scores.observation.of(self.services))
