@@ -26,7 +26,9 @@ replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, 
 between-rounds and the anomalous traces are counted. The model as bootstrapped is scored so,
 without and with the check, side by side ("replayed" rows; the rows above them score each
 trace on its own, with no past, as before); `--machine-share X` (repeatable) adds the check
-with that machine share (`bmeg.models.crowd.CrowdRule`), the parameter it was chosen by.
+with that machine share (`bmeg.models.crowd.CrowdRule`), the parameter it was chosen by;
+`--served-batch-s S` also serves each stream as the Kafka consumer does (`served`), so that
+the verdicts of a served stream, whose past lacks its batch, can be set beside the replay's.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ import pyarrow.parquet as pq
 from bmeg.evaluation.bootstrap import HELD_BACK
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.crowd import CrowdRule
-from bmeg.models.detector import Detector
+from bmeg.models.detector import CROWD_WARNING, Detector
+from bmeg.models.history import StreamHistory
 from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
@@ -79,10 +82,33 @@ def testbed_stream(dataset: Path) -> tuple[pa.Table, pa.Array, pa.Array]:
 RATES = (0.01, 0.005)
 
 
-def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shares: list[float]) -> list[dict]:
+def served(detector: Detector, spans: pa.Table, batch_s: float) -> dict[str, tuple[bool, bool]]:
+    """Each trace's (flagged without the crowd check, held by it) when the stream is served as
+    the Kafka consumer serves it: whole traces in batches of the traces that ended in the same
+    `batch_s` seconds, each batch diagnosed (`diagnosis_document`, the consumer's call) with the
+    `StreamHistory` of the batches before it."""
+    ends = spans.append_column("end_ns", pc.add(spans["start_ns"], spans["duration_ns"])).group_by(
+        "trace_id").aggregate([("end_ns", "max")])
+    end = ends["end_ns_max"].to_numpy()
+    batch = pa.table({"trace_id": ends["trace_id"], "batch": (end - end.min()) // int(batch_s * 1e9)})
+    ordered = spans.join(batch, "trace_id").sort_by("batch")
+    bounds = np.flatnonzero(np.diff(ordered["batch"].to_numpy())) + 1
+    history = StreamHistory(visits=detector.encoder.history)
+    verdicts = {}
+    for start, stop in zip(np.r_[0, bounds], np.r_[bounds, ordered.num_rows]):
+        document = detector.diagnosis_document(ordered.slice(start, stop - start), history=history)
+        for trace in document["traces"]:
+            held = CROWD_WARNING in trace["warnings"]
+            verdicts[trace["trace_id"]] = (trace["anomalous"] or held, held)
+    return verdicts
+
+
+def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shares: list[float],
+             batch_s: float | None) -> list[dict]:
     """The model as bootstrapped on streams replayed in time order, without and with the crowd
-    check (its default, and with each of `shares` as its machine share): per set, the share
-    flagged (healthy sets) or the recall (the dataset's anomalous)."""
+    check (its default, and with each of `shares` as its machine share), and with `batch_s`
+    also served (`served`): per set, the share flagged (healthy sets) or the recall (the
+    dataset's anomalous)."""
     streams: list[tuple[str, pa.Table, dict[str, pa.Array | None]]] = [
         (path.stem, read_spans(path), {path.stem: None}) for path in healthy]
     if dataset is not None:
@@ -106,6 +132,14 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shar
                 rows.append({"set": part, "rule": rule, "traces": int(mask.sum()),
                              "flagged_without_crowd": float(without.mean()),
                              "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum())})
+        if batch_s is not None:
+            verdicts = served(detector, spans, batch_s)
+            for part, chosen in parts.items():
+                keys = forest.trace_ids if chosen is None else chosen.to_pylist()
+                flagged, held = np.array([verdicts[key] for key in keys], dtype=bool).reshape(-1, 2).T
+                rows.append({"set": part, "rule": f"default, served in {batch_s}-s batches", "traces": len(keys),
+                             "flagged_without_crowd": float(flagged.mean()),
+                             "flagged_with_crowd": float((flagged & ~held).mean()), "held_by_crowd": int(held.sum())})
     return rows
 
 
@@ -140,6 +174,8 @@ def main() -> None:
     parser.add_argument("--dataset", type=Path, default=None, help="a testbed dataset: both sets from it")
     parser.add_argument("--machine-share", type=float, action="append", default=[],
                         help="also the crowd check with this machine share (repeatable), on the replayed streams")
+    parser.add_argument("--served-batch-s", type=float, default=None,
+                        help="also serve the streams as the Kafka consumer does, in batches of this many seconds")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if not args.healthy and args.dataset is None:
@@ -174,7 +210,7 @@ def main() -> None:
                          "fresh_flagged": flagged(calibrated), "recall": recall(calibrated)})
     traces = {name: len(s.anomalous) for name, s in scores.items()}
     blame = {name: blamed(loaded, s) for name, s in scores.items()}
-    streams = replayed(loaded, args.healthy, args.dataset, args.machine_share)
+    streams = replayed(loaded, args.healthy, args.dataset, args.machine_share, args.served_batch_s)
     result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": traces, "rows": rows,
               "as_bootstrapped_blamed": blame, "replayed": streams}
     for row in rows:
