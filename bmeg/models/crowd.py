@@ -5,8 +5,12 @@ whichever service was running: measured on the testbed with a CPU hog, most fals
 in bursts, within 1 s of another (README, issue 12, session 10). A fault confined to one
 service (a saturated service, a network delay to it) makes that service slow and leaves the
 others as they were. So each trace is set against the crowd: the nodes of the traces the
-stream began in the `window_s` seconds before it (its past only: never a trace begun at the
-same time or later, never the other traces of its batch as such).
+stream began in the `window_s` seconds before it, among those it has brought by the time the
+trace is judged (its past only: never a trace begun at the same time or later). Whether an
+earlier trace came in an earlier batch or in the trace's own does not matter, so the verdict
+does not depend on how the stream was cut into batches, only on what had arrived: a trace
+begun earlier but still running when the trace is judged is not read (the Kafka consumer
+judges a trace after its spans went quiet, by then most of its crowd has ended).
 
 - A visit is slow when its self-time z-score against its (service, operation)'s normal
   baseline (`bmeg.models.features`: the p90 of a normal visit is at z = 1) is at least `slow_z`.
@@ -21,9 +25,9 @@ same time or later, never the other traces of its batch as such).
 The parameters were chosen on the testbed's fault-free recordings and its single-fault dataset
 (README, issue 12, session 11), never on the dev set. The rule reads only what the stream's
 history keeps (`bmeg.models.history.Observation`: per node, its service, its trace's start, its
-self-time z-score), so a replayed recording (`bmeg diagnose`) and a served stream (the Kafka
-consumer, the REST server) judge a trace by the same code, against the traces before it that
-each has seen.
+self-time z-score), so a replayed recording (`bmeg diagnose`: every earlier trace of the file)
+and a served stream (the Kafka consumer, the REST server: the history's last seconds and the
+batch's earlier traces) judge a trace by the same code.
 """
 
 from __future__ import annotations

@@ -129,8 +129,8 @@ class Detector:
         forest's earlier traces (training and evaluation). The router picks one model per trace,
         or both run everywhere with `all_models` (evaluation). With `crowd` (a verdict given to a
         user: `diagnose`; not training and evaluation, whose metrics stay the models' own) the
-        crowd check reads the same past: `history`'s recent nodes, or with `replay` the forest's
-        own earlier traces."""
+        crowd check reads the traces begun before each trace: `history`'s recent nodes and the
+        forest's traces, or with `replay` the forest's (`crowd_explained`)."""
         paths = paths or critical_paths(forest)
         services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         past = None if replay else (history.z_self if history is not None else {})
@@ -161,15 +161,15 @@ class Detector:
 
     def crowd_explained(self, forest: SpanForest, observation: Observation | None,
                          history: StreamHistory | None, replay: bool) -> np.ndarray:
-        """`CrowdRule.explained` against the stream's past: the forest itself when replayed (each
-        trace reads only the traces begun before it), else the history's recent nodes."""
+        """`CrowdRule.explained` against the stream's past: the traces begun before each trace
+        among those the stream has brought so far, the history's recent nodes (served) and the
+        forest's own traces (served or replayed). Which batch an earlier trace came in does not
+        matter; a trace begun at the same time or later is never read (`CrowdRule.explained`)."""
         if self.crowd is None or observation is None or (history is None and not replay):
             return np.zeros(forest.num_traces, dtype=bool)
-        if replay:
-            past = observation.of(self.services)
-        else:
-            assert history is not None  # checked above
-            past = history.recent
+        past = observation.of(self.services)  # as the history records it: the model's services
+        if history is not None and not replay:
+            past = history.recent + past
         return self.crowd.explained(past, observation, forest.trace_index, forest.num_traces)
 
     def route(self, scores: Scores, router: Router | None = None) -> Scores:

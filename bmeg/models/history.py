@@ -4,7 +4,10 @@ The detector holds no state between calls. A streaming caller (the server, the K
 a replay of a window) owns a `StreamHistory`, passes it to `Detector.diagnose`, and the
 detector reads it and then records the batch into it. Every trace of a batch reads the
 history as it was before the batch (never the batch's other traces), so a trace diagnosed in
-a batch gets the verdict it gets alone with the same history.
+a batch gets the features it gets alone with the same history. The crowd check
+(`bmeg.models.crowd`) reads the traces begun before the trace, in the history or in the
+batch: how the stream was cut into batches does not change it, and a trace begun at the same
+time or later is never read.
 
 Today the history holds each service's latest self-time z-scores (the temporal-context
 feature, `bmeg.models.features`), at most `visits` per service, and the nodes of the traces
