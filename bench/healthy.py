@@ -103,6 +103,16 @@ def served(detector: Detector, spans: pa.Table, batch_s: float) -> dict[str, tup
     return verdicts
 
 
+def held_by_source(dataset: Path | None, held: np.ndarray) -> dict[str, int]:
+    """How many of the `held` trace ids come from each fault source of the dataset ({} without one)."""
+    if dataset is None or len(held) == 0:
+        return {}
+    traces = pq.read_table(dataset / "traces.parquet", columns=["trace_id", "fault_source"])
+    sources = traces.filter(pc.is_in(traces["trace_id"], pa.array(held)))["fault_source"].to_numpy(zero_copy_only=False)
+    names, counts = np.unique(sources, return_counts=True)
+    return {str(name): int(count) for name, count in zip(names, counts)}
+
+
 def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shares: list[float],
              batch_s: float | None) -> list[dict]:
     """The model as bootstrapped on streams replayed in time order, without and with the crowd
@@ -131,7 +141,8 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shar
                 held = explained[mask] & without
                 rows.append({"set": part, "rule": rule, "traces": int(mask.sum()),
                              "flagged_without_crowd": float(without.mean()),
-                             "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum())})
+                             "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum()),
+                             "held_by_source": held_by_source(dataset, np.asarray(forest.trace_ids)[mask][held])})
         if batch_s is not None:
             verdicts = served(detector, spans, batch_s)
             for part, chosen in parts.items():
@@ -223,7 +234,7 @@ def main() -> None:
     for row in streams:
         print(f"as bootstrapped, replayed, {row['set']} ({row['traces']} traces), crowd check {row['rule']}: flagged "
               f"{row['flagged_without_crowd']:.4f} without the crowd check, {row['flagged_with_crowd']:.4f} with it "
-              f"({row['held_by_crowd']} held)")
+              f"({row['held_by_crowd']} held{', by fault source ' + str(row['held_by_source']) if row.get('held_by_source') else ''})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 
