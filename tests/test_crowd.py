@@ -193,5 +193,17 @@ def test_the_history_keeps_only_recent_nodes():
     history = StreamHistory(retain_s=2.0)
     history.record(crowd({"a": 0.5}, start_ns=0, end_ns=SECOND))
     history.record(crowd({}, start_ns=4 * SECOND, end_ns=5 * SECOND))
-    assert history.recent.trace_start_ns.min() >= 5 * SECOND - 2 * SECOND - SECOND // 20
+    assert history.recent.trace_start_ns.min() >= 4 * SECOND
     assert len(history.recent.services) == len(SERVICES) * 20
+
+
+def test_a_trace_stamped_far_off_does_not_empty_the_history_for_good():
+    history = StreamHistory(retain_s=2.0)
+    history.record(crowd({}, start_ns=0, end_ns=SECOND))
+    history.record(trace({"a": 1.0}, start_ns=10**18))  # a wrong clock: its own batch
+    history.record(crowd({}, start_ns=SECOND, end_ns=2 * SECOND))
+    assert history.recent.trace_start_ns.max() < 2 * SECOND  # the far-off trace is gone
+    # a batch of normal traces with one far-off trace keeps the stream's recent past
+    history.record(crowd({}, start_ns=2 * SECOND, end_ns=3 * SECOND) + trace({"a": 1.0}, start_ns=10**18))
+    kept = history.recent.trace_start_ns
+    assert kept.min() < 2 * SECOND and kept.max() < 3 * SECOND

@@ -65,7 +65,7 @@ RETAIN_S = 10.0
 @dataclass
 class StreamHistory:
     """Each service's latest `visits` self-time z-scores, oldest first; the nodes of the traces
-    begun in the `retain_s` seconds before the latest trace recorded (`recent`)."""
+    begun within `retain_s` seconds of the latest batch recorded (`recent`, by its median start)."""
 
     visits: int = 50
     z_self: dict[str, np.ndarray] = field(default_factory=dict)
@@ -76,8 +76,12 @@ class StreamHistory:
         """Append a batch's visits in time order (trace start, then node order), keeping the latest."""
         if len(observation.services) == 0:
             return
+        # kept: the nodes begun within `retain_s` of this batch's median start, on either side (a
+        # trace stamped far off, a wrong clock, neither empties the history for good nor stays)
+        now = int(np.median(observation.trace_start_ns))
         recent = self.recent + observation
-        self.recent = recent.where(recent.trace_start_ns >= recent.trace_start_ns.max() - int(self.retain_s * 1e9))
+        offset = np.abs(recent.trace_start_ns - now)
+        self.recent = recent.where(offset <= int(self.retain_s * 1e9))
         codes, names = pd.factorize(observation.services)
         order = np.lexsort((np.arange(len(codes)), observation.trace_start_ns, codes))
         bounds = np.r_[0, np.cumsum(np.bincount(codes, minlength=len(names)))]
