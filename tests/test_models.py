@@ -560,7 +560,7 @@ def test_distinct_paths_and_router_reasons():
         "svm: 3 services <= 3 and 2 distinct paths <= 2", "gnn: 3 distinct paths > 2", "gnn: 4 services > 3"]
 
 
-def test_router_takes_the_svm_only_where_it_is_measurably_better_then_the_cheapest():
+def test_router_takes_the_svm_where_it_is_measurably_better_or_tied_and_cheaper():
     y = np.array([1, 0, 1, 0, 1, 0, 1, 0] * 8)
     services = np.array([2, 2, 2, 2, 9, 9, 9, 9] * 8)
     paths = np.array([1, 1, 1, 1, 5, 5, 5, 5] * 8)
@@ -570,19 +570,26 @@ def test_router_takes_the_svm_only_where_it_is_measurably_better_then_the_cheape
     all_named = {"gnn": np.ones(64), "svm": np.ones(64)}
     cheap_svm = {"gnn": 1e-3, "svm": 1e-4}
 
-    def chosen(svm_verdict, named=all_named, cost=cheap_svm, gnn_verdict=gnn):
-        return choose(y, {"gnn": gnn_verdict, "svm": svm_verdict}, named, services, paths, cost)
+    def chosen(svm_verdict, named=all_named, cost=cheap_svm, gnn_verdict=gnn, tie_to_cheaper=True):
+        return choose(y, {"gnn": gnn_verdict, "svm": svm_verdict}, named, services, paths, cost,
+                      tie_to_cheaper=tie_to_cheaper)
 
-    # as good as the GNN where it would go, and cheaper: a tie is no evidence, the GNN stays
+    # as good as the GNN where it would go, and cheaper: tied on quality, the cheaper model takes them
     router, _, why = chosen(svm_good_on_small)
+    assert router == Router(2, 1) and why.startswith("svm: tied on quality, cheaper: at most 2 services")
+    assert chosen(svm_good_on_small, cost={"gnn": 1e-4, "svm": 1e-3})[0] == Router()  # tied but dearer: no
+    # on decision traces that share the training faults a tie says nothing: the GNN stays
+    router, _, why = chosen(svm_good_on_small, tie_to_cheaper=False)
     assert router == Router() and why.startswith("gnn: no cut")
     # better than the GNN on the small graphs: they go to the SVM, and the reason says so
     router, rows, why = chosen(svm_good_on_small, gnn_verdict=gnn_wrong_on_small)
     assert router == Router(2, 1) and why.startswith("svm: at most 2 services and 1 distinct paths")
     assert min(row["cost_s_per_trace"] for row in rows if row["quality"] == 1.0) == pytest.approx(0.5 * 1e-4 + 0.5 * 1e-3)
     assert chosen(np.zeros(64, dtype=bool))[0] == Router()  # cheaper but worse verdicts: never
-    assert chosen(svm_good_on_small, {"gnn": np.ones(64), "svm": np.zeros(64)},
-                  gnn_verdict=gnn_wrong_on_small)[0] == Router()  # better verdicts, worse culprits
+    no_culprits = {"gnn": np.ones(64), "svm": np.zeros(64)}
+    assert chosen(svm_good_on_small, no_culprits)[0] == Router()  # as good verdicts, worse culprits: never
+    # better verdicts where the GNN's misses cost it the same culprits (culprit F1 0.5 both): tied, the cheaper
+    assert chosen(svm_good_on_small, no_culprits, gnn_verdict=gnn_wrong_on_small)[0] == Router(2, 1)
 
 
 def test_router_needs_a_margin_above_the_tolerance_and_never_trades_quality_for_cost():
@@ -602,10 +609,16 @@ def test_router_needs_a_margin_above_the_tolerance_and_never_trades_quality_for_
         named = {"gnn": gnn_named, "svm": svm_named}
         return choose(y, {"gnn": gnn, "svm": svm}, named, services, paths, cheap_svm, tolerance)[0]
 
-    assert chosen(0.2) == Router()  # 1.0 - 0.9 = 0.1 is inside the tolerance: the GNN stays, cost aside
     assert chosen(0.05) == Router(2, 1)  # beyond it: the small traces go to the SVM
-    # the default tolerance (0.01) against a tie on both verdicts and culprits: the GNN stays
-    assert choose(y, {"gnn": gnn, "svm": gnn}, {"gnn": svm_named, "svm": svm_named}, services, paths, cheap_svm)[0] == Router()
+    # 1.0 - 0.9 = 0.1 is inside a tolerance of 0.2: no lead, so a tie, and the GNN is not ahead in it: the cheaper SVM
+    assert chosen(0.2) == Router(2, 1)
+    # ... but a cut 0.1 worse, though inside the tolerance, is one the GNN beats in every resample: the GNN stays
+    worse = {"gnn": svm_named, "svm": gnn_named}
+    assert choose(y, {"gnn": gnn, "svm": np.where(services <= 2, y, 1).astype(bool)}, worse, services, paths,
+                  cheap_svm, 0.2)[0] == Router()
+    # an exact tie on both verdicts and culprits: the cheaper model, everywhere
+    assert choose(y, {"gnn": gnn, "svm": gnn}, {"gnn": svm_named, "svm": svm_named}, services, paths,
+                  cheap_svm)[0] == Router(9, 1)
 
 
 def test_router_keeps_the_gnn_where_the_svm_names_culprits_with_scores_too_low_to_act_on():
@@ -638,15 +651,23 @@ def test_router_keeps_the_gnn_where_the_svm_loses_one_fault_source_while_winning
     assert choose(y, verdicts, {"gnn": gnn_named, "svm": svm_named}, services, paths, cost)[0] == Router(3, 2)
 
 
-def test_router_keeps_the_gnn_on_a_lead_that_a_resample_of_few_traces_undoes():
+def test_a_lead_that_a_resample_of_few_traces_undoes_is_a_tie_and_goes_to_the_cheaper_model():
     y = np.array([1] * 6 + [0] * 6)
     services, paths = np.full(12, 3), np.full(12, 2)
     verdicts = {"gnn": y.astype(bool), "svm": y.astype(bool)}
     gnn_named = np.array([1.0] * 5 + [0.0] * 7)  # five of six culprits right against the SVM's six
-    router, _, why = choose(y, verdicts, {"gnn": gnn_named, "svm": np.ones(12)}, services, paths,
-                            {"gnn": 1e-3, "svm": 1e-5})
+    named = {"gnn": gnn_named, "svm": np.ones(12)}
+    router, _, why = choose(y, verdicts, named, services, paths, {"gnn": 1e-3, "svm": 1e-5}, tie_to_cheaper=False)
     assert router == Router() and "not reliably better" in why
     assert "not reliably better" in Router(why=why).reasons(np.array([3]), np.array([2]))[0]
+    router, _, why = choose(y, verdicts, named, services, paths, {"gnn": 1e-3, "svm": 1e-5})
+    assert router == Router(3, 2) and why.startswith("svm: tied on quality, cheaper") and "only 0% of" in why
+    # the other way round (the GNN names six, the SVM five) is no tie, though the GNN's lead holds
+    # in only about 2 of 3 resamples: a cut whose culprit F1 is below the GNN's by more than the
+    # tolerance (0.833 against 1.0) is not taken for its cost
+    router, _, why = choose(y, verdicts, {"gnn": np.ones(12), "svm": gnn_named}, services, paths,
+                            {"gnn": 1e-3, "svm": 1e-5})
+    assert router == Router() and "nor is a cheaper cut tied with it" in why
 
 
 def _history_of(detector, traces: int) -> StreamHistory:
@@ -755,3 +776,25 @@ def test_a_fault_source_blocks_the_svm_only_on_a_loss_that_resampling_keeps():
         assert (router == Router()) == blocked, why
         if blocked:
             assert f"on {n_source} traces" in why
+
+
+def test_a_loss_on_a_fault_source_of_a_handful_of_traces_does_not_block_the_svm():
+    """The testbed's case (README, issue 17, session 9): the SVM named none of 3
+    code+misconfiguration culprits that the GNN named, a loss every resample of 3 traces keeps,
+    and that blocked a cut ahead on 700 other traces. Below `MIN_SOURCE_TRACES` a source's loss
+    is reported, not blocking; from it on, the same loss blocks."""
+    from bmeg.models.router import MIN_SOURCE_TRACES, source_losses, worse_sources
+
+    for n_small, blocked in ((3, False), (MIN_SOURCE_TRACES - 1, False), (MIN_SOURCE_TRACES, True)):
+        y = np.array([1] * (300 + n_small) + [0] * 300)
+        sources = np.array(["network"] * 300 + ["code+misconfiguration"] * n_small + [""] * 300, dtype=object)
+        verdict = y.astype(bool)
+        gnn = np.where(sources == "network", np.arange(len(y)) % 2, 1.0) * (y == 1)  # half of network, all of the small one
+        svm = np.where(sources == "network", 1.0, 0.0)  # all of network, none of the small one
+        losses = source_losses(y, (verdict, svm), (verdict, gnn), np.ones(len(y)), sources, 0.01, 0)
+        assert losses["code+misconfiguration"]["held"] == 1.0 and losses["code+misconfiguration"]["traces"] == n_small
+        assert ("code+misconfiguration" in worse_sources(losses, 0.95)) == blocked
+        router, _, why = choose(y, {"gnn": verdict, "svm": verdict}, {"gnn": gnn, "svm": svm}, np.full(len(y), 3),
+                                np.full(len(y), 2), {"gnn": 1e-3, "svm": 1e-5}, sources=sources)
+        assert (router == Router()) == blocked, why
+        assert why.startswith("gnn: the cut" if blocked else "svm: at most 3 services")

@@ -189,7 +189,9 @@ def test_culprit_credit_is_unchanged_by_a_monotone_rescaling_of_the_scores(steps
     scores = floor + span * np.array(steps, dtype=np.float64) / 12
     truth = np.array(truth_rows[:len(steps)])
     present = np.ones_like(truth)
-    threshold = floor + span * step / 12
+    # between two score steps: a score equal to the threshold is a tie that a rescaling computed
+    # elementwise (numpy's vector pow) and on a scalar can round apart by an ulp (power 1.0625, step 11)
+    threshold = floor + span * (step + 0.5) / 12
 
     def rescaled(x):
         return floor + span * ((np.asarray(x) - floor) / span) ** power

@@ -15,7 +15,9 @@ dataset (the testbed's) there is no second draw, so a share (`router_holdout`) o
 services is held out (`held_out_service_split`): a probe detector is fitted, as the real one,
 on the training traces without a fault on them, and both of its models are scored on the
 validation traces of those services' faults (and the normal ones). The detector served is
-fitted on all training traces either way.
+fitted on all training traces either way. On such faults a tie between the two models goes to
+the cheaper (`choose`'s `tie_to_cheaper`); on plain validation traces (no held-out split), whose
+faults the GNN has learnt, a tie says nothing and the GNN stays.
 
 Started by torchrun, every process runs this whole pipeline in torchrun's process group (the
 two GNN stages train under DDP across the processes, `bmeg.training.trainer`); only rank 0
@@ -332,7 +334,8 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
     verdicts, named = _verdicts_and_culprits(judge_raw, decision, truth, th)
     router, candidates, why = choose(y, verdicts, named, judge_raw.num_services[decision], judge_raw.num_paths[decision],
                                      cost, config.router_tolerance, weights, seed=config.seed,
-                                     sources=None if sources is None else sources[decision])
+                                     sources=None if sources is None else sources[decision],
+                                     tie_to_cheaper=fresh is not None or bool(held))
     train_sources = _fault_sources(data)
     if train_sources is not None and router != Router():
         covered = set() if sources is None else set(sources[decision][y == 1])
@@ -344,6 +347,7 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
     detector = replace(detector, router=router)
     detector.hparams["router_choice"] = {
         "cost_s_per_trace": cost, "tolerance": config.router_tolerance, "chosen": chosen, "gnn_only": candidates[0],
+        "all_svm": candidates[-1],  # the largest cut: every decision trace to the SVM
         "best_f1": max(row["f1"] for row in candidates), "held_out_services": held,
         "decision_traces": int(len(decision)), "decision_bottlenecked": int(np.sum(y == 1)), "why": router.why,
     }
