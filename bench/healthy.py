@@ -19,6 +19,16 @@ the traces it flagged; with ANOMALOUS_TRACES
 With `--dataset D` (a `bmeg generate --backend testbed` dataset), both sets come from it:
 healthy, its traces labelled fault-free that neither start nor end within `MARGIN_S` of any
 fault's window (the gaps between fault rounds); anomalous, its traces labelled anomalous.
+
+The crowd check (`bmeg.models.crowd`) needs the stream's past, so it is measured on streams
+replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, and with
+`--dataset` the whole dataset (its fault rounds and the gaps between them), of which the
+between-rounds and the anomalous traces are counted. The model as bootstrapped is scored so,
+without and with the check, side by side ("replayed" rows; the rows above them score each
+trace on its own, with no past, as before); `--machine-share X` (repeatable) adds the check
+with that machine share (`bmeg.models.crowd.CrowdRule`), the parameter it was chosen by;
+`--served-batch-s S` also serves each stream as the Kafka consumer does (`served`), so that
+the verdicts of a served stream, whose past lacks its batch, can be set beside the replay's.
 """
 
 from __future__ import annotations
@@ -35,7 +45,9 @@ import pyarrow.parquet as pq
 
 from bmeg.evaluation.bootstrap import HELD_BACK
 from bmeg.graphs.rpc import rpc_view
-from bmeg.models.detector import Detector
+from bmeg.models.crowd import CrowdRule
+from bmeg.models.detector import CROWD_WARNING, Detector
+from bmeg.models.history import StreamHistory
 from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
@@ -46,6 +58,14 @@ MARGIN_S = 0.5
 
 def testbed_sets(dataset: Path) -> tuple[pa.Table, pa.Table]:
     """(healthy spans between fault rounds, anomalous spans) of a testbed dataset (see above)."""
+    spans, healthy, anomalous = testbed_stream(dataset)
+    return (spans.filter(pc.is_in(spans["trace_id"], healthy)),
+            spans.filter(pc.is_in(spans["trace_id"], anomalous)))
+
+
+def testbed_stream(dataset: Path) -> tuple[pa.Table, pa.Array, pa.Array]:
+    """(all spans, ids of the healthy traces between fault rounds, ids of the anomalous traces)
+    of a testbed dataset (see above)."""
     traces = pq.read_table(dataset / "traces.parquet")
     faults = json.loads((dataset / "faults.json").read_text())
     start = traces["start_ns"].to_numpy()
@@ -54,13 +74,84 @@ def testbed_sets(dataset: Path) -> tuple[pa.Table, pa.Table]:
     for fault in faults:
         near_fault |= (start < fault["end_ns"] + MARGIN_S * 1e9) & (end > fault["start_ns"])
     fault_free = pc.equal(traces["fault_source"], "none").to_numpy(zero_copy_only=False)
-    spans = pq.read_table(dataset / "spans.parquet")
+    ids = traces["trace_id"]
+    return (pq.read_table(dataset / "spans.parquet"), ids.filter(pa.array(fault_free & ~near_fault)),
+            ids.filter(traces["anomalous"]))
 
-    def spans_of(mask: np.ndarray) -> pa.Table:
-        return spans.filter(pc.is_in(spans["trace_id"], traces["trace_id"].filter(pa.array(mask))))
 
-    return spans_of(fault_free & ~near_fault), spans_of(traces["anomalous"].to_numpy(zero_copy_only=False))
 RATES = (0.01, 0.005)
+
+
+def served(detector: Detector, spans: pa.Table, batch_s: float) -> dict[str, tuple[bool, bool]]:
+    """Each trace's (flagged without the crowd check, held by it) when the stream is served as
+    the Kafka consumer serves it: whole traces in batches of the traces that ended in the same
+    `batch_s` seconds, each batch diagnosed (`diagnosis_document`, the consumer's call) with the
+    `StreamHistory` of the batches before it."""
+    ends = spans.append_column("end_ns", pc.add(spans["start_ns"], spans["duration_ns"])).group_by(
+        "trace_id").aggregate([("end_ns", "max")])
+    end = ends["end_ns_max"].to_numpy()
+    batch = pa.table({"trace_id": ends["trace_id"], "batch": (end - end.min()) // int(batch_s * 1e9)})
+    ordered = spans.join(batch, "trace_id").sort_by("batch")
+    bounds = np.flatnonzero(np.diff(ordered["batch"].to_numpy())) + 1
+    history = StreamHistory(visits=detector.encoder.history)
+    verdicts = {}
+    for start, stop in zip(np.r_[0, bounds], np.r_[bounds, ordered.num_rows]):
+        document = detector.diagnosis_document(ordered.slice(start, stop - start), history=history)
+        for trace in document["traces"]:
+            held = CROWD_WARNING in trace["warnings"]
+            verdicts[trace["trace_id"]] = (trace["anomalous"] or held, held)
+    return verdicts
+
+
+def held_by_source(dataset: Path | None, held: np.ndarray) -> dict[str, int]:
+    """How many of the `held` trace ids come from each fault source of the dataset ({} without one)."""
+    if dataset is None or len(held) == 0:
+        return {}
+    traces = pq.read_table(dataset / "traces.parquet", columns=["trace_id", "fault_source"])
+    sources = traces.filter(pc.is_in(traces["trace_id"], pa.array(held)))["fault_source"].to_numpy(zero_copy_only=False)
+    names, counts = np.unique(sources, return_counts=True)
+    return {str(name): int(count) for name, count in zip(names, counts)}
+
+
+def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shares: list[float],
+             batch_s: float | None) -> list[dict]:
+    """The model as bootstrapped on streams replayed in time order, without and with the crowd
+    check (its default, and with each of `shares` as its machine share), and with `batch_s`
+    also served (`served`): per set, the share flagged (healthy sets) or the recall (the
+    dataset's anomalous)."""
+    streams: list[tuple[str, pa.Table, dict[str, pa.Array | None]]] = [
+        (path.stem, read_spans(path), {path.stem: None}) for path in healthy]
+    if dataset is not None:
+        spans, between, anomalous = testbed_stream(dataset)
+        streams.append((dataset.name, spans, {"between-rounds": between, "anomalous": anomalous}))
+    rows = []
+    for _, spans, parts in streams:
+        forest = rpc_view(spans)
+        scores = detector.score(forest, replay=True, crowd=True)
+        ids = pa.array(forest.trace_ids)
+        rules = {"default": scores.crowd_explained}
+        for share in shares:
+            other = replace(detector, crowd=replace(CrowdRule(), machine_share=share))
+            rules[f"machine_share {share}"] = other.crowd_explained(forest, scores.observation, None, replay=True)
+        for part, chosen in parts.items():
+            mask = np.ones(forest.num_traces, bool) if chosen is None else pc.is_in(ids, chosen).to_numpy(
+                zero_copy_only=False)
+            without = replace(detector, crowd=None).route(scores).anomalous[mask]
+            for rule, explained in rules.items():
+                held = explained[mask] & without
+                rows.append({"set": part, "rule": rule, "traces": int(mask.sum()),
+                             "flagged_without_crowd": float(without.mean()),
+                             "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum()),
+                             "held_by_source": held_by_source(dataset, np.asarray(forest.trace_ids)[mask][held])})
+        if batch_s is not None:
+            verdicts = served(detector, spans, batch_s)
+            for part, chosen in parts.items():
+                keys = forest.trace_ids if chosen is None else chosen.to_pylist()
+                flagged, held = np.array([verdicts[key] for key in keys], dtype=bool).reshape(-1, 2).T
+                rows.append({"set": part, "rule": f"default, served in {batch_s}-s batches", "traces": len(keys),
+                             "flagged_without_crowd": float(flagged.mean()),
+                             "flagged_with_crowd": float((flagged & ~held).mean()), "held_by_crowd": int(held.sum())})
+    return rows
 
 
 def healthy_sets(paths: list[Path], dataset: Path | None) -> tuple[dict[str, pa.Table], pa.Table | None]:
@@ -92,6 +183,10 @@ def main() -> None:
                         help="fresh healthy traces; repeat for sets scored side by side (named by file stem)")
     parser.add_argument("--anomalous", type=Path, default=None)
     parser.add_argument("--dataset", type=Path, default=None, help="a testbed dataset: both sets from it")
+    parser.add_argument("--machine-share", type=float, action="append", default=[],
+                        help="also the crowd check with this machine share (repeatable), on the replayed streams")
+    parser.add_argument("--served-batch-s", type=float, default=None,
+                        help="also serve the streams as the Kafka consumer does, in batches of this many seconds")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if not args.healthy and args.dataset is None:
@@ -126,8 +221,9 @@ def main() -> None:
                          "fresh_flagged": flagged(calibrated), "recall": recall(calibrated)})
     traces = {name: len(s.anomalous) for name, s in scores.items()}
     blame = {name: blamed(loaded, s) for name, s in scores.items()}
+    streams = replayed(loaded, args.healthy, args.dataset, args.machine_share, args.served_batch_s)
     result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": traces, "rows": rows,
-              "as_bootstrapped_blamed": blame}
+              "as_bootstrapped_blamed": blame, "replayed": streams}
     for row in rows:
         shares = ", ".join(f"{name} {share:.4f} of {traces[name]}" for name, share in row["fresh_flagged"].items())
         print(f"{row['rule']:>15} rate {row['rate']!s:>6}: held-back flagged {row['held_back_flagged']!s:>22}; "
@@ -135,6 +231,10 @@ def main() -> None:
     for name, counts in blame.items():
         print(f"as bootstrapped, {name}: {sum(counts.values())} of {traces[name]} flagged, blamed: "
               + (", ".join(f"{service} {count}" for service, count in counts.items()) or "none"))
+    for row in streams:
+        print(f"as bootstrapped, replayed, {row['set']} ({row['traces']} traces), crowd check {row['rule']}: flagged "
+              f"{row['flagged_without_crowd']:.4f} without the crowd check, {row['flagged_with_crowd']:.4f} with it "
+              f"({row['held_by_crowd']} held{', by fault source ' + str(row['held_by_source']) if row.get('held_by_source') else ''})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -7,7 +7,10 @@ per-trace SVM and the others to the GNN stages; only the chosen model runs on a 
 
 A `Detector` holds no state between calls: calling it twice on the same traces gives the same
 answer. History features read an explicit `StreamHistory` that a streaming caller owns and
-passes in (`bmeg.models.history`); without one, each trace is judged on its own.
+passes in (`bmeg.models.history`); without one, each trace is judged on its own. So does the
+crowd check of a diagnosis (`bmeg.models.crowd`): a trace that stage 1 flags is not anomalous
+when the stream's traces begun just before it show the whole machine as slow as it is.
+Training and evaluation (`score` without `crowd`) measure the models' own verdicts.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import self_time_ns
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from bmeg.models.crowd import CrowdRule
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
@@ -60,6 +64,9 @@ def default_run_dir(application: str = "socialnet") -> Path:
 SVM_SERVICE_Z = 3.0
 #: How many ranked services a trace's diagnosis lists.
 TOP_SERVICES = 5
+#: The warning of a trace above stage 1's threshold that the crowd check did not flag.
+CROWD_WARNING = ("not flagged: its score is above stage 1's threshold, but the traces begun just before it "
+                 "were slow on most services too, and so was it only where they were (a busy machine)")
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class Scores:
     anomalous: np.ndarray  # bool [T]
     service: np.ndarray  # [T, S] routed service scores
     observation: Observation | None  # what a stream history records of these traces
+    crowd_explained: np.ndarray  # bool [T]: the crowd explains the trace's slowness (`bmeg.models.crowd`)
 
     @property
     def num_services(self) -> np.ndarray:
@@ -107,6 +115,7 @@ class Detector:
     device: torch.device = torch.device("cpu")
     run_dir: Path | None = None
     culprit: CulpritScorer | None = None  # where in an SVM-routed trace (None: own time, as saved before it)
+    crowd: CrowdRule | None = CrowdRule()  # None: stage 1 does not set a trace against the crowd
 
     @property
     def version(self) -> str:
@@ -114,12 +123,17 @@ class Detector:
 
     # -- scoring -----------------------------------------------------------------------------
     def score(self, forest: SpanForest, paths: CriticalPaths | None = None, history: StreamHistory | None = None,
-              all_models: bool = False, replay: bool = False, context: SpanForest | None = None) -> Scores:
+              all_models: bool = False, replay: bool = False, context: SpanForest | None = None,
+              crowd: bool = False) -> Scores:
         """Scores of the traces. Each trace reads `history` (none: nothing before it), never its
         batch; with `replay` the forest is a recorded stream and each trace also reads the
         forest's earlier traces, and those of `context` (the stream's traces that are history
         only: a generated dataset's unsampled ones), in time order (training and evaluation).
-        The router picks one model per trace, or both run everywhere with `all_models` (evaluation)."""
+        The router picks one model per trace, or both run everywhere with `all_models` (evaluation).
+        With `crowd` (a verdict given to a user: `diagnose`; not training and evaluation, whose
+        metrics stay the models' own) the crowd check reads the traces begun before each trace:
+        `history`'s recent nodes and the forest's traces, or with `replay` the forest's
+        (`crowd_explained`)."""
         paths = paths or critical_paths(forest)
         services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         past = None if replay else (history.z_self if history is not None else {})
@@ -143,18 +157,35 @@ class Detector:
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
             service=gnn_service, observation=observation,
+            crowd_explained=(self.crowd_explained(forest, observation, history, replay) if crowd
+                             else np.zeros(forest.num_traces, dtype=bool)),
         )
         return self.route(raw)
 
+    def crowd_explained(self, forest: SpanForest, observation: Observation | None,
+                         history: StreamHistory | None, replay: bool) -> np.ndarray:
+        """`CrowdRule.explained` against the stream's past: the traces begun before each trace
+        among those the stream has brought so far, the history's recent nodes (served) and the
+        forest's own traces (served or replayed). Which batch an earlier trace came in does not
+        matter; a trace begun at the same time or later is never read (`CrowdRule.explained`)."""
+        if self.crowd is None or observation is None or (history is None and not replay):
+            return np.zeros(forest.num_traces, dtype=bool)
+        past = observation.of(self.services)  # as the history records it: the model's services
+        if history is not None and not replay:
+            past = history.recent + past
+        return self.crowd.explained(past, observation, forest.trace_index, forest.num_traces)
+
     def route(self, scores: Scores, router: Router | None = None) -> Scores:
-        """Apply the router (this detector's unless given) and the thresholds to raw scores."""
+        """Apply the router (this detector's unless given), the thresholds and the crowd check
+        (unless this detector has none) to raw scores."""
         router = router or self.router
         to_svm = router.to_svm(scores.num_services, scores.num_paths)
         anomaly = np.where(to_svm, scores.svm_anomaly, scores.gnn_anomaly)
         threshold = np.where(to_svm, self.thresholds["svm"], self.thresholds["graph"])
         service = np.where(to_svm[:, None], scores.svm_service, scores.gnn_service)
         return replace(scores, to_svm=to_svm, route=router.reasons(scores.num_services, scores.num_paths),
-                       anomaly=anomaly, anomalous=anomaly >= threshold, service=service)
+                       anomaly=anomaly, anomalous=(anomaly >= threshold) & ~(scores.crowd_explained & (self.crowd is not None)),
+                       service=service)
 
     def _gnn_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int,
                     traces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -274,7 +305,7 @@ class Detector:
         `bmeg.diagnosis.single_trace_json`) skips building the typed objects."""
         forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="raise")
         paths = critical_paths(forest)
-        scores = self.score(forest, paths, history, replay=replay)
+        scores = self.score(forest, paths, history, replay=replay, crowd=True)
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
             history.record(scores.observation.of(self.services))
@@ -344,17 +375,22 @@ class Detector:
         ]
 
     def _warnings(self, forest: SpanForest, scores: Scores) -> list[list[str]]:
-        """Per trace: the repairs made to it, and the services the model does not know."""
+        """Per trace: the repairs made to it, the services the model does not know, and whether
+        the crowd check kept it from being flagged."""
         repairs = _warnings_by_trace(forest)
         alphabetical = sorted(range(len(scores.services)), key=scores.services.__getitem__)
         unknown = (scores.present & ~np.isin(scores.services, self.services))[:, alphabetical]
         names = [scores.services[i] for i in alphabetical]
         warnings = []
-        for trace_id, unknown_t in zip(forest.trace_ids, unknown.tolist()):
+        threshold = np.where(scores.to_svm, self.thresholds["svm"], self.thresholds["graph"])
+        crowd_held = (scores.anomaly >= threshold) & ~scores.anomalous
+        for trace_id, unknown_t, held in zip(forest.trace_ids, unknown.tolist(), crowd_held.tolist()):
             trace_warnings = list(repairs.get(trace_id, []))
             if any(unknown_t):
                 trace_warnings.append("services unknown to the model (scored without a baseline): "
                                       + ", ".join(compress(names, unknown_t)))
+            if held:
+                trace_warnings.append(CROWD_WARNING)
             warnings.append(trace_warnings)
         return warnings
 

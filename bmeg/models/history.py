@@ -4,10 +4,14 @@ The detector holds no state between calls. A streaming caller (the server, the K
 a replay of a window) owns a `StreamHistory`, passes it to `Detector.diagnose`, and the
 detector reads it and then records the batch into it. Every trace of a batch reads the
 history as it was before the batch (never the batch's other traces), so a trace diagnosed in
-a batch gets the verdict it gets alone with the same history.
+a batch gets the features it gets alone with the same history. The crowd check
+(`bmeg.models.crowd`) reads the traces begun before the trace, in the history or in the
+batch: how the stream was cut into batches does not change it, and a trace begun at the same
+time or later is never read.
 
 Today the history holds each service's latest self-time z-scores (the temporal-context
-feature, `bmeg.models.features`), at most `visits` per service.
+feature, `bmeg.models.features`), at most `visits` per service, and the nodes of the traces
+begun in the latest `retain_s` seconds (the crowd a trace is set against, `bmeg.models.crowd`).
 """
 
 from __future__ import annotations
@@ -38,20 +42,46 @@ class Observation:
         # numbered by hashing first: `np.isin` on the visits' strings sorts them (~4 µs a trace)
         codes, names = pd.factorize(self.services, use_na_sentinel=False)
         keep = np.isin(names, services)[codes]
+        return self.where(keep)
+
+    def where(self, keep: np.ndarray) -> Observation:
         return Observation(self.services[keep], self.trace_start_ns[keep], self.z_self[keep])
+
+    @classmethod
+    def empty(cls) -> Observation:
+        return cls(np.zeros(0, dtype=object), np.zeros(0, dtype=np.int64), np.zeros(0))
+
+    def __add__(self, other: Observation) -> Observation:
+        return Observation(np.concatenate([self.services, other.services]),
+                           np.concatenate([self.trace_start_ns, other.trace_start_ns]),
+                           np.concatenate([self.z_self, other.z_self]))
+
+
+#: How long a stream's history keeps nodes for the crowd (`bmeg.models.crowd`): its window
+#: (1 s) and room for traces that arrive late (the SDK exports in batches every few seconds).
+RETAIN_S = 10.0
 
 
 @dataclass
 class StreamHistory:
-    """Each service's latest `visits` self-time z-scores, oldest first."""
+    """Each service's latest `visits` self-time z-scores, oldest first; the nodes of the traces
+    begun within `retain_s` seconds of the latest batch recorded (`recent`, by its median start)."""
 
     visits: int = 50
     z_self: dict[str, np.ndarray] = field(default_factory=dict)
+    retain_s: float = RETAIN_S
+    recent: Observation = field(default_factory=Observation.empty)
 
     def record(self, observation: Observation) -> None:
         """Append a batch's visits in time order (trace start, then node order), keeping the latest."""
         if len(observation.services) == 0:
             return
+        # kept: the nodes begun within `retain_s` of this batch's median start, on either side (a
+        # trace stamped far off, a wrong clock, neither empties the history for good nor stays)
+        now = int(np.median(observation.trace_start_ns))
+        recent = self.recent + observation
+        offset = np.abs(recent.trace_start_ns - now)
+        self.recent = recent.where(offset <= int(self.retain_s * 1e9))
         codes, names = pd.factorize(observation.services)
         order = np.lexsort((np.arange(len(codes)), observation.trace_start_ns, codes))
         bounds = np.r_[0, np.cumsum(np.bincount(codes, minlength=len(names)))]

@@ -1,0 +1,209 @@
+"""Stage 1 against the crowd (`bmeg.models.crowd`): machine-wide slowness holds an alarm, a
+slowness of one service does not, and only the stream's past is read."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from builders import star_trace, tiny_detector
+
+from bmeg.models.crowd import CrowdRule
+from bmeg.models.detector import CROWD_WARNING
+from bmeg.models.history import Observation, StreamHistory
+from bmeg.traces import span_table
+
+SERVICES = ["a", "b", "c", "d", "e", "f"]
+SECOND = 10**9
+RULE = CrowdRule()
+
+
+def crowd(slow: dict[str, float], start_ns: int = 0, visits: int = 20, end_ns: int = SECOND) -> Observation:
+    """`visits` visits of every service, spread over [start_ns, end_ns), the given share of each slow."""
+    services, starts, z = [], [], []
+    for name in SERVICES:
+        for i in range(visits):
+            services.append(name)
+            starts.append(start_ns + (end_ns - start_ns) * i // visits)
+            z.append(20.0 if i < slow.get(name, 0.0) * visits else 0.5)
+    return Observation(np.array(services, dtype=object), np.array(starts, dtype=np.int64), np.array(z))
+
+
+def trace(z: dict[str, float], start_ns: int = SECOND) -> Observation:
+    """One trace's nodes: one visit per service named, with that self-time z-score."""
+    return Observation(np.array(list(z), dtype=object), np.full(len(z), start_ns, dtype=np.int64),
+                       np.array(list(z.values()), dtype=np.float64))
+
+
+def explained(past: Observation, *traces: Observation, rule: CrowdRule = RULE) -> list[bool]:
+    nodes = Observation.empty()
+    index = []
+    for i, one in enumerate(traces):
+        nodes = nodes + one
+        index += [i] * len(one.services)
+    return rule.explained(past, nodes, np.array(index, dtype=np.int64), len(traces)).tolist()
+
+
+def test_machine_wide_slowness_explains_a_trace_slow_where_the_crowd_is():
+    busy = crowd({name: 0.3 for name in SERVICES})
+    assert explained(busy, trace({"a": 0.2, "b": 30.0})) == [True]
+
+
+def test_a_slow_service_alone_does_not_explain_its_traces():
+    one_service = crowd({"b": 0.9})  # a fault confined to b: the machine is not slow
+    assert explained(one_service, trace({"a": 0.2, "b": 30.0})) == [False]
+    # nor do a few slow services, under the machine share
+    assert explained(crowd({"a": 0.5, "b": 0.5}), trace({"b": 30.0})) == [False]
+
+
+def test_a_trace_slow_where_the_crowd_is_not_stands_out():
+    most = crowd({"a": 0.5, "b": 0.5, "c": 0.5, "d": 0.5})  # e and f are not slow
+    assert explained(most, trace({"a": 30.0, "e": 30.0})) == [False]
+    assert explained(most, trace({"a": 30.0, "unknown": 30.0})) == [False]  # a service the crowd has not seen
+    assert explained(most, trace({"a": 30.0})) == [True]
+
+
+def test_a_trace_with_no_slow_visit_is_not_explained():
+    """Flagged for something else (structure, an error): not the crowd's doing."""
+    assert explained(crowd({name: 0.9 for name in SERVICES}), trace({"a": 1.0, "b": 4.9})) == [False]
+
+
+def test_only_the_window_before_the_trace_is_read():
+    busy_long_ago = crowd({name: 0.9 for name in SERVICES}, start_ns=-5 * SECOND, end_ns=-2 * SECOND)
+    busy_later = crowd({name: 0.9 for name in SERVICES}, start_ns=SECOND, end_ns=2 * SECOND)
+    slow_trace = trace({"a": 30.0})
+    assert explained(busy_long_ago, slow_trace) == [False]
+    assert explained(busy_later, slow_trace) == [False]  # begun at the same time or after: not its past
+    assert explained(busy_long_ago + busy_later + crowd({name: 0.9 for name in SERVICES}), slow_trace) == [True]
+
+
+def test_too_few_visits_are_not_counted():
+    sparse = crowd({name: 0.9 for name in SERVICES}, visits=RULE.min_visits - 1)
+    assert explained(sparse, trace({"a": 30.0})) == [False]
+    assert explained(Observation.empty(), trace({"a": 30.0})) == [False]
+
+
+@pytest.mark.parametrize("kwargs", [{"window_s": 0}, {"slow_share": 0}, {"machine_share": 1.5}, {"min_visits": 0}])
+def test_bad_parameters_are_a_clear_error(kwargs):
+    with pytest.raises(ValueError):
+        CrowdRule(**kwargs)
+
+
+past_nodes = st.lists(st.tuples(st.sampled_from(SERVICES), st.integers(0, 3 * SECOND), st.floats(-5, 50)),
+                      max_size=150)
+
+
+def observation(nodes) -> Observation:
+    if not nodes:
+        return Observation.empty()
+    services, starts, z = zip(*nodes)
+    return Observation(np.array(services, dtype=object), np.array(starts, dtype=np.int64), np.array(z))
+
+
+@settings(max_examples=60, deadline=None)
+@given(past_nodes, past_nodes, st.lists(st.dictionaries(st.sampled_from(SERVICES), st.floats(-5, 50), min_size=1),
+                                        min_size=1, max_size=4),
+       st.integers(0, 3 * SECOND))
+def test_a_verdict_reads_only_its_past_and_never_its_batch(past, later, traces, start_ns):
+    """Adding traces begun at or after a trace's start (later traffic, its batch) changes nothing,
+    and judging traces together gives each the verdict it gets alone."""
+    history = observation([node for node in past if node[1] < start_ns])
+    after = observation([(s, max(t, start_ns), z) for s, t, z in later])
+    judged = [trace(z, start_ns) for z in traces]
+    together = explained(history, *judged)
+    assert together == [explained(history, one)[0] for one in judged]
+    assert explained(history + after, *judged) == together
+
+
+def stream(slow_everywhere: set[int], slow_one: set[int], n: int = 100) -> dict[str, list]:
+    """`n` star traces 20 ms apart (many_traces' shape); those in `slow_everywhere` are slow on
+    every leaf (a stalled machine), those in `slow_one` on svc1 only (a fault)."""
+    merged: dict[str, list] = {}
+    for t in range(n):
+        leaf = [100 + t % 7, 200 + t % 5, 50]
+        if t in slow_everywhere:
+            leaf = [us * 40 for us in leaf]
+        if t in slow_one:
+            leaf[1] = 8000
+        spans = star_trace(f"t{t:04d}", leaf)
+        spans["start_ns"] = [start + t * 20_000_000 for start in spans["start_ns"]]
+        for key, values in spans.items():
+            merged.setdefault(key, []).extend(values)
+    return merged
+
+
+def always_flagging():
+    """A detector whose stage 1 flags every trace: what is left unflagged, the crowd held."""
+    detector = tiny_detector()
+    return replace(detector, thresholds={**detector.thresholds, "graph": 0.0, "svm": 0.0})
+
+
+def test_the_detector_holds_alarms_in_a_stalled_stretch_and_keeps_a_fault():
+    detector = always_flagging()
+    stalled = set(range(20, 40))
+    table = span_table(stream(stalled, slow_one={95, 97}))  # a second after the stall
+    diagnosis = detector.diagnose(table, replay=True)
+    flagged = {trace.trace_id for trace in diagnosis.traces if trace.anomalous}
+    held = {trace.trace_id for trace in diagnosis.traces if CROWD_WARNING in trace.warnings}
+    assert held and held <= {f"t{t:04d}" for t in stalled}  # only inside the stall, once its past shows it
+    assert "t0020" not in held  # the stall's first trace has no slow past
+    assert {"t0095", "t0097"} <= flagged  # a slow service alone stands out
+    assert held.isdisjoint(flagged) and len(flagged) + len(held) == len(diagnosis.traces)
+    # without the check every trace is flagged
+    assert all(trace.anomalous for trace in replace(detector, crowd=None).diagnose(table, replay=True).traces)
+
+
+@pytest.mark.parametrize("batch", [1, 7, 100])
+def test_a_served_stream_judges_as_a_replay(batch):
+    """Fed in time order, in batches of any size, the served stream gives each trace the crowd
+    verdict the replay of the whole recording gives it: its past is the traces begun before
+    it, whether they came in an earlier batch or in its own."""
+    detector = always_flagging()
+    table = span_table(stream(set(range(10, 45)), slow_one={50}))
+    replayed = {trace.trace_id: trace.anomalous for trace in detector.diagnose(table, replay=True).traces}
+    history = StreamHistory(visits=detector.encoder.history)
+    served = {}
+    ids = sorted(set(table["trace_id"].to_pylist()))
+    for first in range(0, len(ids), batch):
+        chosen = table.filter(np.isin(table["trace_id"].to_numpy(zero_copy_only=False), ids[first:first + batch]))
+        served.update({trace.trace_id: trace.anomalous for trace in detector.diagnose(chosen, history=history).traces})
+    assert served == replayed and not all(served.values())
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 99), st.sets(st.integers(0, 99), max_size=30))
+def test_later_traces_in_a_batch_change_no_verdict(cut, extra):
+    """A batch of traces begun up to `cut` gives each of them the verdict it gets with any later
+    traces added to the batch; the stream is stalled from trace 10 on, so there is a crowd."""
+    detector = always_flagging()
+    table = span_table(stream(set(range(10, 100)), slow_one={60}))
+    number = np.array([int(key[1:]) for key in table["trace_id"].to_pylist()])
+    history = StreamHistory(visits=detector.encoder.history)
+    detector.diagnose(table.filter(number < 5), history=history)
+    batch = table.filter((number >= 5) & (number <= cut))
+    more = table.filter((number >= 5) & ((number <= cut) | np.isin(number, list(extra))))
+    alone = {t.trace_id: t.anomalous for t in detector.diagnose(batch, history=history.copy()).traces}
+    together = {t.trace_id: t.anomalous for t in detector.diagnose(more, history=history.copy()).traces}
+    assert alone == {key: together[key] for key in alone}
+
+
+def test_the_history_keeps_only_recent_nodes():
+    history = StreamHistory(retain_s=2.0)
+    history.record(crowd({"a": 0.5}, start_ns=0, end_ns=SECOND))
+    history.record(crowd({}, start_ns=4 * SECOND, end_ns=5 * SECOND))
+    assert history.recent.trace_start_ns.min() >= 4 * SECOND
+    assert len(history.recent.services) == len(SERVICES) * 20
+
+
+def test_a_trace_stamped_far_off_does_not_empty_the_history_for_good():
+    history = StreamHistory(retain_s=2.0)
+    history.record(crowd({}, start_ns=0, end_ns=SECOND))
+    history.record(trace({"a": 1.0}, start_ns=10**18))  # a wrong clock: its own batch
+    history.record(crowd({}, start_ns=SECOND, end_ns=2 * SECOND))
+    assert history.recent.trace_start_ns.max() < 2 * SECOND  # the far-off trace is gone
+    # a batch of normal traces with one far-off trace keeps the stream's recent past
+    history.record(crowd({}, start_ns=2 * SECOND, end_ns=3 * SECOND) + trace({"a": 1.0}, start_ns=10**18))
+    kept = history.recent.trace_start_ns
+    assert kept.min() < 2 * SECOND and kept.max() < 3 * SECOND
