@@ -219,6 +219,21 @@ def test_the_cached_run_follows_every_option_that_changes_it(tmp_path, monkeypat
     assert cached_run_dir(normal) != first
 
 
+def test_the_cached_run_follows_the_training_campaigns(tmp_path, monkeypatch):
+    # a run trained on a campaign's former fault draws must not outlive an edit to the campaign
+    from bmeg.faultinject import scenario
+
+    normal = tmp_path / "normal.parquet"
+    normal.write_bytes(b"traces")
+    first = cached_run_dir(normal)
+    edited = tmp_path / "edited.yaml"
+    name = CPU_FAULT_SCENARIOS[DEFAULT_CPU_FAULTS][0]
+    edited.write_text(scenario.scenario_path(name).read_text() + "# edited\n")
+    real = scenario.scenario_path
+    monkeypatch.setattr(scenario, "scenario_path", lambda given: edited if given == name else real(given))
+    assert cached_run_dir(normal) != first
+
+
 def test_the_server_ranks_a_window_against_the_traffic_just_before_it(bootstrapped, tmp_path):
     """The stream's own recent traffic replaces the kept normal period where it holds enough
     traces: the geo service slowed (no fault: a change that came before) from the start, the

@@ -97,8 +97,10 @@ def cached_run_dir(normal_traces: str | Path, input_format: str | None = None,
     """Where `cached_bootstrap` keeps the run bootstrapped from these normal traces. Keyed by
     everything that changes the run: the traces' path and each file's size and modification
     time (other traces written to the same path, a dataset regenerated in place, get a run of
-    their own), the options given, `bootstrap`'s defaults for the rest, and the simulator's
-    version (`SIMULATOR_VERSION`: the twin's training data come from it)."""
+    their own), the options given, `bootstrap`'s defaults for the rest, and what the twin's
+    training data come from: the simulator's version (`SIMULATOR_VERSION`) and the content of
+    the training campaigns (an edited campaign draws other faults)."""
+    from bmeg.faultinject.scenario import scenario_path
     from bmeg.faultinject.simulator import SIMULATOR_VERSION
     from bmeg.paths import cache_dir
 
@@ -107,7 +109,10 @@ def cached_run_dir(normal_traces: str | Path, input_format: str | None = None,
     stamps = [f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
     settings = {name: parameter.default for name, parameter in inspect.signature(bootstrap).parameters.items()
                 if parameter.default is not inspect.Parameter.empty and name != "progress"}
-    settings.update(input_format=input_format, cpu_faults=cpu_faults, simulator_version=SIMULATOR_VERSION)
+    campaigns = {name: hashlib.sha256(scenario_path(name).read_bytes()).hexdigest()
+                 for name in CPU_FAULT_SCENARIOS.get(cpu_faults, ())}
+    settings.update(input_format=input_format, cpu_faults=cpu_faults, simulator_version=SIMULATOR_VERSION,
+                    campaigns=campaigns)
     key = hashlib.sha256("\n".join([str(path), *stamps, json.dumps(settings, sort_keys=True, default=str)]).encode())
     return cache_dir() / "runs" / f"bootstrap-{key.hexdigest()[:10]}"
 
