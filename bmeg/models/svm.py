@@ -3,8 +3,10 @@
 **TraceSVM** (the fallback for small, simple call graphs, as the B-MEG thesis trained it): one
 row per trace, a fixed vector (`TraceVectorizer`): the trace's largest robust z-scores against
 the normal baselines, whichever nodes they are on (self time, duration, wait: the deviations the
-GNN gets, `bmeg.models.features`), and its services' largest deviations in own time, queue and
-callers' gap (`service_deviations`, `CulpritScorer`'s input), whichever services they are on.
+GNN gets, `bmeg.models.features`; where the features have the temporal context, also the
+history-confirmed own time `CONFIRMED`, so that the SVM reads the stream's history as the GNN
+does), and its services' largest deviations in own time, queue and callers' gap
+(`service_deviations`, `CulpritScorer`'s input), whichever services they are on.
 The thesis's vector also held each (service, operation) key's self time, log-scaled; those
 per-key columns learn the keys faulted in training and cost recall on faults elsewhere (see
 `TraceVectorizer`), so `bmeg train` leaves them out (`times=False`); checkpoints written
