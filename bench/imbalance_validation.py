@@ -12,7 +12,7 @@ limits apart:
   few of them pass;
 - the features or the model: the score itself does not rank them (the best recall at
   precision ≥ 0.8 over every threshold is already low).
-Printed per model (GNN stage 1, trace SVM) and for the parameter-free rule of
+Printed per model (GNN stage 1, trace SVM, and the SVM's margin before its logistic) and for the parameter-free rule of
 `bench/history_context.py` (largest over a trace's nodes of min(self-time z, recent history)):
 validation AUC, best recall at precision ≥ 0.8 and ≥ 0.7, and the recall and precision at the
 threshold the detector kept; then, for the bottlenecked validation traces stage 1 misses at its
@@ -28,6 +28,7 @@ import pandas as pd
 from sklearn.metrics import precision_recall_curve, roc_auc_score
 
 from bmeg.datasets import load_dataset
+from bmeg.graphs import node_services, operation_keys
 from bmeg.training import train
 from bmeg.training.pipeline import label
 
@@ -61,11 +62,15 @@ def main() -> None:
     names = detector.encoder.names
     rule_nodes = np.minimum(x[:, names.index("z_log_self_time_us")], x[:, names.index("recent_z_self_time")])
     rule = pd.Series(rule_nodes).groupby(data.forest.trace_index).max().to_numpy()
+    services = node_services(data.forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+    # the SVM's margin, before the logistic: where margins pass ~37, P rounds to 1.0 and ties
+    margin = detector.svm.decision_function(detector.trace_vectors(data.forest, x, operation_keys(data.forest, services)))
     val, y = data.val, data.y[data.val]
     print(f"validation: {int(y.sum())} bottlenecked of {len(val)}")
     print(f"  {'score':<10}{'AUC':>8}{'BR@BP0.8':>10}{'BR@BP0.7':>10}{'threshold':>11}{'BR there':>10}{'BP there':>10}")
     for name, score, threshold in (("GNN", raw.gnn_anomaly, detector.thresholds["graph"]),
-                                   ("SVM", raw.svm_anomaly, detector.thresholds["svm"]), ("rule", rule, None)):
+                                   ("SVM", raw.svm_anomaly, detector.thresholds["svm"]),
+                                   ("SVM margin", margin, None), ("rule", rule, None)):
         s = score[val]
         there = ""
         if threshold is not None:
@@ -79,6 +84,8 @@ def main() -> None:
           f"(caught: {np.median(rule[bottlenecked][caught]) if caught.any() else float('nan'):.2f}); "
           f"their GNN score, median {np.median(raw.gnn_anomaly[bottlenecked][~caught]) if (~caught).any() else float('nan'):.4f}")
     normal = val[y == 0]
+    print(f"  SVM: validation traces at P = 1.0 (margin past ~37): {int((raw.svm_anomaly[val] == 1.0).sum())}, "
+          f"of them bottlenecked {int(y[raw.svm_anomaly[val] == 1.0].sum())}")
     print(f"  normal validation traces: GNN score p99 {np.quantile(raw.gnn_anomaly[normal], 0.99):.4f}, "
           f"p99.9 {np.quantile(raw.gnn_anomaly[normal], 0.999):.4f}; rule p99 {np.quantile(rule[normal], 0.99):.2f}")
 
