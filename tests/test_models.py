@@ -26,6 +26,8 @@ from bmeg.models.inference import predict_proba
 from bmeg.models.history import StreamHistory
 from bmeg.models.router import Router, choose, distinct_paths
 from bmeg.models.svm import (
+    CONFIRMED,
+    DEVIATIONS,
     PATH,
     START,
     CulpritScorer,
@@ -33,6 +35,7 @@ from bmeg.models.svm import (
     TraceSVM,
     TraceVectorizer,
     firm_features,
+    node_deviations,
     service_deviations,
 )
 from bmeg.traces import span_table
@@ -367,6 +370,64 @@ def test_trace_vectorizer_largest_deviations_are_each_traces_sorted_top(nodes, t
         assert rows[trace, 1:].tolist() == pytest.approx(expected + [0.0] * (top - len(expected)))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(-50, 50), st.floats(-50, 50), st.floats(-50, 50)), max_size=30))
+def test_node_deviations_take_columns_by_name_and_confirmed_is_the_smaller_of_own_time_and_history(rows):
+    names = ["z_log_self_time_us", "other", "recent_z_self_time"]
+    x = np.array(rows, dtype=np.float32).reshape(-1, 3)
+    got = node_deviations(x, names, ("recent_z_self_time", CONFIRMED, "z_log_self_time_us"))
+    assert got.shape == (len(rows), 3) and got.dtype == np.float64
+    assert np.array_equal(got[:, 0], x[:, 2]) and np.array_equal(got[:, 2], x[:, 0])
+    assert np.array_equal(got[:, 1], np.minimum(x[:, 0], x[:, 2]))
+    assert node_deviations(x, names, ()).shape == (len(rows), 0)
+
+
+def test_node_deviations_name_what_the_features_lack():
+    x = np.zeros((2, 2))
+    with pytest.raises(ValueError, match="confirmed_z_self_time"):
+        node_deviations(x, ["z_log_self_time_us", "z_log_wait_us"], (CONFIRMED,))
+    with pytest.raises(ValueError, match="z_log_duration_us"):
+        node_deviations(x, ["z_log_self_time_us", "z_log_wait_us"], ("z_log_duration_us",))
+
+
+def test_trace_svm_with_the_history_tells_a_lasting_fault_from_one_slow_call():
+    """Why the trace vector takes the history-confirmed own time: a normal trace whose one node
+    is slow by chance (its service's recent visits normal) and a bottlenecked one (the node off
+    and so were its service's recent visits) look the same to the trace's own deviations. At
+    1% bottlenecked traces, the chance ones outnumber them; with `CONFIRMED` the SVM tells them
+    apart."""
+    rng = np.random.default_rng(3)
+    names = ["z_log_self_time_us", "recent_z_self_time"]
+
+    def traces(count: int, bottlenecked: bool) -> tuple[np.ndarray, np.ndarray]:
+        x = np.column_stack([rng.normal(size=3 * count), rng.normal(0, 0.3, 3 * count)])
+        off = np.arange(count) * 3 + rng.integers(0, 3, count)
+        chosen = off if bottlenecked else off[rng.random(count) < 0.05]  # 5% of normal traces: one slow call
+        x[chosen, 0] += rng.uniform(4, 8, len(chosen))
+        if bottlenecked:
+            x[chosen, 1] += rng.uniform(2, 4, len(chosen))
+        return np.repeat(np.arange(count), 3), x
+
+    def best_recall(deviations: tuple[str, ...]) -> float:
+        vectorizer = TraceVectorizer(deviations=deviations, times=False).fit(np.array(["k"], dtype=object))
+
+        def rows(count: int, bottlenecked: bool) -> np.ndarray:
+            index, x = traces(count, bottlenecked)
+            return vectorizer.transform(index, count, np.full(3 * count, "k", dtype=object), np.ones(3 * count),
+                                        node_deviations(x, names, deviations))
+
+        svm = TraceSVM(random_state=0).fit(np.vstack([rows(2000, False), rows(100, True)]), np.r_[np.zeros(2000), np.ones(100)])
+        score = svm.decision_function(np.vstack([rows(2000, False), rows(20, True)]))
+        y = np.r_[np.zeros(2000), np.ones(20)]
+        order = np.argsort(-score)
+        hits = np.cumsum(y[order])
+        precise = hits / np.arange(1, len(y) + 1) >= 0.8
+        return float(hits[precise].max() / y.sum()) if precise.any() else 0.0
+
+    assert best_recall(("z_log_self_time_us", CONFIRMED)) >= 0.9
+    assert best_recall(("z_log_self_time_us",)) < 0.5
+
+
 def test_trace_svm_flags_a_fault_on_a_service_never_faulted_in_training():
     """Why the deviations are the trace's largest: trained on faults of service a only, the SVM
     still flags a trace whose service b is far off its baseline; with per-key deviation columns
@@ -510,13 +571,20 @@ def test_trace_vectors_of_some_traces_are_those_rows_of_all():
     from bmeg.graphs import node_services, operation_keys
 
     base = tiny_detector()
-    vectorizer = TraceVectorizer(deviations=base.vectorizer.deviations, times=False, culprit_top=3)
+    vectorizer = TraceVectorizer(deviations=(*base.vectorizer.deviations, CONFIRMED), times=False, culprit_top=3)
     detector = replace(base, vectorizer=vectorizer.fit(np.asarray(base.vectorizer.keys, dtype=object)))
     forest = assemble(span_table(many_traces(7, slow=3)))
     x = detector.encoder.transform(forest)
     keys = operation_keys(forest, node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
     everything = detector.trace_vectors(forest, x, keys)
     assert everything.shape == (7, vectorizer.num_columns)
+    # the history-confirmed own time: each trace's 3 largest min(self-time z, recent history)
+    confirmed = np.minimum(x[:, detector.encoder.names.index("z_log_self_time_us")],
+                           x[:, detector.encoder.names.index("recent_z_self_time")])
+    first = 3 * len(DEVIATIONS)
+    for trace in range(7):
+        top = sorted(confirmed[forest.trace_index == trace].tolist(), reverse=True)[:3]
+        assert everything[trace, first:first + len(top)] == pytest.approx(top, rel=1e-6)
     assert np.array_equal(detector.trace_vectors(forest, x, keys, np.array([5, 1, 3])), everything[[5, 1, 3]])
 
 

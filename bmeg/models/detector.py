@@ -47,6 +47,7 @@ from bmeg.models.svm import (
     TraceVectorizer,
     critical_path_frame,
     firm_features,
+    node_deviations,
     service_deviations,
 )
 from bmeg.paths import cache_dir
@@ -262,10 +263,11 @@ class Detector:
         row_of = np.full(forest.num_traces, -1, dtype=np.int64)
         row_of[traces] = np.arange(len(traces))
         nodes = np.flatnonzero(row_of[forest.trace_index] >= 0)
-        deviations = [self.encoder.names.index(name) for name in self.vectorizer.deviations]
+        deviations = self.vectorizer.deviations
         return self.vectorizer.transform(row_of[forest.trace_index[nodes]], len(traces), keys[nodes],
                                          self_time_ns(forest)[nodes] / 1e3,
-                                         x[nodes][:, deviations] if deviations else None, services)
+                                         node_deviations(x[nodes], self.encoder.names, deviations) if deviations
+                                         else None, services)
 
     def firm_scores(self, window: SpanForest, paths: CriticalPaths | None = None) -> tuple[list[str], np.ndarray]:
         """FIRM's question over a window of traces: for each trace and service on its critical

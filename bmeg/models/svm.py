@@ -3,8 +3,10 @@
 **TraceSVM** (the fallback for small, simple call graphs, as the B-MEG thesis trained it): one
 row per trace, a fixed vector (`TraceVectorizer`): the trace's largest robust z-scores against
 the normal baselines, whichever nodes they are on (self time, duration, wait: the deviations the
-GNN gets, `bmeg.models.features`), and its services' largest deviations in own time, queue and
-callers' gap (`service_deviations`, `CulpritScorer`'s input), whichever services they are on.
+GNN gets, `bmeg.models.features`; where the features have the temporal context, also the
+history-confirmed own time `CONFIRMED`, so that the SVM reads the stream's history as the GNN
+does), and its services' largest deviations in own time, queue and callers' gap
+(`service_deviations`, `CulpritScorer`'s input), whichever services they are on.
 The thesis's vector also held each (service, operation) key's self time, log-scaled; those
 per-key columns learn the keys faulted in training and cost recall on faults elsewhere (see
 `TraceVectorizer`), so `bmeg train` leaves them out (`times=False`); checkpoints written
@@ -55,6 +57,14 @@ from bmeg.graphs.critical_path import CriticalPaths
 PATH, START = "__path__", "__start__"
 #: The GNN features whose largest values over a trace's nodes the trace vector takes.
 DEVIATIONS = ("z_log_self_time_us", "z_log_duration_us", "z_log_wait_us")
+#: A deviation the trace vector may also take that is not one GNN feature: per node, the
+#: smaller of its self-time z-score and its service's recent history (`recent_z_self_time`,
+#: the mean z over the service's latest visits, this one included). High only where the node
+#: is off *and* so were its service's recent visits: a lasting fault, not one slow call (about
+#: one node in a hundred of normal traces exceeds its p99 alone).
+CONFIRMED = "confirmed_z_self_time"
+#: The GNN features `CONFIRMED` is made of.
+CONFIRMED_FROM = ("z_log_self_time_us", "recent_z_self_time")
 #: The columns of `service_deviations`, in order.
 CULPRIT_FEATURES = ("own_time", "queue", "caller_gap")
 
@@ -290,6 +300,24 @@ class TraceSVM(_LinearClassifier):
 
 
 # -- where in an SVM-routed trace ------------------------------------------------------------
+def node_deviations(x: np.ndarray, feature_names: list[str], deviations: tuple[str, ...]) -> np.ndarray:
+    """[N, len(deviations)] float64: the node columns a `TraceVectorizer` reads, from the GNN's
+    node features `x` (columns named `feature_names`): each name's column, `CONFIRMED` computed
+    from `CONFIRMED_FROM`. A name the features lack is a ValueError."""
+    missing = [name for name in deviations
+               if name not in feature_names and not (name == CONFIRMED and set(CONFIRMED_FROM) <= set(feature_names))]
+    if missing:
+        raise ValueError(f"the trace vector reads {missing}, which the node features {feature_names} lack")
+
+    def column(name: str) -> np.ndarray:
+        if name == CONFIRMED:
+            own, recent = (x[:, feature_names.index(part)] for part in CONFIRMED_FROM)
+            return np.minimum(own, recent).astype(np.float64)
+        return x[:, feature_names.index(name)].astype(np.float64)
+
+    return np.stack([column(name) for name in deviations], axis=1) if deviations else np.zeros((len(x), 0))
+
+
 def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: np.ndarray, z_self: np.ndarray,
                        z_wait: np.ndarray, traces: np.ndarray | None = None) -> np.ndarray:
     """float [T, width, 3]: per trace (of `traces`, in that order; default all) and service (node

@@ -46,6 +46,8 @@ from bmeg.models.graphset import GraphSet
 from bmeg.models.inference import resolve_device
 from bmeg.models.router import Router, choose, loss_words, source_losses_of, worse_sources
 from bmeg.models.svm import (
+    CONFIRMED,
+    CONFIRMED_FROM,
     DEVIATIONS,
     CulpritScorer,
     FirmSVM,
@@ -164,7 +166,10 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
     # with baselines, the deviations without the per-key times (`TraceVectorizer`: they generalise
     # to faults on other keys); the thesis's features have none: its service times
     baselines = "z_log_self_time_us" in encoder.names
-    vectorizer = TraceVectorizer(deviations=tuple(name for name in DEVIATIONS if name in encoder.names),
+    # and, where the features have the temporal context, the history-confirmed own time
+    # (`CONFIRMED`): the SVM reads the stream's history as the GNN does
+    confirmed = (CONFIRMED,) if set(CONFIRMED_FROM) <= set(encoder.names) else ()
+    vectorizer = TraceVectorizer(deviations=tuple(name for name in DEVIATIONS if name in encoder.names) + confirmed,
                                  times=not baselines, culprit_top=3 if baselines else 0)
     vectorizer.fit(keys[on_train])
     detector = Detector(
