@@ -182,11 +182,15 @@ class Detector:
         router = router or self.router
         to_svm = router.to_svm(scores.num_services, scores.num_paths)
         anomaly = np.where(to_svm, scores.svm_anomaly, scores.gnn_anomaly)
-        threshold = np.where(to_svm, self.thresholds["svm"], self.thresholds["graph"])
         service = np.where(to_svm[:, None], scores.svm_service, scores.gnn_service)
+        held = scores.crowd_explained & (self.crowd is not None)  # a detector without the rule holds nothing
         return replace(scores, to_svm=to_svm, route=router.reasons(scores.num_services, scores.num_paths),
-                       anomaly=anomaly, anomalous=(anomaly >= threshold) & ~(scores.crowd_explained & (self.crowd is not None)),
+                       anomaly=anomaly, anomalous=self._above_threshold(anomaly, to_svm) & ~held,
                        service=service)
+
+    def _above_threshold(self, anomaly: np.ndarray, to_svm: np.ndarray) -> np.ndarray:
+        """bool [T]: stage 1's verdict before the crowd check (each trace against its model's threshold)."""
+        return anomaly >= np.where(to_svm, self.thresholds["svm"], self.thresholds["graph"])
 
     def _gnn_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int,
                     traces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -384,8 +388,7 @@ class Detector:
         unknown = (scores.present & ~np.isin(scores.services, self.services))[:, alphabetical]
         names = [scores.services[i] for i in alphabetical]
         warnings = []
-        threshold = np.where(scores.to_svm, self.thresholds["svm"], self.thresholds["graph"])
-        crowd_held = (scores.anomaly >= threshold) & ~scores.anomalous
+        crowd_held = self._above_threshold(scores.anomaly, scores.to_svm) & ~scores.anomalous
         for trace_id, unknown_t, held in zip(forest.trace_ids, unknown.tolist(), crowd_held.tolist()):
             trace_warnings = list(repairs.get(trace_id, []))
             if any(unknown_t):
