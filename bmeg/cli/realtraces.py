@@ -9,6 +9,7 @@ import click
 from bmeg.cli.output import json_option, print_json, print_table
 from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS
 from bmeg.faultinject.family import FamilyParams
+from bmeg.training.config import BOOTSTRAP_HARD_NEGATIVES
 
 format_option = click.option("--format", "input_format", default=None, help="Trace format (default: detected).")
 
@@ -69,11 +70,14 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--cpu-faults", type=click.Choice(sorted(CPU_FAULT_SCENARIOS)), default=DEFAULT_CPU_FAULTS, show_default=True,
               help="How the training faults slow a CPU: every burst alike (fluid), or as the kernel's scheduler "
                    "does (a CFS quota's periods, a CPU hog's time slices).")
+@click.option("--hard-negatives", type=click.FloatRange(min=1.0), default=BOOTSTRAP_HARD_NEGATIVES, show_default=True,
+              help="How many times more the node stage's loss weighs a non-bottleneck node next to a bottleneck "
+                   "(1: as much as any other).")
 @format_option
 @json_option
 def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,
               false_alarm_rate: float, confidence: float, pretrained: Path | None, cpu_faults: str,
-              input_format: str | None, as_json: bool) -> None:
+              hard_negatives: float, input_format: str | None, as_json: bool) -> None:
     """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
     from bmeg.cli.models import metrics_rows
     from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
@@ -82,7 +86,8 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
         _, metrics = run_bootstrap(normal_traces, out, traces=traces, epochs=epochs, seed=seed,
                                    input_format=input_format, progress=not as_json, features=features,
                                    held_back=held_back, false_alarm_rate=false_alarm_rate,
-                                   confidence=confidence or None, pretrained=pretrained, cpu_faults=cpu_faults)
+                                   confidence=confidence or None, pretrained=pretrained, cpu_faults=cpu_faults,
+                                   hard_negatives=hard_negatives)
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     if as_json:

@@ -29,6 +29,7 @@ from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RATE
+from bmeg.training.config import BOOTSTRAP_HARD_NEGATIVES
 from bmeg.traces.io import read_spans, write_spans
 
 #: A twin is never the real application: train on features that mean the same in both.
@@ -41,11 +42,13 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
               epochs: int = 10, seed: int = 0, input_format: str | None = None, progress: bool = True,
               features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
               false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE,
-              pretrained: str | Path | None = None, cpu_faults: str = DEFAULT_CPU_FAULTS):
+              pretrained: str | Path | None = None, cpu_faults: str = DEFAULT_CPU_FAULTS,
+              hard_negatives: float = BOOTSTRAP_HARD_NEGATIVES):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
     or any run on the same features) both GNN stages start from its weights and specialise on the
-    twin. `cpu_faults` picks the training campaigns' CPU faults (`CPU_FAULT_SCENARIOS`)."""
+    twin. `cpu_faults` picks the training campaigns' CPU faults (`CPU_FAULT_SCENARIOS`);
+    `hard_negatives`, the node stage's weight of a bottleneck's neighbours (`FitConfig`)."""
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
@@ -68,7 +71,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     write_training_shards(out / "data", twin_file, traces, imbalance, seed, progress,
                           scenarios=CPU_FAULT_SCENARIOS[cpu_faults])
     detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features,
-                              pretrained=None if pretrained is None else str(pretrained))
+                              hard_negatives=hard_negatives, pretrained=None if pretrained is None else str(pretrained))
     detector = with_normal_baselines(detector, rpc_view(fitting))
     detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate, confidence)
     metrics["calibration"] = calibration.to_dict()

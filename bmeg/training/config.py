@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_SCENARIO, DEFAULT_TRACES
 from bmeg.models.features import VARIANTS
 
+#: `bmeg bootstrap`'s `FitConfig.hard_negatives`: a model trained on a twin must tell the faulty
+#: service from the neighbours its fault slows (README, issue 12, session 12).
+BOOTSTRAP_HARD_NEGATIVES = 4.0
 #: The losses of `bmeg.training.trainer.fit` (its docstring says what each does).
 LOSSES = ("weighted", "focal", "sampling", "plain")
 
@@ -23,6 +26,9 @@ class FitConfig:
     lr: float = 2e-3
     weight_decay: float = 1e-5
     loss: str = "weighted"
+    #: Node stage: how much more a non-bottleneck node next to a bottleneck (its caller, its
+    #: callees, a store it calls) weighs in the loss than other nodes of its class; 1: as much.
+    hard_negatives: float = 1.0
     device: str = "auto"
     nproc: int = 1
     seed: int = 0
@@ -33,6 +39,8 @@ class FitConfig:
             raise ValueError(f"unknown loss {self.loss!r}; choose from {LOSSES}")
         if self.epochs < 1 or self.batch_size < 1 or self.nproc < 1:
             raise ValueError("epochs, batch_size and nproc must be at least 1")
+        if self.hard_negatives < 1.0:
+            raise ValueError("hard_negatives must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -55,4 +63,4 @@ class TrainConfig:
     fit: FitConfig = field(default_factory=FitConfig)
 
 
-__all__ = ["LOSSES", "VARIANTS", "FitConfig", "TrainConfig"]
+__all__ = ["BOOTSTRAP_HARD_NEGATIVES", "LOSSES", "VARIANTS", "FitConfig", "TrainConfig"]
