@@ -1,4 +1,4 @@
-"""The node stage's emphasis on the negatives next to a bottleneck (`FitConfig.hard_negatives`)."""
+"""The node stage's emphasis on the client spans of a bottleneck (`FitConfig.hard_negatives`)."""
 
 import numpy as np
 import pytest
@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bmeg.models.adjacency import gcn_adjacency
+from bmeg.models.graphset import GraphSet
 from bmeg.training.config import FitConfig
-from bmeg.training.trainer import _hard_negative_emphasis, _loss_function
+from bmeg.training.trainer import _loss_function, callee_emphasis
 
 LOSS_KINDS = ("weighted", "plain", "focal")
 
@@ -27,32 +27,27 @@ def labelled_forests(draw):
     return np.array(parents), np.array(labels)
 
 
-def _edge_index(parents: np.ndarray) -> torch.Tensor:
-    child = np.flatnonzero(parents >= 0)
-    directed = np.stack([parents[child], child])
-    return torch.from_numpy(np.concatenate([directed, directed[::-1]], axis=1).astype(np.int64))
-
-
 @settings(max_examples=60, deadline=None)
 @given(labelled_forests(), st.sampled_from([2.0, 4.0]))
-def test_emphasis_falls_on_the_callers_and_callees_of_bottlenecks(forest, weight):
+def test_emphasis_falls_on_the_children_of_bottlenecks(forest, weight):
     parents, labels = forest
-    adj_t = gcn_adjacency(_edge_index(parents), len(parents))
-    emphasis = _hard_negative_emphasis(adj_t, torch.from_numpy(labels), weight)
-    # the reference, from the parent array: a negative whose parent or some child is a bottleneck
-    beside = np.zeros(len(parents), dtype=bool)
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            beside[node] |= labels[parent] == 1
-            beside[parent] |= labels[node] == 1
-    expected = np.where(beside & (labels == 0), weight, 1.0)
+    emphasis = callee_emphasis(parents, labels, weight)
     assert emphasis is not None
-    np.testing.assert_array_equal(emphasis.numpy(), expected)
+    for node, parent in enumerate(parents):
+        under_bottleneck = parent >= 0 and labels[parent] == 1 and labels[node] == 0
+        assert emphasis[node] == (weight if under_bottleneck else 1.0)
 
 
 def test_no_emphasis_at_weight_one():
-    adj_t = gcn_adjacency(_edge_index(np.array([-1, 0, 0])), 3)
-    assert _hard_negative_emphasis(adj_t, torch.tensor([0, 1, 0]), 1.0) is None
+    assert callee_emphasis(np.array([-1, 0, 0]), np.array([1, 0, 0]), 1.0) is None
+
+
+def test_a_minibatch_carries_its_nodes_emphasis():
+    graphs = GraphSet(x=np.zeros((5, 1), np.float32), edges=np.array([[0, 1, 3], [1, 0, 4]]),
+                      node_offsets=np.array([0, 2, 5]), edge_offsets=np.array([0, 2, 3]),
+                      node_y=np.array([1, 0, 0, 1, 0]), node_emphasis=np.arange(5, dtype=np.float32))
+    batch = graphs.minibatch(np.array([1, 0]))
+    np.testing.assert_array_equal(batch.node_emphasis.numpy(), [2, 3, 4, 0, 1])
 
 
 @settings(max_examples=40, deadline=None)

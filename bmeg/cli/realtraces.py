@@ -71,8 +71,8 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
               help="How the training faults slow a CPU: every burst alike (fluid), or as the kernel's scheduler "
                    "does (a CFS quota's periods, a CPU hog's time slices).")
 @click.option("--hard-negatives", type=click.FloatRange(min=1.0), default=BOOTSTRAP_HARD_NEGATIVES, show_default=True,
-              help="How many times more the node stage's loss weighs a non-bottleneck node next to a bottleneck "
-                   "(1: as much as any other).")
+              help="How many times more the node stage's loss weighs a non-bottleneck node whose parent is a "
+                   "bottleneck (its client spans; 1: as much as any other).")
 @format_option
 @json_option
 def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,

@@ -27,13 +27,14 @@ class MiniBatch:
     batch: Tensor  # [num_nodes]: graph of each node
     y: Tensor | None  # [num_graphs]
     node_y: Tensor | None  # [num_nodes]
+    node_emphasis: Tensor | None = None  # float32 [num_nodes]: each node's weight in the node stage's loss
 
     def to(self, device: torch.device) -> MiniBatch:
-        def move(t: Tensor) -> Tensor:
-            return t.to(device, non_blocking=True)
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
 
-        return MiniBatch(move(self.x), move(self.adj_t), move(self.batch), None if self.y is None else move(self.y),
-                         None if self.node_y is None else move(self.node_y))
+        return MiniBatch(move(self.x), move(self.adj_t), move(self.batch), move(self.y), move(self.node_y),
+                         move(self.node_emphasis))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class GraphSet:
     edge_offsets: np.ndarray  # int64 [T + 1]
     y: np.ndarray | None = None  # int64 [T]
     node_y: np.ndarray | None = None  # int64 [N]
+    node_emphasis: np.ndarray | None = None  # float32 [N] (`bmeg.training.trainer.callee_emphasis`)
 
     @classmethod
     def from_forest(cls, forest: SpanForest, x: np.ndarray, y=None, node_y=None) -> GraphSet:
@@ -83,6 +85,7 @@ class GraphSet:
             batch=torch.from_numpy(graph_of_node),
             y=None if self.y is None else torch.from_numpy(self.y[traces]),
             node_y=None if self.node_y is None else torch.from_numpy(self.node_y[node_rows]),
+            node_emphasis=None if self.node_emphasis is None else torch.from_numpy(self.node_emphasis[node_rows]),
         )
 
     def minibatches(

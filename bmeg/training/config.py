@@ -26,8 +26,9 @@ class FitConfig:
     lr: float = 2e-3
     weight_decay: float = 1e-5
     loss: str = "weighted"
-    #: Node stage: how much more a non-bottleneck node next to a bottleneck (its caller, its
-    #: callees, a store it calls) weighs in the loss than other nodes of its class; 1: as much.
+    #: Node stage: how much more a non-bottleneck node whose parent is a bottleneck (its client
+    #: spans: calls to other services and to stores) weighs in the loss than other nodes of its
+    #: class (`bmeg.training.trainer.callee_emphasis`); 1: as much.
     hard_negatives: float = 1.0
     device: str = "auto"
     nproc: int = 1

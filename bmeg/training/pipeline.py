@@ -61,7 +61,7 @@ from bmeg.training.labelled import Labelled
 from bmeg.training.metrics import threshold_for_precision
 from bmeg.training.plots import plot_run
 from bmeg.training.config import FitConfig, TrainConfig
-from bmeg.training.trainer import fit, process_group
+from bmeg.training.trainer import callee_emphasis, fit, process_group
 from bmeg.traces.schema import span_keys
 
 
@@ -145,6 +145,7 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
     normal_train = data.train[data.y[data.train] == 0]
     encoder = FeatureEncoder(config.features).fit(_subforest(forest, normal_train))
     graphs = GraphSet.from_forest(forest, encoder.transform(forest, paths, context=data.context), data.y, data.node_y)
+    graphs = replace(graphs, node_emphasis=callee_emphasis(forest.parent, data.node_y, fit_config.hard_negatives))
 
     torch.manual_seed(config.seed)
     sizes = np.diff(forest.trace_offsets)

@@ -183,8 +183,7 @@ def _train(rank: int, world: int, device: torch.device, model: nn.Module, graphs
         for batch in graphs.minibatches(mine, config.batch_size):
             batch = batch.to(device)
             logits, y = logits_and_labels(trained, batch, target)
-            emphasis = _hard_negative_emphasis(batch.adj_t, y, config.hard_negatives) if target == "node" else None
-            loss = loss_fn(logits, y, emphasis)
+            loss = loss_fn(logits, y, batch.node_emphasis if target == "node" else None)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -218,21 +217,22 @@ def _epoch_order(train: np.ndarray, graphs: GraphSet, target: Target, loss: str,
     return rng.permutation(train)
 
 
-def _hard_negative_emphasis(adj_t: Tensor, node_y: Tensor, weight: float) -> Tensor | None:
-    """Per node, `weight` for a non-bottleneck node next to a bottleneck in the call graph (`adj_t`,
-    the batch's GCN adjacency: its nonzero entries are the edges, both ways, and the self loops),
-    1 for the others; None when `weight` is 1 (no emphasis).
+def callee_emphasis(parent: np.ndarray, node_y: np.ndarray, weight: float) -> np.ndarray | None:
+    """float32 per node: `weight` for a non-bottleneck node whose parent is a bottleneck (the
+    bottleneck's client spans: its calls to other services and to its stores), 1 for the others;
+    None when `weight` is 1 (no emphasis). `parent`: each node's parent row, -1 at roots.
 
-    Why: on the testbed the GNN's misses rank the faulty service's neighbours first, mostly a
-    store it calls (a CPU-starved caller reads its responses late, so its client spans to an
-    untouched store stretch) and the target second (README, issue 12, session 10). Those
-    neighbours are the negatives the classifier must tell from the bottleneck beside them.
+    Why: on the testbed the GNN's misses rank a store the faulty service calls first and the
+    target second (README, issue 12, session 10): a CPU-starved caller reads its responses late,
+    so its client spans to an untouched store stretch. Those client spans are the negatives the
+    node classifier must tell from the bottleneck above them.
     """
     if weight == 1.0:
         return None
-    positive = node_y.to(torch.float32)
-    beside_positive = (adj_t @ positive[:, None]).squeeze(1) > 0
-    return torch.where(beside_positive & (node_y == 0), weight, 1.0)
+    has_parent = parent >= 0
+    below = np.zeros(len(parent), dtype=bool)
+    below[has_parent] = node_y[parent[has_parent]] == 1
+    return np.where(below & (node_y == 0), weight, 1.0).astype(np.float32)
 
 
 def _loss_function(kind: str, labels: np.ndarray, device) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
