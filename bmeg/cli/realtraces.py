@@ -9,7 +9,7 @@ import click
 from bmeg.cli.output import json_option, print_json, print_table
 from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS
 from bmeg.faultinject.family import FamilyParams
-from bmeg.training.config import BOOTSTRAP_HARD_NEGATIVES
+from bmeg.training.config import FitConfig
 
 format_option = click.option("--format", "input_format", default=None, help="Trace format (default: detected).")
 
@@ -70,9 +70,10 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--cpu-faults", type=click.Choice(sorted(CPU_FAULT_SCENARIOS)), default=DEFAULT_CPU_FAULTS, show_default=True,
               help="How the training faults slow a CPU: every burst alike (fluid), or as the kernel's scheduler "
                    "does (a CFS quota's periods, a CPU hog's time slices).")
-@click.option("--hard-negatives", type=click.FloatRange(min=1.0), default=BOOTSTRAP_HARD_NEGATIVES, show_default=True,
+@click.option("--hard-negatives", type=click.FloatRange(min=1.0), default=FitConfig.hard_negatives, show_default=True,
               help="How many times more the node stage's loss weighs a non-bottleneck node whose parent is a "
-                   "bottleneck (its client spans; 1: as much as any other).")
+                   "bottleneck (its client spans; 1: as much as any other; tried at 4, not better: README, issue 12, "
+                   "session 12).")
 @format_option
 @json_option
 def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,

@@ -29,7 +29,7 @@ from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RATE
-from bmeg.training.config import BOOTSTRAP_HARD_NEGATIVES
+from bmeg.training.config import FitConfig
 from bmeg.traces.io import read_spans, write_spans
 
 #: A twin is never the real application: train on features that mean the same in both.
@@ -43,7 +43,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
               features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
               false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE,
               pretrained: str | Path | None = None, cpu_faults: str = DEFAULT_CPU_FAULTS,
-              hard_negatives: float = BOOTSTRAP_HARD_NEGATIVES):
+              hard_negatives: float = FitConfig.hard_negatives):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
     or any run on the same features) both GNN stages start from its weights and specialise on the

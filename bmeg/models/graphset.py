@@ -30,11 +30,14 @@ class MiniBatch:
     node_emphasis: Tensor | None = None  # float32 [num_nodes]: each node's weight in the node stage's loss
 
     def to(self, device: torch.device) -> MiniBatch:
-        def move(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+        def move(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=True)
 
-        return MiniBatch(move(self.x), move(self.adj_t), move(self.batch), move(self.y), move(self.node_y),
-                         move(self.node_emphasis))  # type: ignore[arg-type]
+        def maybe(t: Tensor | None) -> Tensor | None:
+            return None if t is None else move(t)
+
+        return MiniBatch(move(self.x), move(self.adj_t), move(self.batch), maybe(self.y), maybe(self.node_y),
+                         maybe(self.node_emphasis))
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,6 @@ from dataclasses import dataclass, field
 from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_SCENARIO, DEFAULT_TRACES
 from bmeg.models.features import VARIANTS
 
-#: `bmeg bootstrap`'s `FitConfig.hard_negatives`: a model trained on a twin must tell the faulty
-#: service from the neighbours its fault slows (README, issue 12, session 12).
-BOOTSTRAP_HARD_NEGATIVES = 4.0
 #: The losses of `bmeg.training.trainer.fit` (its docstring says what each does).
 LOSSES = ("weighted", "focal", "sampling", "plain")
 
@@ -28,7 +25,8 @@ class FitConfig:
     loss: str = "weighted"
     #: Node stage: how much more a non-bottleneck node whose parent is a bottleneck (its client
     #: spans: calls to other services and to stores) weighs in the loss than other nodes of its
-    #: class (`bmeg.training.trainer.callee_emphasis`); 1: as much.
+    #: class (`bmeg.training.trainer.callee_emphasis`); 1: as much (the default: 4 was not
+    #: better on the testbed and worse on simulated Train Ticket, README, issue 12, session 12).
     hard_negatives: float = 1.0
     device: str = "auto"
     nproc: int = 1
@@ -64,4 +62,4 @@ class TrainConfig:
     fit: FitConfig = field(default_factory=FitConfig)
 
 
-__all__ = ["BOOTSTRAP_HARD_NEGATIVES", "LOSSES", "VARIANTS", "FitConfig", "TrainConfig"]
+__all__ = ["LOSSES", "VARIANTS", "FitConfig", "TrainConfig"]
