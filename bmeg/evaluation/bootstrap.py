@@ -48,7 +48,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
     or any run on the same features) both GNN stages start from its weights and specialise on the
     twin. `cpu_faults` picks the training campaigns' CPU faults (`CPU_FAULT_SCENARIOS`);
-    `hard_negatives`, the node stage's weight of a bottleneck's neighbours (`FitConfig`)."""
+    `hard_negatives`, the node stage's weight of a bottleneck's client spans (`FitConfig`)."""
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 

@@ -8,8 +8,8 @@ from bmeg.training.config import FitConfig
 
 
 def train(dataset: str = "socialnet", *, out: str | Path | None = None, epochs: int = FitConfig.epochs,
-          device: str = FitConfig.device, nproc: int = FitConfig.nproc, loss: str = FitConfig.loss, hard_negatives: float = FitConfig.hard_negatives, progress: bool = True,
-          **options):
+          device: str = FitConfig.device, nproc: int = FitConfig.nproc, loss: str = FitConfig.loss,
+          hard_negatives: float = FitConfig.hard_negatives, progress: bool = True, **options):
     """Train on a dataset (name or folder); returns (Detector, metrics). `options` are `TrainConfig` fields."""
     from bmeg.training.pipeline import TrainConfig, run
 
