@@ -2,7 +2,8 @@
 started from a family-pretrained run (`bmeg bootstrap --pretrained`):
 
     python bench/family_pretrain.py --model twin=RUN_A --model family=RUN_B \
-        --traces D/spans.parquet --faults D/fault_list.json --normal D/normal.parquet --window-minutes 0.1
+        --traces D/spans.parquet --faults D/fault_list.json --normal D/normal.parquet --window-minutes 0.1 \
+        [--recent-traces 300]
     python bench/family_pretrain.py --model twin=RUN_A --model family=RUN_B \
         --simulated bmeg/faultinject/topologies/trainticket.yaml [--window-seconds 10]
 
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--faults", type=Path)
     parser.add_argument("--normal", type=Path)
     parser.add_argument("--window-minutes", type=float, default=0.1)
+    parser.add_argument("--recent-traces", type=int, help="compare each window with the latest N traces before it "
+                        "(`bmeg evaluate rca --recent-traces`)")
     parser.add_argument("--simulated", type=Path, help="a topology spec: simulate its faults instead")
     parser.add_argument("--window-seconds", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
@@ -75,7 +78,7 @@ def main() -> None:
             normal, files, faults, minutes = rpc_view(read_spans(args.normal)), TraceFiles(args.traces), \
                 read_fault_list(args.faults, 2), args.window_minutes
         chosen = rankers(models, normal)
-        results = run_rca(files, faults, normal, chosen, minutes, progress=False)
+        results = run_rca(files, faults, normal, chosen, minutes, progress=False, recent_traces=args.recent_traces)
         summary = report(results, [r.name for r in chosen], files, minutes)
     groups = {"latency": summary["latency_faults"], "all": summary["overall"],
               **{kind: ranked for kind, ranked in summary["by_type"].items()}}
