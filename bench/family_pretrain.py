@@ -17,6 +17,7 @@ window). Prints AC@1 / Avg@5 per fault group (latency faults, code faults, all).
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--simulated", type=Path, help="a topology spec: simulate its faults instead")
     parser.add_argument("--window-seconds", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="also write the harness's report (`bmeg evaluate rca --json`'s layout) here")
     args = parser.parse_args()
     models = {label: Path(run) for label, _, run in (given.partition("=") for given in args.model)}
     with tempfile.TemporaryDirectory() as scratch:
@@ -80,6 +82,8 @@ def main() -> None:
         chosen = rankers(models, normal)
         results = run_rca(files, faults, normal, chosen, minutes, progress=False, recent_traces=args.recent_traces)
         summary = report(results, [r.name for r in chosen], files, minutes)
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=1))
     groups = {"latency": summary["latency_faults"], "all": summary["overall"],
               **{kind: ranked for kind, ranked in summary["by_type"].items()}}
     header = ["method", *groups]

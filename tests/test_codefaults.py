@@ -5,14 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.compute as pc
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from bmeg.datasets.loader import read_dataset
 from bmeg.faultinject import parse_topology, simulate, spans_of
 from bmeg.faultinject.codefaults import apply_code_fault, code_fault_dataset
 from bmeg.graphs import assemble
-from bmeg.graphs.rpc import span_roles
 
 SPEC = {
     "name": "shop",
@@ -54,57 +51,6 @@ def test_a_hit_span_is_a_bottleneck_only_where_the_trace_shows_the_fault(topolog
         assert forest.num_traces > 0
 
 
-@pytest.fixture(scope="module")
-def healthy(topology):
-    return spans_of(simulate(topology, [], 1, 1))
-
-
-@settings(max_examples=25, deadline=None)
-@given(service=st.sampled_from(["web", "cart", "stock", "pay"]), share=st.floats(0.0, 1.0),
-       propagate=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
-def test_an_exception_fails_its_callers_as_real_handlers_do(topology, healthy, service, share, propagate, seed):
-    """Whatever the share and the callers' chance to give up: spans still nest in time; an error
-    runs unbroken from where it began up to a caller that carried on (a client span never
-    carries on: the call failed); a caller that failed made no call after its failed call ended;
-    every span that vanished was a call not yet made, never one already answered."""
-    fault = apply_code_fault(healthy, service, "exception", share, np.random.default_rng(seed), propagate)
-    forest = assemble(fault.spans)
-    _, is_client = span_roles(forest)
-    parent, has_parent = forest.parent, forest.parent >= 0
-    end = forest.start_ns + forest.duration_ns
-    assert np.all(forest.start_ns[has_parent] >= forest.start_ns[parent[has_parent]])
-    assert np.all(end[has_parent] <= end[parent[has_parent]])
-    error = pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False)
-    child = np.flatnonzero(has_parent & error)
-    # above an error: an error, unless the caller is a handler that carried on
-    assert np.all(error[parent[child]] | ~is_client[parent[child]])
-    names = forest.spans["service"].to_numpy(zero_copy_only=False)
-    assert np.all(names[error & ~is_client & ~np.isin(np.arange(forest.num_spans), parent[child])] == service)
-    for row in child:  # a failed caller's later calls vanished
-        caller = parent[row]
-        if error[caller] and not is_client[caller]:
-            siblings = np.flatnonzero(parent == caller)
-            assert np.all(forest.start_ns[siblings] < end[row] + 1)
-    if propagate == 1.0:  # every failure reaches the root
-        failed_traces = np.unique(forest.trace_index[error])
-        assert error[forest.root[failed_traces]].all()
-    if propagate == 0.0:  # only the faulty service's spans and the failed calls fail
-        assert set(names[error & ~is_client]) <= {service}
-
-
-def test_a_caller_that_gives_up_makes_no_later_call_and_one_that_carries_on_makes_them_all(topology, healthy):
-    """web calls cart, then pay: when every cart request fails, a web that gives up never calls
-    pay and fails; one that carries on calls pay in every trace and does not fail."""
-    for propagate, pay_share, web_fails in ((1.0, 0.0, True), (0.0, 1.0, False)):
-        fault = apply_code_fault(healthy, "cart", "exception", 1.0, np.random.default_rng(0), propagate)
-        spans = fault.spans.to_pandas()
-        traces = spans.groupby("trace_id")
-        assert traces["service"].apply(lambda s: "pay" in set(s)).mean() == pay_share
-        web = spans[(spans["service"] == "web") & (spans["kind"] == "server")]
-        assert (web["status"] == "error").all() == web_fails and (web["status"] == "error").any() == web_fails
-        assert fault.bottleneck.sum() == ((spans["service"] == "cart") & (spans["kind"] == "server")).sum()
-
-
 def test_code_fault_dataset_loads_as_a_labelled_dataset_with_every_service_and_kind(topology, tmp_path):
     card = code_fault_dataset(topology, tmp_path / "code", traces=600, seed=3)
     data = read_dataset(tmp_path / "code")
@@ -124,8 +70,6 @@ def test_code_fault_dataset_loads_as_a_labelled_dataset_with_every_service_and_k
         code_fault_dataset(topology, tmp_path / "none", traces=0)
     with pytest.raises(ValueError, match="share"):
         apply_code_fault(spans_of(simulate(topology, [], 1, 1)), "cart", "return", 1.5, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="gives up"):
-        apply_code_fault(spans_of(simulate(topology, [], 1, 1)), "cart", "exception", 0.5, np.random.default_rng(0), -0.1)
 
 
 @pytest.mark.integration

@@ -10,40 +10,14 @@ import numpy as np
 
 from builders import chain_topology
 
-from bmeg.faultinject import Fault, simulate, spans_of
-from bmeg.faultinject.codefaults import apply_code_fault
+from bmeg.faultinject import Fault, simulate
 from bmeg.faultinject.simulator import SIMULATOR_VERSION
 
 #: The digest of the episode below, for each version it was recorded at. When the test fails
 #: because the output changed: bump `SIMULATOR_VERSION` and record the new digest here.
 RECORDED = {
     2: "f087e4321bf1dff6",
-    3: "f087e4321bf1dff6",  # version 3 changed the code faults' mechanics, not the simulator's
 }
-#: The same for code faults applied to that episode's spans (`bmeg.faultinject.codefaults`, what
-#: `bmeg bootstrap`'s code-fault shard trains on), from version 3 on.
-RECORDED_CODE_FAULTS = {
-    3: "990f72cf20536477",
-}
-
-
-def _episode(faults=()):
-    return simulate(chain_topology(), list(faults), 3, 0)
-
-
-def _code_fault_digest() -> str:
-    """Both code faults on the middle service of a fault-free episode, half of its requests, its
-    callers giving up on half of the failed calls; spans in µs, as above."""
-    digest = hashlib.sha256()
-    for kind in ("return", "exception"):
-        fault = apply_code_fault(spans_of(_episode()), "mid", kind, 0.5, np.random.default_rng(0), 0.5)
-        spans = fault.spans.sort_by([("trace_id", "ascending"), ("span_id", "ascending")])
-        for name in ("trace_id", "span_id", "status"):
-            digest.update("\x1f".join(spans[name].to_pylist()).encode())
-        for name in ("start_ns", "duration_ns"):
-            digest.update(np.round(spans[name].to_numpy() / 1e3).astype(np.float64).tobytes())
-        digest.update(np.sort(np.flatnonzero(fault.bottleneck)).astype(np.float64).tobytes())
-    return digest.hexdigest()[:16]
 
 
 def _episode_digest() -> str:
@@ -58,7 +32,7 @@ def _episode_digest() -> str:
         Fault("mid", "background", "single", 2.1, 2.6, {"pause_ms": 50, "every_ms": 200}),
         Fault("leaf", "network", "single", 2.4, 2.8, {"delay_ms": 5}),
     ]
-    result = _episode(faults)
+    result = simulate(chain_topology(), faults, 3, 0)
     digest = hashlib.sha256()
     for column in (result.span_trace, result.span_parent, result.span_service, result.span_kind, result.span_error,
                    np.round(result.span_start / 1e3), np.round(result.span_end / 1e3), result.visit_fault):
@@ -70,9 +44,3 @@ def test_the_simulators_output_is_the_one_recorded_for_its_version():
     assert _episode_digest() == RECORDED.get(SIMULATOR_VERSION), (
         "the simulator's output changed: bump SIMULATOR_VERSION in bmeg/faultinject/simulator.py "
         "(the caches are keyed by it) and record the new digest in RECORDED")
-
-
-def test_the_code_faults_output_is_the_one_recorded_for_its_version():
-    assert _code_fault_digest() == RECORDED_CODE_FAULTS.get(SIMULATOR_VERSION), (
-        "the code faults' output changed: bump SIMULATOR_VERSION in bmeg/faultinject/simulator.py "
-        "(the caches are keyed by it) and record the new digest in RECORDED_CODE_FAULTS")

@@ -14,8 +14,7 @@ message the service sends) is `network_delay`.
 Code faults change what a service does, not how fast: the simulator has no such source, so
 they are applied to a fault-free episode's spans (`code_fault`, the mechanics in
 `bmeg.faultinject.codefaults`: an early return or an exception in a share of the service's
-requests; its calls vanish; on an exception every caller gives up, as the testbed's Go
-services do: it fails and makes none of its later calls).
+requests; its calls vanish, the error status goes up the callers).
 """
 
 from __future__ import annotations
@@ -36,8 +35,6 @@ from bmeg.traces.io import write_spans
 SOURCES = {"interference": "cpu_contention", "saturation": "cpu_consumed", "network": "network_delay"}
 #: Share of the faulty service's requests a code fault hits.
 CODE_FAULT_SHARE = 0.5
-#: The chance a caller of a failed call gives up (`apply_code_fault`'s `propagate`).
-CODE_FAULT_PROPAGATE = 1.0
 #: Simulated time between episodes, so that windows never overlap.
 EPISODE_GAP_S = 600
 EPOCH_NS = 1_700_000_000 * 10**9
@@ -87,4 +84,4 @@ def simulated_faults(spec: TopologySpec, out: Path, normal_s: float = 60.0, wind
 def code_fault(spans: pa.Table, service: str, kind: str, share: float, rng: np.random.Generator) -> pa.Table:
     """`spans` with a `return` or `exception` fault in `service` (`bmeg.faultinject.codefaults`).
     Only traces that visit the service are kept: the others cannot show the fault."""
-    return apply_code_fault(spans, service, kind, share, rng, CODE_FAULT_PROPAGATE).spans
+    return apply_code_fault(spans, service, kind, share, rng).spans

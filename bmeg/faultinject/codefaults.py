@@ -6,15 +6,8 @@ not how fast, so it is applied to the spans of a fault-free episode (`apply_code
 none of their calls (the calls' spans and everything under them vanish) and end after their
 own work; the time saved comes off every span above them, and what started after them starts
 that much earlier, as if the request had run that way. An `exception` fault does the same and
-sets the error status on the service's span and on the client span that called it (the call
-failed). Its caller then does what real handlers do with a failed call: most give up
-(`if err != nil { return nil, err }`: the testbed's Go services, a shop's checkout): the
-caller's span fails too, the calls it had not yet made vanish (with everything under them), it
-ends right after the failed call, and its own caller faces the same choice; some carry on
-without the answer (a page rendered without its ads): the failure stops there. How many give
-up is `propagate`, the chance for each caller. Before session 12 every span above got the
-error status and every caller still made all its calls, which no real application records:
-a model trained on that read the real callers' vanished calls as the fault's sign.
+sets the error status on the service's span and, as instrumented callers record a failed call,
+on every span above it.
 
 Labels follow `bmeg.faultinject.labels`' rule, what the fault did to the spans: a hit server
 span is a bottleneck node when the trace shows the fault (an error, or calls that vanished;
@@ -48,17 +41,11 @@ from bmeg.traces.schema import SPAN_SCHEMA, span_keys
 CODE_FAULTS = ("return", "exception")
 #: Shares of the faulty service's requests a training episode's fault hits (drawn uniformly).
 TRAINING_SHARE = (0.2, 0.9)
-#: The chance that a caller gives up on a failed call (`apply_code_fault`'s `propagate`), drawn
-#: uniformly per training episode: real applications mostly give up, some callers carry on.
-TRAINING_PROPAGATE = (0.5, 1.0)
 #: Bounds of the simulated seconds of a training episode (each has one fault for its whole
 #: length): one round over every (service, kind) simulates about the traces asked for.
 EPISODE_S = (0.2, 10.0)
 #: Rounds over every (service, kind) at most (only traces that visit the service are kept).
 MAX_ROUNDS = 10
-#: A call begun less than this before a failed call ended comes after it (the simulator starts
-#: the next call of a sequence at the previous one's end, give or take a rounding).
-BEGUN_SLACK_NS = 1000
 #: A shard's episodes start here (2025-01-01), apart from the latency campaigns' (2024).
 EPOCH_NS = 1_735_689_600 * 10**9
 EPISODE_GAP_NS = 3600 * 10**9
@@ -70,19 +57,15 @@ class CodeFault:
     bottleneck: np.ndarray  # bool per row of `spans`: a hit span whose change shows
 
 
-def apply_code_fault(spans: pa.Table, service: str, kind: str, share: float, rng: np.random.Generator,
-                     propagate: float = 1.0) -> CodeFault:
-    """`spans` with a `return` or `exception` fault in `service` (see the module docstring):
-    `share` of its requests hit; in an exception, each caller of a failed call gives up with
-    the chance `propagate`. Only traces that visit the service are kept: the others cannot
-    show the fault."""
+def apply_code_fault(spans: pa.Table, service: str, kind: str, share: float, rng: np.random.Generator) -> CodeFault:
+    """`spans` with a `return` or `exception` fault in `service` (see the module docstring).
+    Only traces that visit the service are kept: the others cannot show the fault."""
     if kind not in CODE_FAULTS:
         raise ValueError(f"unknown code fault {kind!r}; choose from {CODE_FAULTS}")
-    for name, value in (("share of requests a code fault hits", share), ("chance a caller gives up", propagate)):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"the {name} must be in [0, 1], not {value}")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the share of requests a code fault hits must be in [0, 1], not {share}")
     forest = assemble(spans, on_bad_trace="drop")
-    is_server, is_client = span_roles(forest)
+    is_server, _ = span_roles(forest)
     names = forest.spans["service"].to_numpy(zero_copy_only=False)
     hit = is_server & (names == service) & (rng.random(forest.num_spans) < share)
     visited = np.zeros(forest.num_traces, dtype=bool)
@@ -108,11 +91,10 @@ def apply_code_fault(spans: pa.Table, service: str, kind: str, share: float, rng
         duration[row] = short[row]
     status = forest.spans["status"].to_numpy(zero_copy_only=False).copy()
     if kind == "exception":
-        failed = hit & ~gone
-        callers = _Callers(forest, start, duration, gone, failed, is_client)
-        for row in np.flatnonzero(failed)[np.argsort(start[failed], kind="stable")]:  # a caller gives up at its first failed call
-            if not gone[row]:
-                callers.fail_above(row, propagate, rng)
+        failed = hit.copy()
+        for row in np.argsort(-forest.depth, kind="stable"):  # children before parents
+            if failed[row] and forest.parent[row] >= 0:
+                failed[forest.parent[row]] = True
         status[failed] = "error"
     shows = hit & ~gone & ((children > 0) | (kind == "exception"))
     keep = ~gone & visited[forest.trace_index]
@@ -122,55 +104,6 @@ def apply_code_fault(spans: pa.Table, service: str, kind: str, share: float, rng
     table = table.set_column(table.schema.get_field_index("status"), table.schema.field("status"),
                              pa.array(status, pa.string()))
     return CodeFault(table.filter(pa.array(keep)), shows[keep])
-
-
-class _Callers:
-    """The callers' side of an exception (see the module docstring), on `apply_code_fault`'s
-    arrays, changed in place: `start`, `duration`, `gone` (vanished spans), `failed` (error)."""
-
-    def __init__(self, forest, start: np.ndarray, duration: np.ndarray, gone: np.ndarray, failed: np.ndarray,
-                 is_client: np.ndarray):
-        self.forest, self.start, self.duration, self.gone, self.failed = forest, start, duration, gone, failed
-        self.is_client = is_client
-        child = np.flatnonzero(forest.parent >= 0)
-        self.children = child[np.argsort(forest.parent[child], kind="stable")]
-        self.offsets = np.r_[0, np.cumsum(np.bincount(forest.parent[child], minlength=forest.num_spans))]
-
-    def kids(self, row: int) -> np.ndarray:
-        return self.children[self.offsets[row]:self.offsets[row + 1]]
-
-    def fail_above(self, row: int, propagate: float, rng: np.random.Generator) -> None:
-        """The failure of span `row` up its callers: a client span above a failed span fails (the
-        call failed); any other span above gives up with the chance `propagate`, else the
-        failure stops there (and where it already failed)."""
-        parent = self.forest.parent[row]
-        while parent >= 0 and not self.failed[parent]:
-            if not self.is_client[parent] and rng.random() >= propagate:
-                return  # the caller carries on without the answer
-            self._give_up(parent, after_ns=int(self.start[row] + self.duration[row]))
-            self.failed[parent] = True
-            row, parent = parent, self.forest.parent[parent]
-
-    def _give_up(self, row: int, after_ns: int) -> None:
-        """Span `row` makes none of the calls it had not begun by `after_ns` (they vanish with
-        everything under them) and ends after what it still waits for, plus its own tail."""
-        kids = self.kids(row)
-        kids = kids[~self.gone[kids]]
-        end = self.start[row] + self.duration[row]
-        tail = max(end - int((self.start[kids] + self.duration[kids]).max(initial=self.start[row])), 0)
-        late = self.start[kids] >= after_ns - BEGUN_SLACK_NS  # the next call of a sequence begins as one ends
-        for dropped in kids[late]:
-            self._vanish(dropped)
-        kept = kids[~late]
-        waited = max(int((self.start[kept] + self.duration[kept]).max(initial=after_ns)), after_ns)
-        self.duration[row] = min(waited + tail, end) - self.start[row]
-
-    def _vanish(self, row: int) -> None:
-        stack = [row]
-        while stack:
-            current = stack.pop()
-            self.gone[current] = True
-            stack.extend(self.kids(current).tolist())
 
 
 def code_fault_dataset(spec: TopologySpec, out: str | Path, traces: int, seed: int = 0) -> dict:
@@ -194,8 +127,7 @@ def code_fault_dataset(spec: TopologySpec, out: str | Path, traces: int, seed: i
         episode_seed = seed * 100_003 + episode
         normal = spans_of(simulate(spec, [], seconds, episode_seed), EPOCH_NS + episode * EPISODE_GAP_NS, episode_seed)
         if normal.num_rows:
-            share, propagate = float(rng.uniform(*TRAINING_SHARE)), float(rng.uniform(*TRAINING_PROPAGATE))
-            fault = apply_code_fault(normal, service, kind, share, rng, propagate)
+            fault = apply_code_fault(normal, service, kind, float(rng.uniform(*TRAINING_SHARE)), rng)
             if fault.spans.num_rows:
                 tables.append(_episode_tables(fault, service, episode))
                 kept += tables[-1][1].num_rows
@@ -210,8 +142,7 @@ def code_fault_dataset(spec: TopologySpec, out: str | Path, traces: int, seed: i
     anomalous = int(pc.sum(trace_table["anomalous"]).as_py() or 0)
     card = {"name": f"{spec.name}-code-faults-s{seed}", "backend": "simulator (code faults applied to spans)",
             "topology": {"name": spec.name, "services": list(spec.services)},
-            "scenario": {"name": "code", "kind": "single", "kinds": list(CODE_FAULTS), "share": list(TRAINING_SHARE),
-                         "propagate": list(TRAINING_PROPAGATE)},
+            "scenario": {"name": "code", "kind": "single", "kinds": list(CODE_FAULTS), "share": list(TRAINING_SHARE)},
             "traces": trace_table.num_rows, "anomalous_traces": anomalous,
             "normal_traces": trace_table.num_rows - anomalous, "episodes": episode, "seed": seed}
     (out / "dataset.json").write_text(json.dumps(card, indent=2))

@@ -59,7 +59,7 @@ from bmeg.faultinject.spec import (
 #: runs (`bmeg.evaluation.bootstrap.cached_run_dir`) are keyed by it, so a stale one is never
 #: reused. `tests/test_simulator_version.py` fails when a small episode's output changes and
 #: the version did not.
-SIMULATOR_VERSION = 3
+SIMULATOR_VERSION = 2
 
 SERVER, CLIENT = 0, 1
 SAMPLE_BLOCK = 4096
