@@ -20,8 +20,10 @@ decide differently: the gate is the only part of the ranker that changed, so whe
 differs, `rca-sim`'s bmeg figures are the same under both (the GNN is not needed).
 
 Gates: `fixed` (the bar before, a shift of 0.05), `FLOOR+FACTORxnoise`
-(`bmeg.models.window.structure_changed`, noise from `NormalStats.structure_noise`), and
-`no gate` (the rank fusion alone).
+(`bmeg.models.window.structure_changed`, noise from `NormalStats.structure_noise`), `no gate`
+(the rank fusion alone), and `0.1+2xnoise|errors>E`: the default structure gate or the
+errors' own gate with the floor E (`bmeg.models.window.errors_began`; the default's E is
+`ERROR_FLOOR`; `0.1+2xnoise` alone is the rule before session 12).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import pandas as pd
 
 from bmeg.evaluation.faults import read_fault_list
 from bmeg.models.normal import NormalStats
-from bmeg.models.window import decisive_shift, rank_fusion, structure_changed
+from bmeg.models.window import (NOISE_FACTOR, STRUCTURE_FLOOR, decisive_shift, errors_began, rank_fusion,
+                                structure_changed)
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.graphs.rpc import rpc_view
 from bmeg.traces.io import read_spans
@@ -43,6 +46,8 @@ from bmeg.traces.io import read_spans
 LATENCY = {"network_delay", "cpu_consumed", "cpu_contention"}
 FIXED_BAR = 0.05
 GATES = [(0.05, 2.0), (0.1, 1.0), (0.1, 2.0), (0.1, 3.0), (0.2, 2.0), (np.inf, 0.0)]
+#: Floors of the errors' own gate (`errors_began`, session 12) beside the 0.1 + 2 x noise gate.
+ERROR_FLOORS = [0.0, 0.01, 0.02, 0.05]
 
 
 def gate_name(floor: float | None, factor: float | None) -> str:
@@ -75,8 +80,9 @@ def simulated(topology: Path) -> None:
         decisions = differ = gated_right = code = 0
         for fault in read_fault_list(sim.fault_list, 0):
             window = rpc_view(files.window(fault.start_ns, fault.start_ns + int(sim.window_minutes * 60e9)))
-            structure = stats.structure_shift(window)
-            new = structure_changed(structure, stats.structure_noise)
+            shape = stats.structure_parts(window)
+            structure = shape[["calls", "errors"]].sum(axis=1)
+            new = structure_changed(structure, stats.structure_noise) | errors_began(shape, stats.error_noise)
             decisions += len(structure)
             differ += int(((structure >= FIXED_BAR) != new).sum())
             if fault.kind in ("return", "exception"):
@@ -119,13 +125,18 @@ def main() -> None:
         gnn = pd.Series(np.arange(len(gnn_top), 0, -1, dtype=float), index=gnn_top)
         parts = stats.service_shift_parts(window)
         fused = rank_fusion(parts.max(axis=1), gnn)
-        structure = stats.structure_shift(window)
-        for floor, factor in gates:
-            changed = (structure >= FIXED_BAR if floor is None
-                       else structure_changed(structure, stats.structure_noise, floor, factor))
+        shape = stats.structure_parts(window)
+        structure = shape[["calls", "errors"]].sum(axis=1)
+        chosen = structure_changed(structure, stats.structure_noise, STRUCTURE_FLOOR, NOISE_FACTOR)
+        decisions = {gate_name(floor, factor): (structure >= FIXED_BAR if floor is None
+                                                else structure_changed(structure, stats.structure_noise, floor, factor))
+                     for floor, factor in gates}
+        decisions.update({f"{gate_name(STRUCTURE_FLOOR, NOISE_FACTOR)}|errors>{floor:g}":
+                          chosen | errors_began(shape, stats.error_noise, floor) for floor in ERROR_FLOORS})
+        for name, changed in decisions.items():
             order = ranked_first(structure, fused, changed, decisive_shift(parts[["caller", "callee"]].max(axis=1)))
             rank = order.index(fault.service) + 1 if fault.service in order else None
-            rows.append({"gate": gate_name(floor, factor), "type": fault.kind, "start_ns": fault.start_ns,
+            rows.append({"gate": name, "type": fault.kind, "start_ns": fault.start_ns,
                          "rank": rank, "harness_bmeg_rank": ran["rank"]["bmeg"]})
     frame = pd.DataFrame(rows)
     frame["ac1"] = frame["rank"] == 1

@@ -288,7 +288,31 @@ def test_the_structure_gate_fires_beyond_a_services_own_normal_noise():
 
 def test_a_normal_period_too_short_to_slice_measures_no_structure_noise():
     normal = NormalStats.from_forest(_cache_and_api([True, False] * 20, [False] * 40))
-    assert normal.structure_noise.empty
+    assert normal.structure_noise.empty and normal.error_noise.empty
+
+
+@settings(max_examples=30, deadline=None)
+@given(failed=st.integers(0, 39), normal_errors=st.sampled_from([0, 10, 40]))
+def test_errors_have_their_own_gate_below_the_structure_floor(failed, normal_errors):
+    """api fails in `failed` (under 40) of 400 window requests: its structure shift (the rise of the share of
+    its spans where an error begins) stays below the structure floor, and the errors' own gate
+    fires once the rise is above its floor plus the normal noise, in at least `ERROR_MIN_SPANS` spans."""
+    from bmeg.models.window import ERROR_FLOOR, ERROR_MIN_SPANS, NOISE_FACTOR, STRUCTURE_FLOOR, errors_began
+
+    n = 400
+    normal = NormalStats.from_forest(_cache_and_api([False] * n, [i < normal_errors for i in range(n)]))
+    window = _cache_and_api([False] * n, [i % 10 == 0 and i // 10 < failed for i in range(n)])
+    parts = normal.structure_parts(window)
+    assert parts.loc["api", "error_spans"] == failed
+    rise = max(failed / n - normal_errors / n, 0.0)
+    assert parts.loc["api", "errors"] == pytest.approx(rise)
+    assert normal.structure_shift(window)["api"] < STRUCTURE_FLOOR
+    noise = normal.error_noise.get("api", 0.0)
+    expected = failed >= ERROR_MIN_SPANS and rise > ERROR_FLOOR + NOISE_FACTOR * noise
+    assert errors_began(parts, normal.error_noise)["api"] == expected
+    assert not errors_began(parts, normal.error_noise)[["cache", "db"]].any()
+    if normal_errors == 0:  # a service that never failed: any rise past the floor, in enough spans
+        assert noise == 0.0 and (errors_began(parts, normal.error_noise)["api"] == (failed >= 9))
 
 
 def _front_and_two_callees(n: int, gap_a_us: int, gap_b_us: int):

@@ -55,6 +55,7 @@ class NormalStats:
     children: pd.Series  # by span key: mean number of children
     errors: pd.Series  # by span key: share of spans where an error begins
     structure_noise: pd.Series  # by service: the largest structure shift of a slice of the normal period
+    error_noise: pd.Series  # by service: the largest rise of its error origins in such a slice (`structure_parts`)
 
     @classmethod
     def from_forest(cls, forest: SpanForest) -> NormalStats:
@@ -66,6 +67,7 @@ class NormalStats:
         structure = _structure_frame(forest)
         children = structure.groupby("key")["children"].mean()
         errors = structure.groupby("key")["errors"].mean()
+        noise, error_noise = structure_noise(forest, structure, children, errors)
         return cls(
             forest=forest,
             p95_ns=durations.groupby(level=0).quantile(ANOMALY_QUANTILE),
@@ -74,7 +76,8 @@ class NormalStats:
             gap_ns=own[own["client"]].groupby("key")["ns"].median(),
             children=children,
             errors=errors,
-            structure_noise=structure_noise(forest, structure, children, errors),
+            structure_noise=noise,
+            error_noise=error_noise,
         )
 
     def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
@@ -142,7 +145,13 @@ class NormalStats:
         the service that made (or skipped) the calls. Operations the normal period never saw
         are not scored. How far a service's structure moves with no fault at all is
         `structure_noise`."""
-        return _structure_shift(_structure_frame(forest), self.children, self.errors)
+        return self.structure_parts(forest)[["calls", "errors"]].sum(axis=1)
+
+    def structure_parts(self, forest: SpanForest) -> pd.DataFrame:
+        """`structure_shift`'s two parts per service (rows), as columns: `calls` (the change of
+        its operations' child counts) and `errors` (the rise of the share of its spans where an
+        error begins), and `error_spans`, the number of its spans in `forest` where one begins."""
+        return _structure_parts(_structure_frame(forest), self.children, self.errors)
 
 
 def _structure_frame(forest: SpanForest) -> pd.DataFrame:
@@ -151,40 +160,45 @@ def _structure_frame(forest: SpanForest) -> pd.DataFrame:
                          "children": _child_counts(forest), "errors": _error_origins(forest)})
 
 
-def _structure_shift(frame: pd.DataFrame, children: pd.Series, errors: pd.Series) -> pd.Series:
-    """`NormalStats.structure_shift` of the spans in `frame` against per-key normal means."""
+def _structure_parts(frame: pd.DataFrame, children: pd.Series, errors: pd.Series) -> pd.DataFrame:
+    """`NormalStats.structure_parts` of the spans in `frame` against per-key normal means."""
     by_key = frame.groupby("key").agg(children=("children", "mean"), errors=("errors", "mean"),
-                                      spans=("children", "size"), service=("service", "first"))
+                                      error_spans=("errors", "sum"), spans=("children", "size"),
+                                      service=("service", "first"))
     normal_children = children.reindex(by_key.index)
-    change = (by_key["children"] - normal_children).abs() / np.maximum(normal_children, 1.0)
-    change += (by_key["errors"] - errors.reindex(by_key.index)).clip(lower=0.0)
-    known = by_key[change.notna()].assign(weighted=change * by_key["spans"])
+    calls = (by_key["children"] - normal_children).abs() / np.maximum(normal_children, 1.0)
+    began = (by_key["errors"] - errors.reindex(by_key.index)).clip(lower=0.0)
+    known = by_key[calls.notna()].assign(calls=calls * by_key["spans"], errors=began * by_key["spans"])
     by_service = known.groupby("service")
-    return by_service["weighted"].sum() / by_service["spans"].sum()
+    spans = by_service["spans"].sum()
+    return pd.DataFrame({"calls": by_service["calls"].sum() / spans, "errors": by_service["errors"].sum() / spans,
+                         "error_spans": by_service["error_spans"].sum()})
 
 
 def structure_noise(forest: SpanForest, frame: pd.DataFrame, children: pd.Series, errors: pd.Series,
-                    slices: int = NOISE_SLICES, min_traces: int = NOISE_MIN_TRACES) -> pd.Series:
+                    slices: int = NOISE_SLICES, min_traces: int = NOISE_MIN_TRACES) -> tuple[pd.Series, pd.Series]:
     """Per service, the largest structure shift of a slice of a fault-free period against the
-    whole: how far the service's structure moves with no fault at all.
+    whole: how far the service's structure moves with no fault at all; and the same of its
+    `errors` part alone (`NormalStats.structure_parts`).
 
     The period's traces are cut by start time into `slices` consecutive slices of equal trace
     counts (fewer, so that each holds at least `min_traces`); by time, not at random, because
     what makes a service's calls vary is often a state that drifts (a cache filling and being
     evicted: the testbed's post-storage-service calls its store on a miss only, and a 2-s slice
     of its normal period moved 0.04-0.31). A period too short for two slices has no measured
-    noise (an empty series). `frame` is `_structure_frame(forest)`; `children` and `errors`
+    noise (empty series). `frame` is `_structure_frame(forest)`; `children` and `errors`
     are the whole period's per-key means.
     """
     count = min(slices, forest.num_traces // max(min_traces, 1))
     if count < 2:
-        return pd.Series(dtype=float)
+        return pd.Series(dtype=float), pd.Series(dtype=float)
     order = np.argsort(forest.spans["start_ns"].to_numpy()[forest.root], kind="stable")
     slice_of_trace = np.empty(forest.num_traces, dtype=np.int64)
     slice_of_trace[order] = np.arange(forest.num_traces) * count // forest.num_traces
     slice_of_span = slice_of_trace[forest.trace_index]
-    shifts = [_structure_shift(frame[slice_of_span == i], children, errors) for i in range(count)]
-    return pd.concat(shifts, axis=1).max(axis=1)
+    parts = [_structure_parts(frame[slice_of_span == i], children, errors) for i in range(count)]
+    return (pd.concat([part[["calls", "errors"]].sum(axis=1) for part in parts], axis=1).max(axis=1),
+            pd.concat([part["errors"] for part in parts], axis=1).max(axis=1))
 
 
 def _child_counts(forest: SpanForest) -> np.ndarray:
