@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pytest
 from builders import spans
@@ -95,6 +96,7 @@ def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, 
     seed + 7 + 1000 i), the same scenario and imbalance, an equal part of bottlenecked traces
     for every source the scenario draws (one draw of the whole scenario missed some: `single`'s
     5,000 traces are four fault rounds); a recorded dataset, `router_fresh` 0 or fixed cuts: none."""
+    from bmeg.datasets.generate import SHARD_STRIDE_NS
     from bmeg.datasets.loader import SOURCE_SEED_STRIDE, load_dataset
     from bmeg.training.config import TrainConfig
     from bmeg.training.pipeline import FRESH_SEED_OFFSET, fresh_decision_data
@@ -111,6 +113,15 @@ def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, 
     names, counts = np.unique(sources, return_counts=True)
     assert names.tolist() == ["background", "interference", "saturation"]
     assert counts.max() - counts.min() <= 2  # (bad traces dropped)
+    # each part on its own stretch of time, its episodes its own: the history features of one part's
+    # traces (read over kept + context in time order) never read another part's faults
+    frame = pd.DataFrame({"episode": fresh.traces["episode"].to_numpy(), "start": fresh.traces["start_ns"].to_numpy(),
+                          "source": fresh.traces["fault_source"].to_numpy(zero_copy_only=False), "y": fresh.y})
+    assert (frame[frame["y"] == 1].groupby("episode")["source"].nunique() == 1).all()
+    spans = frame.groupby("episode")["start"].agg(["min", "max"]).sort_values("min")
+    assert (spans["min"].to_numpy()[1:] > spans["max"].to_numpy()[:-1]).all()
+    context_starts = fresh.context.spans["start_ns"].to_numpy()
+    assert context_starts.max() - context_starts.min() > 2 * SHARD_STRIDE_NS
     training = load_dataset("hotelreservation", 200, 0.3, seed=2, scenario=scenario, progress=False)
     assert not set(fresh.forest.trace_ids) & set(training.traces["trace_id"].to_pylist())
     parts = sorted((tmp_path / "cache" / "datasets").glob("hotelreservation-short-only-*"))

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from bmeg.datasets.generate import (
+    BASE_EPOCH_NS,
     DATASET_FORMAT,
     DEFAULT_IMBALANCE,
     DEFAULT_TRACES,
@@ -163,6 +164,37 @@ def load_dataset(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return read_dataset(target)
+
+
+def with_normals_of(bottlenecked: Dataset, normal: Dataset) -> Dataset:
+    """The anomalous traces of `bottlenecked` and the normal traces of `normal`, the latter on a
+    stretch of time after the former's (`_shifted`), the context of both: the router's decision
+    draw (`bmeg.training.pipeline.fresh_decision_data`). A normal trace has no fault source to
+    weigh it by, and the normal traces of `load_by_source`'s parts are each an episode of one
+    source's faults in every round: they are not the stream's. Under one such part (a saturation
+    draw) the GNN flagged 177 of 990 normal traces; on a draw of the whole scenario, 2 of 4,950
+    (README issue 17, session 12)."""
+    end = max(int(pc.max(table["start_ns"]).as_py()) for table in (bottlenecked.spans, bottlenecked.context)
+              if table is not None)
+    offset = -(-(end - BASE_EPOCH_NS) // SHARD_STRIDE_NS) * SHARD_STRIDE_NS  # the next whole stride
+    normal = _shifted(normal, offset, int(pc.max(bottlenecked.traces["episode"]).as_py()) + 1)
+    parts = (_traces_where(bottlenecked, True), _traces_where(normal, False))
+    traces = pa.concat_tables([part.traces for part in parts])
+    _check_distinct_traces(bottlenecked.path, traces)
+    contexts = [part.context for part in parts if part.context is not None]
+    return Dataset(bottlenecked.path, pa.concat_tables([part.spans for part in parts]), traces,
+                   pa.concat_tables([part.nodes for part in parts]), bottlenecked.cards + normal.cards,
+                   pa.concat_tables(contexts) if contexts else None)
+
+
+def _traces_where(dataset: Dataset, anomalous: bool) -> Dataset:
+    """`dataset` cut to its anomalous (or normal) traces; its context whole."""
+    traces = dataset.traces.filter(pc.equal(dataset.traces["anomalous"], anomalous))
+
+    def of_those(table: pa.Table) -> pa.Table:
+        return table.filter(pc.is_in(table["trace_id"], value_set=traces["trace_id"]))
+
+    return Dataset(dataset.path, of_those(dataset.spans), traces, of_those(dataset.nodes), dataset.cards, dataset.context)
 
 
 def _shifted(dataset: Dataset, offset_ns: int, first_episode: int) -> Dataset:

@@ -35,7 +35,7 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-from bmeg.datasets.loader import Dataset, load_by_source, load_dataset, stratified_pick
+from bmeg.datasets.loader import Dataset, load_by_source, load_dataset, stratified_pick, with_normals_of
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
 from bmeg.graphs.features import self_time_ns
 from bmeg.models.detector import Detector, Scores
@@ -206,17 +206,27 @@ def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder) -> tuple[dic
 FRESH_SEED_OFFSET = 7
 
 
+#: The seed of the draw of the whole scenario that gives the router's decision data its normal
+#: traces is the training seed plus this (the stratified parts take FRESH_SEED_OFFSET + 1000 i).
+NATURAL_SEED_OFFSET = FRESH_SEED_OFFSET + 500
+
+
 def fresh_decision_data(config: TrainConfig, progress: bool = False) -> Labelled | None:
     """The router's decision data on a simulated application: `router_fresh` traces of the same
     scenario and imbalance drawn with another seed (other faults, at other times, mostly on
-    other services), stratified by fault source (`load_by_source`: one draw of the whole
-    scenario held two to four of its five sources, so the router decided on sources it was not
-    judged on and the other way round); None for a recorded dataset (a folder) or `router_fresh` 0."""
+    other services). The bottlenecked traces are stratified by fault source (`load_by_source`:
+    one draw of the whole scenario held two to four of its five sources, so the router decided
+    on sources it was not judged on and the other way round); the normal traces come from a
+    draw of the whole scenario (`with_normals_of`: a stratified part's normal traces are an
+    episode of one source's faults, and have no source to weigh them back by). None for a
+    recorded dataset (a folder) or `router_fresh` 0."""
     if config.router_fresh <= 0 or Path(config.dataset).is_dir() or config.svm_max_services is not None:
         return None
-    dataset = load_by_source(config.dataset, config.router_fresh, config.imbalance, config.seed + FRESH_SEED_OFFSET,
-                             config.scenario, progress=progress)
-    return label(dataset, config.seed)
+    stratified = load_by_source(config.dataset, config.router_fresh, config.imbalance,
+                                config.seed + FRESH_SEED_OFFSET, config.scenario, progress=progress)
+    natural = load_dataset(config.dataset, config.router_fresh, config.imbalance, config.seed + NATURAL_SEED_OFFSET,
+                           config.scenario, progress=progress)
+    return label(with_normals_of(stratified, natural), config.seed)
 
 
 def source_mix_weights(y: np.ndarray, sources: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -323,8 +333,9 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
         fresh_sources, train_sources = _fault_sources(fresh), _fault_sources(data)
         weights = (np.ones(len(decision)) if fresh_sources is None or train_sources is None else
                    source_mix_weights(fresh.y, fresh_sources, train_sources[data.train[data.y[data.train] == 1]]))
-        where = (f"{len(decision)} traces of other fault draws (simulated, seed {config.seed + FRESH_SEED_OFFSET}, "
-                 f"stratified by fault source, weighed to the training mix)")
+        where = (f"{len(decision)} traces of other fault draws (simulated: bottlenecked, seed {config.seed + FRESH_SEED_OFFSET}, "
+                 f"stratified by fault source, weighed to the training mix; normal, seed "
+                 f"{config.seed + NATURAL_SEED_OFFSET}, of the whole scenario)")
     else:
         services = node_services(data.forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         split = held_out_service_split(data, services, config.router_holdout, config.seed)
