@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from builders import spans
 from hypothesis import given, settings
@@ -95,11 +96,12 @@ def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, 
     """On a simulated application the router decides on other fault draws (seed + 7, parts at
     seed + 7 + 1000 i), the same scenario and imbalance, an equal part of bottlenecked traces
     for every source the scenario draws (one draw of the whole scenario missed some: `single`'s
-    5,000 traces are four fault rounds); a recorded dataset, `router_fresh` 0 or fixed cuts: none."""
+    5,000 traces are four fault rounds), the normal traces of a draw of the whole scenario (seed
+    + 507); a recorded dataset, `router_fresh` 0 or fixed cuts: none."""
     from bmeg.datasets.generate import SHARD_STRIDE_NS
     from bmeg.datasets.loader import SOURCE_SEED_STRIDE, load_dataset
     from bmeg.training.config import TrainConfig
-    from bmeg.training.pipeline import FRESH_SEED_OFFSET, fresh_decision_data
+    from bmeg.training.pipeline import FRESH_SEED_OFFSET, NATURAL_SEED_OFFSET, fresh_decision_data
 
     monkeypatch.setenv("BMEG_CACHE", str(tmp_path / "cache"))
     scenario = tmp_path / "short.yaml"
@@ -121,7 +123,10 @@ def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, 
     spans = frame.groupby("episode")["start"].agg(["min", "max"]).sort_values("min")
     assert (spans["min"].to_numpy()[1:] > spans["max"].to_numpy()[:-1]).all()
     context_starts = fresh.context.spans["start_ns"].to_numpy()
-    assert context_starts.max() - context_starts.min() > 2 * SHARD_STRIDE_NS
+    assert context_starts.max() - context_starts.min() > 3 * SHARD_STRIDE_NS  # three parts and the whole draw
+    natural = load_dataset("hotelreservation", 240, 0.3, seed=2 + NATURAL_SEED_OFFSET, scenario=scenario, progress=False)
+    normal_ids = set(natural.traces.filter(pc.invert(natural.traces["anomalous"]))["trace_id"].to_pylist())
+    assert set(np.asarray(fresh.forest.trace_ids, dtype=object)[fresh.y == 0].tolist()) == normal_ids
     training = load_dataset("hotelreservation", 200, 0.3, seed=2, scenario=scenario, progress=False)
     assert not set(fresh.forest.trace_ids) & set(training.traces["trace_id"].to_pylist())
     parts = sorted((tmp_path / "cache" / "datasets").glob("hotelreservation-short-only-*"))
