@@ -56,7 +56,7 @@ def test_no_decision_trace_is_faulted_on_a_service_faulted_in_the_fitting_part(n
     assert not set(decision) & (set(fitting.train) | set(fitting.val)) - set(data.val[data.y[data.val] == 0])
     assert np.any(data.y[decision] == 1)
     assert set(decision[data.y[decision] == 0]) == set(data.val[data.y[data.val] == 0])  # the normal validation traces
-    weights = decision_weights(data, decision)
+    weights = decision_weights(data.y[decision], data.y[data.val])
     y = data.y[decision]
     if np.any(y == 0) and np.any(data.y[data.val] == 0):  # weighted, the decision part has validation's share of faults
         share = np.sum(weights[y == 1]) / np.sum(weights[y == 0])
