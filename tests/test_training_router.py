@@ -109,8 +109,10 @@ def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, 
     config = TrainConfig(dataset="hotelreservation", traces=200, imbalance=0.3, seed=2, router_fresh=240,
                          scenario=str(scenario))
     fresh = fresh_decision_data(config)
-    assert fresh is not None and 200 <= fresh.forest.num_traces <= 240  # the simulator's count is near the asked
-    assert 0.2 < fresh.y.mean() < 0.4
+    assert fresh is not None
+    # the stratified parts drawn at imbalance min(MIN_DECISION_BOTTLENECKED / 240, 0.5), above the training's 0.3;
+    # the normal traces of the whole-scenario draw at 0.3 (the simulator's counts are only near the asked)
+    assert 70 <= int(np.sum(fresh.y == 1)) <= 125 and 150 <= int(np.sum(fresh.y == 0)) <= 200
     sources = fresh.traces["fault_source"].to_numpy(zero_copy_only=False)[fresh.y == 1]
     names, counts = np.unique(sources, return_counts=True)
     assert names.tolist() == ["background", "interference", "saturation"]
