@@ -4,7 +4,7 @@ traces of fault draws the models never saw, and what each model costs; everythin
 Per case, one detector is trained as `bmeg train` trains it (`fit_detector`: thresholds chosen
 on validation traces, which share the training campaign's fault draws; the router's cuts, judged
 by culprit F1 and trace F1, `bmeg.models.router.choose`, on a synthetic dataset of other fault
-draws (seed 7, stratified by fault source, `pipeline.fresh_decision_data`), or on the testbed on the faults of held-out
+draws (seed 7, bottlenecked traces stratified by fault source, normal ones of the whole scenario, `pipeline.fresh_decision_data`), or on the testbed on the faults of held-out
 services by a probe detector fitted without them), then judged on *fresh* traces:
 - synthetic (`single` scenario at each imbalance of `--ratios`): a third dataset generated with
   another seed (99), so other faults on other services at other times;
@@ -56,7 +56,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from bmeg.datasets.loader import Dataset, load_by_source, load_dataset, read_dataset
+from bmeg.datasets.loader import Dataset, load_dataset, read_dataset
 from bmeg.models.detector import Detector, Scores
 from bmeg.models.router import Router
 from bmeg.models.svm import TraceSVM, TraceVectorizer
@@ -85,15 +85,13 @@ def main() -> None:
     os.environ.setdefault("BMEG_CACHE", os.path.join(tempfile.gettempdir(), "bmeg-bench-cache"))
     started = time.time()
 
-    cases: dict[str, tuple[Dataset, Dataset, Dataset | None]] = {}
-    decision_seed = pipeline.TrainConfig().seed + pipeline.FRESH_SEED_OFFSET
+    cases: dict[str, tuple[Dataset, Dataset, Labelled | None]] = {}
     for app in [a for a in args.apps.split(",") if a]:
         for ratio in [float(r) for r in args.ratios.split(",") if r]:
-            # the router's decision draws as `bmeg train` makes them (`fresh_decision_data`: stratified
-            # by fault source), not the judged ones
+            # the router's decision draws as `bmeg train` makes them (`fresh_decision_data`), not the judged ones
             cases[f"{app} {ratio:g}"] = (load_dataset(app, args.traces, ratio, seed=0, progress=False),
                                          load_dataset(app, args.fresh, ratio, seed=99, progress=False),
-                                         load_by_source(app, pipeline.TrainConfig().router_fresh, ratio, decision_seed))
+                                         pipeline.fresh_decision_data(pipeline.TrainConfig(dataset=app, imbalance=ratio)))
     if args.testbed is not None:
         cases["testbed"] = (*split_by_time(read_dataset(args.testbed), TESTBED_TRAIN_SHARE, args.testbed_traces), None)
     results: dict[str, object] = {name: run_case(name, train_set, fresh_set, decision_set, args.epochs)
@@ -125,10 +123,9 @@ def _subset(dataset: Dataset, ids: np.ndarray) -> Dataset:
     return Dataset(dataset.path, take(dataset.spans), take(dataset.traces), take(dataset.nodes), dataset.cards)
 
 
-def run_case(name: str, train_set: Dataset, fresh_set: Dataset, decision_set: Dataset | None, epochs: int) -> dict:
+def run_case(name: str, train_set: Dataset, fresh_set: Dataset, decision: Labelled | None, epochs: int) -> dict:
     config = pipeline.TrainConfig(fit=pipeline.FitConfig(epochs=epochs, progress=False, device="cpu"))
     data = pipeline.label(train_set, config.seed)
-    decision = None if decision_set is None else pipeline.label(decision_set, config.seed)
     timer = _timed_gnn_fit()
     detector, _, raw = pipeline.fit_detector(data, config, application=train_set.card["topology"]["name"],
                                              fresh=decision)

@@ -113,5 +113,6 @@ def test_the_router_decided_on_other_fault_draws(trained_run):
     """A simulated application's router is judged on another draw of faults (`router_fresh`),
     not on validation traces of the training draws, and says so."""
     routing = json.loads((trained_run / "metrics.json").read_text())["routing"]
-    assert "traces of other fault draws (simulated, seed 10, stratified by fault source" in routing["why"]
+    assert ("traces of other fault draws (simulated: bottlenecked, seed 10, stratified by fault source, weighed to "
+            "the training mix and imbalance; normal, seed 510, of the whole scenario)") in routing["why"]
     assert 4000 <= routing["decision_traces"] <= 5000 and routing["held_out_services"] == []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from builders import spans
 from hypothesis import given, settings
@@ -54,7 +56,7 @@ def test_no_decision_trace_is_faulted_on_a_service_faulted_in_the_fitting_part(n
     assert not set(decision) & (set(fitting.train) | set(fitting.val)) - set(data.val[data.y[data.val] == 0])
     assert np.any(data.y[decision] == 1)
     assert set(decision[data.y[decision] == 0]) == set(data.val[data.y[data.val] == 0])  # the normal validation traces
-    weights = decision_weights(data, decision)
+    weights = decision_weights(data.y[decision], data.y[data.val])
     y = data.y[decision]
     if np.any(y == 0) and np.any(data.y[data.val] == 0):  # weighted, the decision part has validation's share of faults
         share = np.sum(weights[y == 1]) / np.sum(weights[y == 0])
@@ -94,10 +96,12 @@ def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, 
     """On a simulated application the router decides on other fault draws (seed + 7, parts at
     seed + 7 + 1000 i), the same scenario and imbalance, an equal part of bottlenecked traces
     for every source the scenario draws (one draw of the whole scenario missed some: `single`'s
-    5,000 traces are four fault rounds); a recorded dataset, `router_fresh` 0 or fixed cuts: none."""
+    5,000 traces are four fault rounds), the normal traces of a draw of the whole scenario (seed
+    + 507); a recorded dataset, `router_fresh` 0 or fixed cuts: none."""
+    from bmeg.datasets.generate import SHARD_STRIDE_NS
     from bmeg.datasets.loader import SOURCE_SEED_STRIDE, load_dataset
     from bmeg.training.config import TrainConfig
-    from bmeg.training.pipeline import FRESH_SEED_OFFSET, fresh_decision_data
+    from bmeg.training.pipeline import FRESH_SEED_OFFSET, NATURAL_SEED_OFFSET, fresh_decision_data
 
     monkeypatch.setenv("BMEG_CACHE", str(tmp_path / "cache"))
     scenario = tmp_path / "short.yaml"
@@ -105,12 +109,26 @@ def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, 
     config = TrainConfig(dataset="hotelreservation", traces=200, imbalance=0.3, seed=2, router_fresh=240,
                          scenario=str(scenario))
     fresh = fresh_decision_data(config)
-    assert fresh is not None and 200 <= fresh.forest.num_traces <= 240  # the simulator's count is near the asked
-    assert 0.2 < fresh.y.mean() < 0.4
+    assert fresh is not None
+    # the stratified parts drawn at imbalance min(MIN_DECISION_BOTTLENECKED / 240, 0.5), above the training's 0.3;
+    # the normal traces of the whole-scenario draw at 0.3 (the simulator's counts are only near the asked)
+    assert 70 <= int(np.sum(fresh.y == 1)) <= 125 and 150 <= int(np.sum(fresh.y == 0)) <= 200
     sources = fresh.traces["fault_source"].to_numpy(zero_copy_only=False)[fresh.y == 1]
     names, counts = np.unique(sources, return_counts=True)
     assert names.tolist() == ["background", "interference", "saturation"]
     assert counts.max() - counts.min() <= 2  # (bad traces dropped)
+    # each part on its own stretch of time, its episodes its own: the history features of one part's
+    # traces (read over kept + context in time order) never read another part's faults
+    frame = pd.DataFrame({"episode": fresh.traces["episode"].to_numpy(), "start": fresh.traces["start_ns"].to_numpy(),
+                          "source": fresh.traces["fault_source"].to_numpy(zero_copy_only=False), "y": fresh.y})
+    assert (frame[frame["y"] == 1].groupby("episode")["source"].nunique() == 1).all()
+    spans = frame.groupby("episode")["start"].agg(["min", "max"]).sort_values("min")
+    assert (spans["min"].to_numpy()[1:] > spans["max"].to_numpy()[:-1]).all()
+    context_starts = fresh.context.spans["start_ns"].to_numpy()
+    assert context_starts.max() - context_starts.min() > 3 * SHARD_STRIDE_NS  # three parts and the whole draw
+    natural = load_dataset("hotelreservation", 240, 0.3, seed=2 + NATURAL_SEED_OFFSET, scenario=scenario, progress=False)
+    normal_ids = set(natural.traces.filter(pc.invert(natural.traces["anomalous"]))["trace_id"].to_pylist())
+    assert set(np.asarray(fresh.forest.trace_ids, dtype=object)[fresh.y == 0].tolist()) == normal_ids
     training = load_dataset("hotelreservation", 200, 0.3, seed=2, scenario=scenario, progress=False)
     assert not set(fresh.forest.trace_ids) & set(training.traces["trace_id"].to_pylist())
     parts = sorted((tmp_path / "cache" / "datasets").glob("hotelreservation-short-only-*"))

@@ -35,7 +35,7 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-from bmeg.datasets.loader import Dataset, load_by_source, load_dataset, stratified_pick
+from bmeg.datasets.loader import Dataset, load_by_source, load_dataset, stratified_pick, with_normals_of
 from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
 from bmeg.graphs.features import self_time_ns
 from bmeg.models.detector import Detector, Scores
@@ -207,17 +207,35 @@ def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder) -> tuple[dic
 FRESH_SEED_OFFSET = 7
 
 
+#: The seed of the draw of the whole scenario that gives the router's decision data its normal
+#: traces is the training seed plus this (the stratified parts take FRESH_SEED_OFFSET + 1000 i).
+NATURAL_SEED_OFFSET = FRESH_SEED_OFFSET + 500
+#: The bottlenecked traces the router's decision draw holds at least (a tenth of its 5,000): at
+#: imbalance 0.01 its stratified parts held 50, 10 per fault source, fewer than a source needs
+#: to count (`bmeg.models.router.MIN_SOURCE_TRACES`), and no cut could be shown ahead or tied
+#: (README issue 17, session 12). Drawn at a higher imbalance, weighed back (`decision_weights`).
+MIN_DECISION_BOTTLENECKED = 500
+
+
 def fresh_decision_data(config: TrainConfig, progress: bool = False) -> Labelled | None:
     """The router's decision data on a simulated application: `router_fresh` traces of the same
     scenario and imbalance drawn with another seed (other faults, at other times, mostly on
-    other services), stratified by fault source (`load_by_source`: one draw of the whole
-    scenario held two to four of its five sources, so the router decided on sources it was not
-    judged on and the other way round); None for a recorded dataset (a folder) or `router_fresh` 0."""
+    other services). The bottlenecked traces are stratified by fault source (`load_by_source`:
+    one draw of the whole scenario held two to four of its five sources, so the router decided
+    on sources it was not judged on and the other way round); the normal traces come from a
+    draw of the whole scenario (`with_normals_of`: a stratified part's normal traces are an
+    episode of one source's faults, and have no source to weigh them back by). The stratified
+    parts are drawn at an imbalance that gives at least `MIN_DECISION_BOTTLENECKED` bottlenecked
+    traces (at most half the draw), weighed back to the training imbalance by `choose_router`.
+    None for a recorded dataset (a folder) or `router_fresh` 0."""
     if config.router_fresh <= 0 or Path(config.dataset).is_dir() or config.svm_max_services is not None:
         return None
-    dataset = load_by_source(config.dataset, config.router_fresh, config.imbalance, config.seed + FRESH_SEED_OFFSET,
-                             config.scenario, progress=progress)
-    return label(dataset, config.seed)
+    imbalance = max(config.imbalance, min(MIN_DECISION_BOTTLENECKED / config.router_fresh, 0.5))
+    stratified = load_by_source(config.dataset, config.router_fresh, imbalance,
+                                config.seed + FRESH_SEED_OFFSET, config.scenario, progress=progress)
+    natural = load_dataset(config.dataset, config.router_fresh, config.imbalance, config.seed + NATURAL_SEED_OFFSET,
+                           config.scenario, progress=progress)
+    return label(with_normals_of(stratified, natural), config.seed)
 
 
 def source_mix_weights(y: np.ndarray, sources: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -283,15 +301,16 @@ def held_out_service_split(data: Labelled, services: np.ndarray, share: float,
     return fitting, decision, held
 
 
-def decision_weights(data: Labelled, decision: np.ndarray) -> np.ndarray:
-    """float [D]: weights that give the decision traces the validation part's share of
-    bottlenecked traces (the decision part draws its faults from training traces too), so that
-    F1 weighs false alarms as often as the validation traces would."""
-    y, val_y = data.y[decision], data.y[data.val]
+def decision_weights(y: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """float [D]: weights of decision traces with labels `y` that give them the share of
+    bottlenecked traces of the traces labelled `reference` (the validation part's: a held-out
+    decision part draws its faults from training traces too; a fresh one holds more
+    bottlenecked traces than its imbalance, `fresh_decision_data`), so that F1 weighs false
+    alarms as often as the validation traces would."""
     positives, negatives = int(np.sum(y == 1)), int(np.sum(y == 0))
-    if positives == 0 or negatives == 0 or not np.any(val_y == 0):
-        return np.ones(len(decision))
-    ratio = float(np.sum(val_y == 1)) / float(np.sum(val_y == 0))
+    if positives == 0 or negatives == 0 or not np.any(reference == 0):
+        return np.ones(len(y))
+    ratio = float(np.sum(reference == 1)) / float(np.sum(reference == 0))
     return np.where(y == 1, ratio * negatives / positives, 1.0)
 
 
@@ -322,16 +341,18 @@ def choose_router(detector: Detector, raw: Scores, data: Labelled, config: Train
         judged, judge_raw = fresh, detector.score(fresh.forest, all_models=True, replay=True, context=fresh.context)
         decision = np.arange(fresh.forest.num_traces)
         fresh_sources, train_sources = _fault_sources(fresh), _fault_sources(data)
-        weights = (np.ones(len(decision)) if fresh_sources is None or train_sources is None else
-                   source_mix_weights(fresh.y, fresh_sources, train_sources[data.train[data.y[data.train] == 1]]))
-        where = (f"{len(decision)} traces of other fault draws (simulated, seed {config.seed + FRESH_SEED_OFFSET}, "
-                 f"stratified by fault source, weighed to the training mix)")
+        weights = decision_weights(fresh.y, data.y[data.val]) * (
+            1.0 if fresh_sources is None or train_sources is None else
+            source_mix_weights(fresh.y, fresh_sources, train_sources[data.train[data.y[data.train] == 1]]))
+        where = (f"{len(decision)} traces of other fault draws (simulated: bottlenecked, seed {config.seed + FRESH_SEED_OFFSET}, "
+                 f"stratified by fault source, weighed to the training mix and imbalance; normal, seed "
+                 f"{config.seed + NATURAL_SEED_OFFSET}, of the whole scenario)")
     else:
         services = node_services(data.forest, storage_nodes=True).to_numpy(zero_copy_only=False)
         split = held_out_service_split(data, services, config.router_holdout, config.seed)
         if split is not None:
             fitting, decision, held = split
-            weights = decision_weights(data, decision)
+            weights = decision_weights(data.y[decision], data.y[data.val])
             judge, _, judge_raw = _fit_models(fitting, config, application)
             judge = replace(judge, thresholds=_thresholds(judge_raw, fitting, config))
         where = (f"faults on held-out services {held} (a probe detector fitted without them)" if held
