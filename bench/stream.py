@@ -26,8 +26,10 @@ lost traces (no diagnosis) and split ones (more than one diagnosis, or one with 
 sent, or marked partial). Target: >= 2,000 traces/s per consumer process, 0 lost, 0 split.
 
 With `--stages` it measures instead the CPU time per trace of the consumer's own stages without
-Kafka (reading, assembling, diagnosing), where the time of a change shows without the broker's
-and the shared machine's noise.
+Kafka (reading, assembling, diagnosing, and within diagnosing the crowd check with its history),
+where the time of a change shows without the broker's and the shared machine's noise. `--rate N`
+starts the traces N a second one after another, as a live stream's (the crowd check's history
+then holds its last 10 s), instead of at random over 1,000 s.
 
 With `--consumers 1,2` it measures instead, one after the other in the same run, that many
 consumer processes in one group (each its own interpreter, as replicas would run), each on a
