@@ -234,3 +234,12 @@ def test_the_history_keeps_the_nodes_the_whole_window_rule_kept_and_reads_any_sp
     read = history.between(lower, upper)
     assert read.trace_start_ns.tolist() == reference.trace_start_ns[inside].tolist()
     assert read.services.tolist() == reference.services[inside].tolist()
+
+
+def test_a_history_of_many_small_batches_keeps_every_node_in_order():
+    """Past 64 batches kept apart they are joined into one: nothing is lost or reordered."""
+    history = StreamHistory(retain_s=100.0)
+    for i in range(150):
+        history.record(trace({"a": float(i)}, start_ns=i * SECOND // 10))
+    assert history.recent.z_self.tolist() == [float(i) for i in range(150)]
+    assert history.between(SECOND, 2 * SECOND).z_self.tolist() == [float(i) for i in range(10, 20)]
