@@ -25,6 +25,7 @@ from kafka.admin import NewTopic
 
 from bmeg.diagnosis import Diagnosis
 from bmeg.serving.consumer import ERROR_HEADER, ConsumerConfig, StreamConsumer
+from bmeg.serving.publishing import close_abandoning_unsent, make_producer
 from bmeg.traces import to_otlp_proto_bytes
 from serving_fixtures import traces_of
 
@@ -191,6 +192,28 @@ def test_a_broker_that_vanishes_while_the_topic_is_awaited_stalls_neither_the_lo
         broker.stop()
     assert sorted(record.key.decode() for record in diagnoses) == sorted(trace_ids)
     assert waiting.healthy()
+
+
+def test_a_producer_with_records_pending_on_a_gone_broker_closes_in_time_and_fails_them(tmp_path):
+    """kafka-python's close() raises when its flush times out, before it stops its sender: a
+    consumer renewing its producer after a long outage, the old one's records still pending,
+    exited (a clean-clone CI run). `close_abandoning_unsent` closes within its timeout and what
+    was not sent fails (the publisher sends it again with the new producer)."""
+    broker = Broker(tmp_path / "kafka")
+    topic = f"bmeg-test-{uuid.uuid4().hex[:8]}"
+    producer = make_producer(broker.bootstrap)
+    try:
+        producer.send(topic, b"reaches the broker").get(timeout=60)  # the topic and its metadata exist
+        broker.kill()
+        pending = [producer.send(topic, b"pending %d" % i) for i in range(20)]
+        time.sleep(1.0)  # past linger: the batch waits for a broker that is gone
+        started = time.monotonic()
+        close_abandoning_unsent(producer, timeout_s=1.0)
+        took = time.monotonic() - started
+    finally:
+        broker.stop()
+    assert took < 5, took
+    assert all(future.is_done and future.failed() for future in pending)
 
 
 def test_nothing_is_committed_before_publishing_so_a_crash_loses_nothing_and_a_restart_resumes(

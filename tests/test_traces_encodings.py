@@ -212,6 +212,19 @@ def test_damaged_messages_never_crash_a_reader(encoding, data, cut, flip, junk):
             pass
 
 
+@pytest.mark.parametrize("encoding", ["otlp_json", "jaeger_json", "zipkin_json"])
+def test_half_a_surrogate_pair_in_json_text_is_a_clear_error(encoding):
+    """JSON's escapes can spell a lone surrogate, which Python's JSON reader keeps and Arrow
+    cannot store as UTF-8: a clear error, not a crash (hypothesis found it in zipkin_json)."""
+    fixture = json.loads((Path(__file__).parent / "fixtures/collector-kafka-messages.json").read_text())
+    message = base64.b64decode(fixture["messages"][encoding][0]).decode()
+    damaged = message.replace('"frontend"', '"front\\ud800end"', 1)
+    assert damaged != message
+    for read in (lambda: read_spans_bytes(damaged.encode(), encoding=encoding), lambda: read_spans_bytes(damaged.encode())):
+        with pytest.raises(TraceInputError, match="[Ss]urrogate|Unicode"):
+            read()
+
+
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_real_collector_messages(encoding):
     """Bytes the Collector's kafka exporter wrote (v0.155.0) read back into the spans sent."""

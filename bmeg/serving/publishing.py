@@ -157,6 +157,19 @@ def make_producer(bootstrap: str, **overrides) -> KafkaProducer:
     return KafkaProducer(**{**settings, **overrides})
 
 
+def close_abandoning_unsent(producer: KafkaProducer, timeout_s: float = 1.0) -> None:
+    """Close a producer within about `timeout_s`; the records it could not send by then fail
+    (their sends are retried by whoever holds them)."""
+    try:
+        producer.close(timeout=timeout_s)
+    except KafkaTimeoutError:
+        # kafka-python's close() flushes first and raises when the flush times out, before the
+        # step that stops its sender and fails what is left (a consumer renewing its producer
+        # after a broker outage exited on this): take that step here.
+        producer._sender.force_close()
+        producer._sender.join(timeout_s)
+
+
 class Publisher:
     def __init__(self, make_producer: Callable[[], KafkaProducer], topics: Topics, dead_letter_max_bytes: int = 256 * 1024,
                  max_attempts: int = 5, max_backoff_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
@@ -260,7 +273,7 @@ class Publisher:
         again. Also after a broker outage: kafka-python's producer, which backed off reconnecting
         meanwhile, once sent nothing for two minutes after the broker was back."""
         old, self.producer = self.producer, self.make_producer()
-        old.close(timeout=1)
+        close_abandoning_unsent(old)
         log.warning("%s: producer renewed", reason)
 
     def _replace_too_large(self, send: _Send, error: Exception) -> _Send | None:

@@ -30,10 +30,18 @@ def table_from_columns(columns: dict[str, list], source: str) -> pa.Table:
     arrays = {
         name: _int64_array(values, name, columns, source)
         if name in ("start_ns", "end_ns")
-        else pa.array(values, type=pa.string())
+        else _text_array(values, name, source)
         for name, values in columns.items()
     }
     return table_from_arrays(arrays, source)
+
+
+def _text_array(values: list, name: str, source: str) -> pa.Array:
+    try:
+        return pa.array(values, type=pa.string())
+    except UnicodeEncodeError as error:
+        # JSON's escapes can spell half a surrogate pair (a lone \ud800), which no UTF-8 text holds
+        raise TraceInputError(f"a span's {name} is not valid Unicode: {error.reason} (in {source})") from None
 
 
 def table_from_arrays(arrays: dict[str, pa.Array | pa.ChunkedArray], source: str) -> pa.Table:
