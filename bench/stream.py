@@ -26,8 +26,10 @@ lost traces (no diagnosis) and split ones (more than one diagnosis, or one with 
 sent, or marked partial). Target: >= 2,000 traces/s per consumer process, 0 lost, 0 split.
 
 With `--stages` it measures instead the CPU time per trace of the consumer's own stages without
-Kafka (reading, assembling, diagnosing), where the time of a change shows without the broker's
-and the shared machine's noise.
+Kafka (reading, assembling, diagnosing, and within diagnosing the crowd check with its history),
+where the time of a change shows without the broker's and the shared machine's noise. `--rate N`
+starts the traces N a second one after another, as a live stream's (the crowd check's history
+then holds its last 10 s), instead of at random over 1,000 s.
 
 With `--consumers 1,2` it measures instead, one after the other in the same run, that many
 consumer processes in one group (each its own interpreter, as replicas would run), each on a
@@ -78,6 +80,9 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, help="Another checkout: alternate runs with its bmeg, print medians.")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--consumers", help="Comma-separated consumer process counts to compare, e.g. 1,2.")
+    parser.add_argument("--rate", type=float,
+                        help="Traces begun per second, one after another as in a live stream (the crowd check's "
+                             "history then holds its last 10 s); default: begun at random over 1,000 s.")
     parser.add_argument("--stages", action="store_true",
                         help="CPU per trace of the consumer's stages, without Kafka (read, assemble, diagnose).")
     args = parser.parse_args()
@@ -113,7 +118,8 @@ def measure(args) -> dict:
 
     torch.set_num_threads(1)
     detector = Detector.load(args.model, device="cpu")
-    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=int.from_bytes(os.urandom(4), "little"))
+    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=int.from_bytes(os.urandom(4), "little"),
+                                rate=args.rate)
     messages = trace_per_message(spans) if args.shape == "trace-per-message" else batches(spans, args.window)
     expected = dict(Counter(spans["trace_id"].to_pylist()))
     name = f"bmeg-bench-{uuid.uuid4().hex[:8]}"
@@ -159,15 +165,16 @@ def measure_stages(args) -> dict:
     import torch
 
     from bmeg.models.detector import Detector
-    from bmeg.models.history import StreamHistory
+    from bmeg.models.history import Observation, StreamHistory
     from bmeg.serving.assembler import TraceAssembler
     from bmeg.serving.consumer import MAX_RUN_MESSAGES
     from bmeg.serving.publishing import diagnose_batch
     from bmeg.traces.io import detect_encoding, read_spans_bytes
 
     torch.set_num_threads(1)
+    crowd_s = _timing_the_crowd_check(Detector, StreamHistory, Observation)
     detector = Detector.load(args.model, device="cpu")
-    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=0)
+    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=0, rate=args.rate)
     messages = [value for _, value in (trace_per_message(spans) if args.shape == "trace-per-message"
                                        else batches(spans, args.window))]
     gc.collect()
@@ -192,7 +199,7 @@ def measure_stages(args) -> dict:
 
     figures: dict[str, float] = {}
     for repeat in range(2):  # the first pass warms up (imports, the model's first calls)
-        started = time.process_time()
+        started, crowd_s[0] = time.process_time(), 0.0
         tables = read()
         read_at = time.process_time()
         traces = assemble(tables)
@@ -202,8 +209,32 @@ def measure_stages(args) -> dict:
         figures = {"shape": args.shape, "traces": len(traces), "read_us": (read_at - started) * 1e6 / len(traces),
                    "assemble_us": (assembled_at - read_at) * 1e6 / len(traces),
                    "diagnose_us": (ended - assembled_at) * 1e6 / len(traces),
+                   "crowd_us": crowd_s[0] * 1e6 / len(traces),
                    "total_us": (ended - started) * 1e6 / len(traces)}
     return figures
+
+
+def _timing_the_crowd_check(*owners) -> list[float]:
+    """CPU seconds spent in the crowd check and the history's recording of its nodes (part of
+    diagnosing): every call of `Detector.crowd_explained`, `StreamHistory.record` and
+    `Observation.of` is timed (a call inside another once). Returns the running total."""
+    spent, depth = [0.0], [0]
+
+    def timed(function):
+        def call(*args, **kwargs):
+            depth[0] += 1
+            started = time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[0] += time.process_time() - started
+        return call
+
+    for owner, name in zip(owners, ("crowd_explained", "record", "of")):
+        setattr(owner, name, timed(getattr(owner, name)))
+    return spent
 
 
 def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> None:
@@ -211,7 +242,7 @@ def compare_consumer_processes(args: argparse.Namespace, counts: list[int]) -> N
 
     from bmeg.serving.consumer import ConsumerConfig
 
-    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=0)
+    spans = instrumented_traces(args.traces, args.spans_per_trace, seed=0, rate=args.rate)
     messages = trace_per_message(spans) if args.shape == "trace-per-message" else batches(spans, args.window)
     expected = dict(Counter(spans["trace_id"].to_pylist()))
     spawn = multiprocessing.get_context("spawn")
@@ -267,8 +298,9 @@ def consume_in_process(model: Path, config, ready, go, stop) -> None:
     consumer.run(stop)
 
 
-def instrumented_traces(count: int, spans_per_trace: int, seed: int) -> pa.Table:
-    """Random traces as instrumented services write them (module docstring); times nest."""
+def instrumented_traces(count: int, spans_per_trace: int, seed: int, rate: float | None = None) -> pa.Table:
+    """Random traces as instrumented services write them (module docstring); times nest. They
+    begin `rate` a second one after another, or (None) at random over 1,000 s."""
     from bmeg.traces import span_table
 
     rng = np.random.default_rng(seed)
@@ -281,9 +313,9 @@ def instrumented_traces(count: int, spans_per_trace: int, seed: int) -> pa.Table
             columns[name].append(value)
         return span_id, service, start, duration
 
-    for _ in range(count):
+    for number in range(count):
         trace_id = f"{int(rng.integers(1, 2**63)):016x}{int(rng.integers(1, 2**63)):016x}"
-        start = 1_700_000_000_000_000_000 + int(rng.integers(0, 10**12))
+        start = 1_700_000_000_000_000_000 + (int(rng.integers(0, 10**12)) if rate is None else int(number * 1e9 / rate))
         servers = [add(trace_id, None, SERVICES[0], "compose_post_server", start, int(rng.lognormal(np.log(10e6), 0.5)),
                        "server")]
         made = 1
@@ -386,7 +418,7 @@ def compare(args) -> None:
     passed = ["--model", str(args.model), "--bootstrap", args.bootstrap, "--traces", str(args.traces),
               "--spans-per-trace", str(args.spans_per_trace), "--shape", args.shape, "--window", str(args.window),
               "--idle-timeout", str(args.idle_timeout), "--batch-traces", str(args.batch_traces),
-              *(["--stages"] if args.stages else [])]
+              *(["--stages"] if args.stages else []), *(["--rate", str(args.rate)] if args.rate else [])]
     figures: dict[str, list[dict]] = {side: [] for side in sides}
     for run in range(args.runs):
         for side, checkout in (sides.items() if run % 2 == 0 else reversed(sides.items())):
@@ -399,8 +431,8 @@ def compare(args) -> None:
                   for key, value in runs[0].items() if isinstance(value, (int, float))}
         if args.stages:
             print(f"{side} ({sides[side]}), median of {len(runs)}, CPU us per trace: read {median['read_us']:.0f}, "
-                  f"assemble {median['assemble_us']:.0f}, diagnose {median['diagnose_us']:.0f}, "
-                  f"total {median['total_us']:.0f}")
+                  f"assemble {median['assemble_us']:.0f}, diagnose {median['diagnose_us']:.0f} (of which the "
+                  f"crowd check and its history {median['crowd_us']:.1f}), total {median['total_us']:.0f}")
             continue
         print(f"{side} ({sides[side]}), median of {len(runs)}: {median['traces_per_s']:.0f} traces/s "
               f"({median['traces_per_s_after_start']:.0f} after the first diagnosis), "

@@ -207,3 +207,39 @@ def test_a_trace_stamped_far_off_does_not_empty_the_history_for_good():
     history.record(crowd({}, start_ns=2 * SECOND, end_ns=3 * SECOND) + trace({"a": 1.0}, start_ns=10**18))
     kept = history.recent.trace_start_ns
     assert kept.min() < 2 * SECOND and kept.max() < 3 * SECOND
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=st.lists(st.lists(st.tuples(st.sampled_from(SERVICES), st.integers(0, 30 * SECOND),
+                                           st.floats(-3, 30)), min_size=1, max_size=20), min_size=1, max_size=80),
+       window=st.tuples(st.integers(-SECOND, 31 * SECOND), st.integers(0, 5 * SECOND)))
+def test_the_history_keeps_the_nodes_the_whole_window_rule_kept_and_reads_any_span_of_them(batches, window):
+    """The history keeps each batch apart (recording no longer joins every batch to the whole
+    retained window): the nodes kept, in order, are those of joining and trimming the whole
+    window at each batch, and `between` is those of them begun in the span asked for."""
+    history, reference = StreamHistory(retain_s=3.0), Observation.empty()
+    for nodes in batches:
+        services, starts, z = zip(*nodes)
+        batch = Observation(np.array(services, dtype=object), np.array(starts, dtype=np.int64), np.array(z))
+        history.record(batch)
+        joined = reference + batch
+        now = int(np.median(batch.trace_start_ns))
+        reference = joined.where(np.abs(joined.trace_start_ns - now) <= 3 * SECOND)
+        kept = history.recent
+        assert kept.services.tolist() == reference.services.tolist()
+        assert kept.trace_start_ns.tolist() == reference.trace_start_ns.tolist()
+        assert kept.z_self.tolist() == reference.z_self.tolist()
+    lower, upper = window[0], window[0] + window[1]
+    inside = (reference.trace_start_ns >= lower) & (reference.trace_start_ns < upper)
+    read = history.between(lower, upper)
+    assert read.trace_start_ns.tolist() == reference.trace_start_ns[inside].tolist()
+    assert read.services.tolist() == reference.services[inside].tolist()
+
+
+def test_a_history_of_many_small_batches_keeps_every_node_in_order():
+    """Past 64 batches kept apart they are joined into one: nothing is lost or reordered."""
+    history = StreamHistory(retain_s=100.0)
+    for i in range(150):
+        history.record(trace({"a": float(i)}, start_ns=i * SECOND // 10))
+    assert history.recent.z_self.tolist() == [float(i) for i in range(150)]
+    assert history.between(SECOND, 2 * SECOND).z_self.tolist() == [float(i) for i in range(10, 20)]

@@ -13,6 +13,8 @@ from collections import Counter, defaultdict
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bmeg.serving.assembler import DEFAULT_IDLE_TIMEOUT_S, LEAF_AFTER, TraceAssembler
 from bmeg.traces import span_table
@@ -153,18 +155,18 @@ def test_a_trace_finishes_by_the_idle_timeout_only_once_the_broker_answered_afte
     assert assembler.heard_from_broker(100)  # 93 s without an answer: an outage; t2 waits 30 s more
     assembler.add(trace("t3", [("g", None, "frontend", "server", None)]), 2)
     assert [t.trace_id for t in assembler.finished()] == ["t3"]  # complete: it needs no waiting
-    for second in range(101, 130):  # answered once a second again
-        assert assembler.finished() == []
+    for second in range(101, 141):  # answered once a second again
         clock.now = second
         assert not assembler.heard_from_broker(second)
-        if second == 125:
+        if second == 133:  # after the window (100-130)
             assembler.add(trace("t4", [("e", "b", "search", "server", None)]), 3)
-    clock.now = 130
-    assembler.heard_from_broker(130)
-    assert [t.trace_id for t in assembler.finished()] == ["t2"]  # t4 came at 125: it waits its 7 s
-    clock.now = 132
-    assembler.heard_from_broker(132)
-    assert [t.trace_id for t in assembler.finished()] == ["t4"]
+        finished = [t.trace_id for t in assembler.finished()]
+        if second == 137:  # held through the window, t2 gets a whole idle timeout after it
+            assert finished == ["t2"]
+        elif second == 140:  # t4 came at 133: it waits its 7 s
+            assert finished == ["t4"]
+        else:
+            assert finished == [], second
 
 
 def test_after_an_outage_the_wait_for_the_senders_retries_counts_from_the_first_message_read():
@@ -185,10 +187,57 @@ def test_after_an_outage_the_wait_for_the_senders_retries_counts_from_the_first_
         finished = [t.trace_id for t in assembler.finished()]
         if second == 125:
             assert finished == ["t2"]  # complete: no waiting
-        elif second < 155:
-            assert finished == [], second  # t1 waits 30 s from the first read, not from the answer
-        elif second == 155:
+        elif second < 162:
+            assert finished == [], second  # t1 waits 30 s from the first read, not from the answer, then 7 s
+        elif second == 162:
             assert finished == ["t1"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(traces=st.integers(1, 6), outage=st.integers(60, 2_000), watch_lag=st.integers(0, 30),
+       leftover=st.none() | st.integers(0, 100), retry_share=st.floats(0, 1), drain_gap=st.integers(0, 10))
+def test_after_an_outage_the_pieces_retried_before_the_window_and_an_idle_timeout_end_are_merged(
+        traces, outage, watch_lag, leftover, retry_share, drain_gap):
+    """The senders' queued pieces come after the broker's return on their exporters' backoff, in
+    order (one queue consumer), less than the idle timeout apart. A trace held through the
+    outage is whole when its pieces come before the window (`recovery_s` from the broker's first
+    answer, and from the first message read after it) and then a whole idle timeout have passed;
+    a trace whose pieces never come finishes then, not later. Times in tenths of a second; the
+    broker watch answers every tenth while the broker is up, `watch_lag` after its return."""
+    idle, recovery = 70, 300  # tenths
+    clock = Clock()
+    assembler = TraceAssembler(idle_timeout_s=idle / 10, clock=clock, outage_after_s=5, recovery_s=recovery / 10)
+    outage_start = 20
+    heard_back = outage_start + outage + watch_lag
+    first_read = heard_back + (leftover if leftover is not None else 0)  # the earliest it can be
+    last_merged = first_read + recovery + idle - 1  # the last tenth a retried piece is merged in
+    retry = heard_back + round(retry_share * max(0, last_merged - heard_back - drain_gap * (traces - 1)))
+    arrivals: dict[int, list[tuple[str, pa.Table]]] = defaultdict(list)
+    for i in range(traces):  # a root calling another service: its callee's span is behind the outage
+        arrivals[i].append((f"t{i}", trace(f"t{i}", [(f"r{i}", None, "frontend", "server", None),
+                                                      (f"c{i}", f"r{i}", "frontend", "client", None)])))
+        arrivals[retry + drain_gap * i].append((f"t{i}", trace(f"t{i}", [(f"s{i}", f"c{i}", "search", "server", None)])))
+    arrivals[traces].append(("lost", trace("lost", [("r", None, "frontend", "server", None),
+                                                    ("c", "r", "frontend", "client", None)])))
+    if leftover is not None:  # read before the outage's pieces: the first read after it
+        arrivals[heard_back + leftover].append(("early", trace("early", [("g", None, "frontend", "server", None)])))
+    window_end = max(heard_back, min(retry, heard_back + (leftover if leftover is not None else retry))) + recovery
+    finished_at: dict[str, list[int]] = defaultdict(list)
+    spans: dict[str, int] = {}
+    late = 0
+    for tick in range(window_end + idle + 20):
+        clock.now = tick / 10
+        if tick < outage_start or tick >= heard_back:
+            assembler.heard_from_broker(clock.now)
+        for _, table in arrivals.get(tick, []):
+            late += assembler.add(table, tick).late_spans
+        for done in assembler.finished():
+            finished_at[done.trace_id].append(tick)
+            spans[done.trace_id] = done.spans
+    assert late == 0
+    assert all(spans[f"t{i}"] == 3 and finished_at[f"t{i}"] == [retry + drain_gap * i] for i in range(traces))
+    (lost_at,) = finished_at["lost"]  # held through the window, then one idle timeout (a tenth for rounding)
+    assert window_end + idle <= lost_at <= window_end + idle + 1
 
 
 def _unlinked(table: pa.Table) -> pa.Table:

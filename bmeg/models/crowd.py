@@ -55,6 +55,11 @@ class CrowdRule:
         if self.min_visits < 1:
             raise ValueError(f"min_visits must be at least 1, not {self.min_visits}")
 
+    def reads(self, starts_ns: np.ndarray) -> tuple[int, int]:
+        """[earliest, latest): the trace starts the crowds of traces beginning at `starts_ns`
+        (not empty) read."""
+        return int(np.min(starts_ns)) - int(self.window_s * 1e9), int(np.max(starts_ns))
+
     def slow_services(self, past: Observation, starts_ns: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
         """(services of the past, bool [T, S]: slow in each trace's crowd, bool [T, S]: counted),
         for traces beginning at `starts_ns`; the crowd is `past`'s nodes whose trace began in
@@ -62,7 +67,8 @@ class CrowdRule:
         starts_ns = np.asarray(starts_ns, dtype=np.int64)
         lower = starts_ns - int(self.window_s * 1e9)
         if len(starts_ns):  # only what some trace's window reads (a served history keeps more)
-            past = past.where((past.trace_start_ns >= lower.min()) & (past.trace_start_ns < starts_ns.max()))
+            earliest, latest = self.reads(starts_ns)
+            past = past.where((past.trace_start_ns >= earliest) & (past.trace_start_ns < latest))
         codes, names = pd.factorize(past.services, use_na_sentinel=False)
         order = np.lexsort((past.trace_start_ns, codes))  # by service, then time
         when, slow_visit = past.trace_start_ns[order], past.z_self[order] >= self.slow_z

@@ -89,7 +89,7 @@ class Scores:
     anomaly: np.ndarray  # [T] routed anomaly score
     anomalous: np.ndarray  # bool [T]
     service: np.ndarray  # [T, S] routed service scores
-    observation: Observation | None  # what a stream history records of these traces
+    observation: Observation | None  # what a stream history records of these traces (the model's services)
     crowd_explained: np.ndarray  # bool [T]: the crowd explains the trace's slowness (`bmeg.models.crowd`)
 
     @property
@@ -153,27 +153,30 @@ class Detector:
         z_column = self.encoder.names.index("z_log_self_time_us") if self.encoder.variant != "thesis" else None
         observation = None if z_column is None else Observation(
             services, forest.start_ns[forest.root][forest.trace_index], x[:, z_column])
+        # what a history records and the crowd reads of these traces: the model's services only
+        recorded = observation.of(self.services) if observation is not None and (history is not None or replay) else None
         raw = Scores(
             services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_node=gnn_node,
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
-            service=gnn_service, observation=observation,
-            crowd_explained=(self.crowd_explained(forest, observation, history, replay) if crowd
+            service=gnn_service, observation=recorded,
+            crowd_explained=(self.crowd_explained(forest, observation, recorded, history, replay) if crowd
                              else np.zeros(forest.num_traces, dtype=bool)),
         )
         return self.route(raw)
 
-    def crowd_explained(self, forest: SpanForest, observation: Observation | None,
-                         history: StreamHistory | None, replay: bool) -> np.ndarray:
+    def crowd_explained(self, forest: SpanForest, observation: Observation | None, recorded: Observation | None,
+                        history: StreamHistory | None, replay: bool) -> np.ndarray:
         """`CrowdRule.explained` against the stream's past: the traces begun before each trace
         among those the stream has brought so far, the history's recent nodes (served) and the
-        forest's own traces (served or replayed). Which batch an earlier trace came in does not
-        matter; a trace begun at the same time or later is never read (`CrowdRule.explained`)."""
-        if self.crowd is None or observation is None or (history is None and not replay):
+        forest's own traces as the history records them (`recorded`; served or replayed). Which
+        batch an earlier trace came in does not matter; a trace begun at the same time or later is
+        never read (`CrowdRule.explained`)."""
+        if self.crowd is None or observation is None or recorded is None or not len(observation.services):
             return np.zeros(forest.num_traces, dtype=bool)
-        past = observation.of(self.services)  # as the history records it: the model's services
-        if history is not None and not replay:
-            past = history.recent + past
+        past = recorded
+        if history is not None and not replay:  # only the history's nodes some trace's crowd reads
+            past = history.between(*self.crowd.reads(observation.trace_start_ns)) + recorded
         return self.crowd.explained(past, observation, forest.trace_index, forest.num_traces)
 
     def route(self, scores: Scores, router: Router | None = None) -> Scores:
@@ -314,7 +317,7 @@ class Detector:
         scores = self.score(forest, paths, history, replay=replay, crowd=True)
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
-            history.record(scores.observation.of(self.services))
+            history.record(scores.observation)
         ranking, method, health = None, None, None
         if window and ranker is not None:
             ranking, health = self._ranked_against_normal(ranker, forest, scores, replay)

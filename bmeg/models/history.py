@@ -62,15 +62,40 @@ class Observation:
 RETAIN_S = 10.0
 
 
+#: Batches kept apart in a history's recent nodes at most; beyond, they are joined into one.
+_MAX_CHUNKS = 64
+
+
 @dataclass
 class StreamHistory:
     """Each service's latest `visits` self-time z-scores, oldest first; the nodes of the traces
-    begun within `retain_s` seconds of the latest batch recorded (`recent`, by its median start)."""
+    begun within `retain_s` seconds of the latest batch recorded (`recent`, by its median start).
+
+    The recent nodes are kept as the batches recorded them (with each batch's earliest and
+    latest start): recording trims only the batches at the retained span's edges, and the crowd
+    reads only the batches its window overlaps (`between`). Joining every batch to the whole
+    retained window, twice a batch, had cost as much as the crowd check itself (README, issue 14)."""
 
     visits: int = 50
     z_self: dict[str, np.ndarray] = field(default_factory=dict)
     retain_s: float = RETAIN_S
-    recent: Observation = field(default_factory=Observation.empty)
+    _chunks: list[tuple[int, int, Observation]] = field(default_factory=list)  # (earliest, latest start, nodes)
+
+    @property
+    def recent(self) -> Observation:
+        """The nodes kept, in the order they were recorded."""
+        return _joined([chunk for _, _, chunk in self._chunks])
+
+    def between(self, lower_ns: int, upper_ns: int) -> Observation:
+        """The nodes kept whose trace began in [lower_ns, upper_ns), in the order they were recorded."""
+        parts = []
+        for earliest, latest, chunk in self._chunks:
+            if latest < lower_ns or earliest >= upper_ns:
+                continue
+            inside = earliest >= lower_ns and latest < upper_ns
+            parts.append(chunk if inside else chunk.where((chunk.trace_start_ns >= lower_ns)
+                                                          & (chunk.trace_start_ns < upper_ns)))
+        return _joined(parts)
 
     def record(self, observation: Observation) -> None:
         """Append a batch's visits in time order (trace start, then node order), keeping the latest."""
@@ -79,9 +104,18 @@ class StreamHistory:
         # kept: the nodes begun within `retain_s` of this batch's median start, on either side (a
         # trace stamped far off, a wrong clock, neither empties the history for good nor stays)
         now = int(np.median(observation.trace_start_ns))
-        recent = self.recent + observation
-        offset = np.abs(recent.trace_start_ns - now)
-        self.recent = recent.where(offset <= int(self.retain_s * 1e9))
+        lower, upper = now - int(self.retain_s * 1e9), now + int(self.retain_s * 1e9)
+        chunks = []
+        for earliest, latest, chunk in [*self._chunks, _chunk(observation)]:
+            if earliest >= lower and latest <= upper:
+                chunks.append((earliest, latest, chunk))
+                continue
+            kept = chunk.where((chunk.trace_start_ns >= lower) & (chunk.trace_start_ns <= upper))
+            if len(kept.services):
+                chunks.append(_chunk(kept))
+        if len(chunks) > _MAX_CHUNKS:
+            chunks = [_chunk(_joined([chunk for _, _, chunk in chunks]))]
+        self._chunks = chunks
         codes, names = pd.factorize(observation.services)
         order = np.lexsort((np.arange(len(codes)), observation.trace_start_ns, codes))
         bounds = np.r_[0, np.cumsum(np.bincount(codes, minlength=len(names)))]
@@ -93,6 +127,17 @@ class StreamHistory:
 
     def copy(self) -> StreamHistory:
         return copy.deepcopy(self)
+
+
+def _chunk(nodes: Observation) -> tuple[int, int, Observation]:
+    return int(nodes.trace_start_ns.min()), int(nodes.trace_start_ns.max()), nodes
+
+
+def _joined(parts: list[Observation]) -> Observation:
+    if not parts:
+        return Observation.empty()
+    return parts[0] if len(parts) == 1 else Observation(*(np.concatenate(column) for column in zip(
+        *((part.services, part.trace_start_ns, part.z_self) for part in parts))))
 
 
 class StreamedDetector:

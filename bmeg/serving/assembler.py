@@ -31,13 +31,18 @@ the broker (`heard_from_broker`): a trace finishes by the idle timeout only once
 answered after that timeout ran out (the time a request was sent: an answer proves the broker
 was up then), so no trace finishes on idle time in which the broker was not heard from; and
 after a silence of `outage_after_s` or longer, no trace finishes on idle time for
-`recovery_s` from the broker's first answer, and again from the first message read after it:
-what the senders queued meanwhile arrives only once their exporters retry, and the Collector's
-exporter retries on a backoff of up to 30 s (±50%: `retry_on_failure`'s defaults), so a trace's
-queued pieces may come that far apart; and the consumer's own client reconnects on its own
-backoff, so its reads may resume well after the broker answers (27 s in a loaded CI run, where
-the window from the answer alone ran out just before the queued pieces were read: 14 traces split). Without
-`heard_from_broker` (the OTLP/HTTP receiver, which has no broker in front) idle time always counts.
+`recovery_s` from the broker's first answer, and again from the first message read after it,
+and a trace held through that window then waits a whole idle timeout more (idle time counts
+from the window's end): what the senders queued meanwhile arrives only once their exporters
+retry, and the Collector's exporter retries on a backoff of up to 30 s (±50%: `retry_on_failure`'s
+defaults) after an attempt that waits up to its 5 s timeout, so a trace's queued pieces may come
+that far apart. The consumer's own client reconnects within 2 s of the broker's return (its
+backoff is bounded), so its reads resume promptly; a read that resumes later (27 s in a loaded
+CI run, with the library's 30 s backoff, where the window from the answer alone ran out just
+before the queued pieces were read: 14 traces split) restarts the window. A loaded CI run still split 5
+of 300 traces (session 11; its logs were not kept): a window of 45 s with nothing after it left
+no margin for a retry at the end of its backoff, its attempt's timeout, or the queue's draining.
+Without `heard_from_broker` (the OTLP/HTTP receiver, which has no broker in front) idle time always counts.
 
 Spans of a trace already finished (a late fragment) are never diagnosed as a new trace: the
 ids of finished traces are remembered for `late_window_s` and their late spans are counted
@@ -47,6 +52,7 @@ spans, so their offsets can be released once its diagnosis is published.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator
@@ -56,6 +62,8 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+log = logging.getLogger(__name__)
 
 Source = Hashable  # a message: `bmeg.serving.offsets.Source` in the consumer
 CallKey = tuple[str, str]  # (service, operation) of a client span
@@ -73,8 +81,9 @@ DEFAULT_MAX_OPEN = 50_000
 #: No answer from the broker for this long is an outage (the consumer asks once a second).
 DEFAULT_OUTAGE_AFTER_S = 5.0
 #: After an outage, no trace finishes on idle time for this long: the Collector's exporter's
-#: longest retry backoff (`retry_on_failure.max_interval` 30 s, randomised by ±50%).
-DEFAULT_RECOVERY_S = 45.0
+#: longest retry backoff (`retry_on_failure.max_interval` 30 s, randomised by ±50%) and its
+#: export timeout (`timeout`, 5 s: an attempt still waiting when the broker answers fails then).
+DEFAULT_RECOVERY_S = 50.0
 
 
 class Rows(NamedTuple):
@@ -154,6 +163,8 @@ class TraceAssembler:
         if not self._read_since_outage:  # reads resumed: the senders' retries may start arriving only now
             self._read_since_outage = True
             self._recovering_until = max(self._recovering_until, now + self.recovery_s)
+            log.info("reads resumed after the outage: no trace finishes on idle time for %.0f s more, then "
+                     "each trace held waits a whole idle timeout", self._recovering_until - now)
         traces = late = 0
         for trace_id, piece, notes in _pieces(spans):
             trace = self._pending.get(trace_id) or self._ready.get(trace_id)
@@ -183,7 +194,9 @@ class TraceAssembler:
         now = self.clock()
         done, self._ready = list(self._ready.values()), {}
         deadline = (now if self._heard is None else min(now, self._heard)) - self.idle_timeout_s
-        while self._pending and now >= self._recovering_until:
+        # idle time counts again only from the window's end: a trace held through it gets a whole
+        # idle timeout after it, for the senders' retried pieces that come just before it ends
+        while self._pending and deadline >= self._recovering_until:
             oldest = next(iter(self._pending.values()))
             if oldest.last_seen > deadline:
                 break
@@ -199,8 +212,8 @@ class TraceAssembler:
     def heard_from_broker(self, at: float) -> bool:
         """The broker answered a request sent at `at` (this assembler's clock). Returns whether
         that ends an outage (no answer for `outage_after_s`): then no trace finishes on idle time
-        for `recovery_s` (counted again from the first message read after it), and every trace
-        held restarts its idle timeout after that."""
+        for `recovery_s` (counted again from the first message read after it), and idle time
+        counts only from that window's end."""
         if self._heard is not None and at <= self._heard:
             return False
         outage = self._heard is not None and at - self._heard >= self.outage_after_s

@@ -164,6 +164,9 @@ class StreamConsumer:
             # members learn of a rebalance by heartbeat: at 1 s (the library's 3 s default) the
             # replicas of a rollout rejoin, and commit, within a stop's shutdown budget
             heartbeat_interval_ms=1_000,
+            # reconnecting backs off at most 2 s (the library's grows to 30 s): reads resume within
+            # seconds of the broker's return, while the assembler waits for the senders' retries
+            reconnect_backoff_max_ms=2_000,
         )
         self._subscribed = False  # until the topic exists: see `_subscribe_once_the_topic_exists`
         self._waiting_logged = False
@@ -192,8 +195,8 @@ class StreamConsumer:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""
         self._beat()
         if self.assembler.heard_from_broker(self.broker.last_contact):
-            log.warning("the broker is back: no trace finishes on idle time for %.0f s (%d held)",
-                        self.assembler.recovery_s, len(self.assembler))
+            log.warning("the broker is back: no trace finishes on idle time for %.0f s, then each trace held waits "
+                        "a whole idle timeout (%d held)", self.assembler.recovery_s, len(self.assembler))
             self.publisher.renew_producer("the broker is back after an outage")
         if not self._subscribed and not self._subscribe_once_the_topic_exists():
             time.sleep(self.config.poll_timeout_ms / 1e3)
