@@ -32,6 +32,7 @@ batch's earlier traces) judge a trace by the same code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,30 +61,35 @@ class CrowdRule:
         (not empty) read."""
         return int(np.min(starts_ns)) - int(self.window_s * 1e9), int(np.max(starts_ns))
 
-    def slow_services(self, past: Observation, starts_ns: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
+    def slow_services(self, past: Observation | Sequence[Observation],
+                      starts_ns: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
         """(services of the past, bool [T, S]: slow in each trace's crowd, bool [T, S]: counted),
-        for traces beginning at `starts_ns`; the crowd is `past`'s nodes whose trace began in
-        [start - window_s, start)."""
+        for traces beginning at `starts_ns`; the crowd is `past`'s nodes (one batch's or several:
+        counted together) whose trace began in [start - window_s, start). Each batch's nodes are
+        sorted by service and time once (`Observation.by_service`, kept with it in a stream's
+        history), so a batch's check searches the few batches its windows overlap, not a sort of
+        them all again."""
+        parts = [past] if isinstance(past, Observation) else list(past)
         starts_ns = np.asarray(starts_ns, dtype=np.int64)
         lower = starts_ns - int(self.window_s * 1e9)
-        if len(starts_ns):  # only what some trace's window reads (a served history keeps more)
-            earliest, latest = self.reads(starts_ns)
-            past = past.where((past.trace_start_ns >= earliest) & (past.trace_start_ns < latest))
-        codes, names = pd.factorize(past.services, use_na_sentinel=False)
-        order = np.lexsort((past.trace_start_ns, codes))  # by service, then time
-        when, slow_visit = past.trace_start_ns[order], past.z_self[order] >= self.slow_z
-        bounds = np.searchsorted(codes[order], np.arange(len(names) + 1))
+        names = list(pd.unique(np.concatenate([part.by_service.names for part in parts]))) if parts else []
+        column = {name: i for i, name in enumerate(names)}
         visits = np.zeros((len(starts_ns), len(names)), dtype=np.int64)
         slow = np.zeros_like(visits)
-        for i in range(len(names)):
-            mine = slice(bounds[i], bounds[i + 1])
-            slow_so_far = np.r_[0, np.cumsum(slow_visit[mine])]
-            lo, hi = np.searchsorted(when[mine], lower, "left"), np.searchsorted(when[mine], starts_ns, "left")
-            visits[:, i], slow[:, i] = hi - lo, slow_so_far[hi] - slow_so_far[lo]
+        for part in parts:
+            times = part.by_service
+            slow_so_far = np.r_[0, np.cumsum(times.z_self >= self.slow_z)]
+            for name, first, end in zip(times.names, times.bounds[:-1], times.bounds[1:]):
+                if first == end:
+                    continue
+                when = times.trace_start_ns[first:end]
+                lo, hi = first + np.searchsorted(when, lower, "left"), first + np.searchsorted(when, starts_ns, "left")
+                visits[:, column[name]] += hi - lo
+                slow[:, column[name]] += slow_so_far[hi] - slow_so_far[lo]
         counted = visits >= self.min_visits
-        return list(names), counted & (slow >= self.slow_share * visits), counted
+        return names, counted & (slow >= self.slow_share * visits), counted
 
-    def explained(self, past: Observation, traces: Observation, trace_index: np.ndarray,
+    def explained(self, past: Observation | Sequence[Observation], traces: Observation, trace_index: np.ndarray,
                   num_traces: int) -> np.ndarray:
         """bool [num_traces]: the traces whose slowness the crowd explains (see the module's
         docstring). `traces` holds the nodes of the traces judged (`trace_index`: each node's
@@ -95,7 +101,8 @@ class CrowdRule:
         machine_slow = slow.sum(axis=1) >= self.machine_share * np.maximum(counted.sum(axis=1), 1)
         machine_slow &= counted.any(axis=1)
         own_slow = traces.z_self >= self.slow_z
-        column = pd.Index(names).get_indexer(traces.services)
+        codes, services = traces.numbered
+        column = pd.Index(names, dtype=object).get_indexer(services)[codes]
         # a slow visit of a service the crowd is not slow on (or does not know) stands out
         in_crowd = np.zeros(len(column), dtype=bool)
         known = column >= 0

@@ -174,9 +174,9 @@ class Detector:
         never read (`CrowdRule.explained`)."""
         if self.crowd is None or observation is None or recorded is None or not len(observation.services):
             return np.zeros(forest.num_traces, dtype=bool)
-        past = recorded
-        if history is not None and not replay:  # only the history's nodes some trace's crowd reads
-            past = history.between(*self.crowd.reads(observation.trace_start_ns)) + recorded
+        past = [recorded]
+        if history is not None and not replay:  # only the history's batches some trace's crowd reads
+            past = [*history.overlapping(*self.crowd.reads(observation.trace_start_ns)), recorded]
         return self.crowd.explained(past, observation, forest.trace_index, forest.num_traces)
 
     def route(self, scores: Scores, router: Router | None = None) -> Scores:

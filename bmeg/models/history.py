@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,19 @@ from bmeg.models.window import RecentTraffic, WindowRanker
 
 
 @dataclass(frozen=True)
+class ServiceTimes:
+    """Nodes grouped by service: service `names[i]`'s are rows [bounds[i], bounds[i + 1]), in
+    order of their trace's start (equal starts in the order recorded). What the crowd check
+    searches (`bmeg.models.crowd`); a service may have no row (a name the nodes were numbered
+    with before some were left out)."""
+
+    names: np.ndarray
+    bounds: np.ndarray
+    trace_start_ns: np.ndarray
+    z_self: np.ndarray
+
+
+@dataclass(frozen=True)
 class Observation:
     """What one batch adds to a history: per node, its service, its trace's start and its
     self-time z-score (nodes of every trace, in any order)."""
@@ -37,15 +51,33 @@ class Observation:
     trace_start_ns: np.ndarray
     z_self: np.ndarray
 
+    @cached_property
+    def numbered(self) -> tuple[np.ndarray, np.ndarray]:
+        """(codes, names): each node's service as `names[code]`. Numbered by hashing (`np.isin`
+        or a sort on the visits' strings cost ~4 µs a trace), once: `where` carries it over."""
+        return pd.factorize(self.services, use_na_sentinel=False)
+
+    @cached_property
+    def by_service(self) -> ServiceTimes:
+        """The nodes by service, each service's in time order: sorted once per batch, when the
+        crowd check first reads the batch, and kept with it in the history (sorting the whole
+        window the crowd reads, every batch, had cost ~55 µs a trace: README, issue 14)."""
+        codes, names = self.numbered
+        order = np.lexsort((self.trace_start_ns, codes))  # stable: equal starts keep their order
+        bounds = np.r_[0, np.cumsum(np.bincount(codes, minlength=len(names)))]
+        return ServiceTimes(names, bounds, self.trace_start_ns[order], self.z_self[order])
+
     def of(self, services: list[str]) -> Observation:
         """The visits of the given services only."""
-        # numbered by hashing first: `np.isin` on the visits' strings sorts them (~4 µs a trace)
-        codes, names = pd.factorize(self.services, use_na_sentinel=False)
-        keep = np.isin(names, services)[codes]
-        return self.where(keep)
+        codes, names = self.numbered
+        return self.where(np.isin(names, services)[codes])
 
     def where(self, keep: np.ndarray) -> Observation:
-        return Observation(self.services[keep], self.trace_start_ns[keep], self.z_self[keep])
+        kept = Observation(self.services[keep], self.trace_start_ns[keep], self.z_self[keep])
+        if "numbered" in self.__dict__:  # the same names (some may be left with no node)
+            codes, names = self.numbered
+            kept.__dict__["numbered"] = codes[keep], names
+        return kept
 
     @classmethod
     def empty(cls) -> Observation:
@@ -86,16 +118,15 @@ class StreamHistory:
         """The nodes kept, in the order they were recorded."""
         return _joined([chunk for _, _, chunk in self._chunks])
 
+    def overlapping(self, lower_ns: int, upper_ns: int) -> list[Observation]:
+        """The batches kept that hold a node whose trace began in [lower_ns, upper_ns), whole
+        (with nodes outside it too: the crowd check counts only those inside its windows)."""
+        return [chunk for earliest, latest, chunk in self._chunks if latest >= lower_ns and earliest < upper_ns]
+
     def between(self, lower_ns: int, upper_ns: int) -> Observation:
         """The nodes kept whose trace began in [lower_ns, upper_ns), in the order they were recorded."""
-        parts = []
-        for earliest, latest, chunk in self._chunks:
-            if latest < lower_ns or earliest >= upper_ns:
-                continue
-            inside = earliest >= lower_ns and latest < upper_ns
-            parts.append(chunk if inside else chunk.where((chunk.trace_start_ns >= lower_ns)
-                                                          & (chunk.trace_start_ns < upper_ns)))
-        return _joined(parts)
+        return _joined([chunk.where((chunk.trace_start_ns >= lower_ns) & (chunk.trace_start_ns < upper_ns))
+                        for chunk in self.overlapping(lower_ns, upper_ns)])
 
     def record(self, observation: Observation) -> None:
         """Append a batch's visits in time order (trace start, then node order), keeping the latest."""
@@ -116,12 +147,11 @@ class StreamHistory:
         if len(chunks) > _MAX_CHUNKS:
             chunks = [_chunk(_joined([chunk for _, _, chunk in chunks]))]
         self._chunks = chunks
-        codes, names = pd.factorize(observation.services)
-        order = np.lexsort((np.arange(len(codes)), observation.trace_start_ns, codes))
-        bounds = np.r_[0, np.cumsum(np.bincount(codes, minlength=len(names)))]
-        ordered = observation.z_self[order].astype(np.float64)
-        for i, name in enumerate(names):
-            new = ordered[bounds[i]:bounds[i + 1]]
+        times = observation.by_service  # sorted already where the crowd check read the batch
+        for name, start, end in zip(times.names, times.bounds[:-1], times.bounds[1:]):
+            if start == end:
+                continue
+            new = times.z_self[start:end].astype(np.float64)
             old = self.z_self.get(name)
             self.z_self[name] = (new if old is None else np.concatenate([old, new]))[-self.visits:]
 
