@@ -243,3 +243,35 @@ def test_a_history_of_many_small_batches_keeps_every_node_in_order():
         history.record(trace({"a": float(i)}, start_ns=i * SECOND // 10))
     assert history.recent.z_self.tolist() == [float(i) for i in range(150)]
     assert history.between(SECOND, 2 * SECOND).z_self.tolist() == [float(i) for i in range(10, 20)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches=st.lists(st.lists(st.tuples(st.sampled_from(SERVICES), st.integers(0, 8 * SECOND),
+                                           st.sampled_from([0.0, 4.9, 5.0, 30.0, float("nan")])),
+                                 min_size=0, max_size=25), min_size=1, max_size=12),
+       window_s=st.sampled_from([0.5, 1.0, 2.5]), keep=st.sampled_from(SERVICES[:4]))
+def test_the_crowd_counted_from_the_kept_batches_is_its_definition(batches, window_s, keep):
+    """The crowd a batch's traces read from the history's batches (each sorted by service once,
+    searched where the windows overlap) and from the batch itself counts, per trace and service,
+    exactly the visits and slow visits of its definition: every node the stream has kept or
+    brought whose trace began in [start - window_s, start), counted one by one."""
+    rule, history, kept = CrowdRule(window_s=window_s), StreamHistory(retain_s=3.0), Observation.empty()
+    for nodes in batches:
+        services, starts, z = zip(*nodes) if nodes else ((), (), ())
+        # as the detector hands it over: numbered with every service of the batch, some left out
+        batch = Observation(np.array(services, dtype=object), np.array(starts, dtype=np.int64),
+                            np.array(z, dtype=np.float64)).of([name for name in SERVICES if name != keep])
+        if len(batch.services):
+            judged = np.unique(batch.trace_start_ns)
+            past = [*history.overlapping(*rule.reads(judged)), batch]
+            names, visits, slow = rule.crowd_counts(past, judged)
+            everything = kept + batch
+            for t, start in enumerate(judged):
+                inside = (everything.trace_start_ns >= start - int(window_s * SECOND)) & (everything.trace_start_ns < start)
+                for name in SERVICES:
+                    mine = inside & (everything.services == name)
+                    slow_ones = int(np.sum(mine & (everything.z_self >= rule.slow_z)))
+                    count = (visits[t, names.index(name)], slow[t, names.index(name)]) if name in names else (0, 0)
+                    assert count == (int(mine.sum()), slow_ones)
+        history.record(batch)
+        kept = history.recent

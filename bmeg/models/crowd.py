@@ -36,7 +36,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 
 from bmeg.models.history import Observation
 
@@ -64,30 +63,34 @@ class CrowdRule:
     def slow_services(self, past: Observation | Sequence[Observation],
                       starts_ns: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
         """(services of the past, bool [T, S]: slow in each trace's crowd, bool [T, S]: counted),
-        for traces beginning at `starts_ns`; the crowd is `past`'s nodes (one batch's or several:
-        counted together) whose trace began in [start - window_s, start). Each batch's nodes are
-        sorted by service and time once (`Observation.by_service`, kept with it in a stream's
-        history), so a batch's check searches the few batches its windows overlap, not a sort of
-        them all again."""
+        for traces beginning at `starts_ns`; the crowd is `past`'s nodes (`crowd_counts`)."""
+        names, visits, slow = self.crowd_counts(past, starts_ns)
+        counted = visits >= self.min_visits
+        return names, counted & (slow >= self.slow_share * visits), counted
+
+    def crowd_counts(self, past: Observation | Sequence[Observation],
+                     starts_ns: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """(services of the past, int [T, S]: visits, int [T, S]: slow visits) in the crowd of
+        each trace beginning at `starts_ns`: `past`'s nodes (one batch's or several, counted
+        together) whose trace began in [start - window_s, start). Each batch's nodes are sorted
+        by service and time once (`Observation.by_service`, kept with it in a stream's history),
+        so a batch's check searches the few batches its windows overlap instead of sorting them
+        all again (~55 µs a trace at 1,000 traces/s: README, issue 14)."""
         parts = [past] if isinstance(past, Observation) else list(past)
         starts_ns = np.asarray(starts_ns, dtype=np.int64)
         lower = starts_ns - int(self.window_s * 1e9)
-        names = list(pd.unique(np.concatenate([part.by_service.names for part in parts]))) if parts else []
+        names = list(dict.fromkeys(name for part in parts for name in part.by_service.names[part.by_service.present]))
         column = {name: i for i, name in enumerate(names)}
         visits = np.zeros((len(starts_ns), len(names)), dtype=np.int64)
         slow = np.zeros_like(visits)
         for part in parts:
             times = part.by_service
             slow_so_far = np.r_[0, np.cumsum(times.z_self >= self.slow_z)]
-            for name, first, end in zip(times.names, times.bounds[:-1], times.bounds[1:]):
-                if first == end:
-                    continue
-                when = times.trace_start_ns[first:end]
-                lo, hi = first + np.searchsorted(when, lower, "left"), first + np.searchsorted(when, starts_ns, "left")
-                visits[:, column[name]] += hi - lo
-                slow[:, column[name]] += slow_so_far[hi] - slow_so_far[lo]
-        counted = visits >= self.min_visits
-        return names, counted & (slow >= self.slow_share * visits), counted
+            lo, hi = times.rows_before(lower), times.rows_before(starts_ns)  # [S, T] each
+            columns = [column[name] for name in times.names[times.present]]
+            visits[:, columns] += (hi - lo).T
+            slow[:, columns] += (slow_so_far[hi] - slow_so_far[lo]).T
+        return names, visits, slow
 
     def explained(self, past: Observation | Sequence[Observation], traces: Observation, trace_index: np.ndarray,
                   num_traces: int) -> np.ndarray:
@@ -102,7 +105,8 @@ class CrowdRule:
         machine_slow &= counted.any(axis=1)
         own_slow = traces.z_self >= self.slow_z
         codes, services = traces.numbered
-        column = pd.Index(names, dtype=object).get_indexer(services)[codes]
+        known_as = {name: i for i, name in enumerate(names)}
+        column = np.array([known_as.get(name, -1) for name in services], dtype=np.int64)[codes]
         # a slow visit of a service the crowd is not slow on (or does not know) stands out
         in_crowd = np.zeros(len(column), dtype=bool)
         known = column >= 0

@@ -34,12 +34,39 @@ class ServiceTimes:
     """Nodes grouped by service: service `names[i]`'s are rows [bounds[i], bounds[i + 1]), in
     order of their trace's start (equal starts in the order recorded). What the crowd check
     searches (`bmeg.models.crowd`); a service may have no row (a name the nodes were numbered
-    with before some were left out)."""
+    with before some were left out).
+
+    `keys` lets one search find, for every service at once, the rows begun before a time: row
+    r's key is its service's number × (rows + 1) + how many rows (of any service) began before
+    it. A row began before time t exactly when its count is below the count of rows begun
+    before t (`np.searchsorted(sorted_starts, t)`), so within service i's rows the search for
+    i × (rows + 1) + that count lands where the search for t among service i's starts would."""
 
     names: np.ndarray
     bounds: np.ndarray
     trace_start_ns: np.ndarray
     z_self: np.ndarray
+    sorted_starts: np.ndarray  # every row's start, sorted
+    keys: np.ndarray
+
+    @classmethod
+    def of(cls, codes: np.ndarray, names: np.ndarray, trace_start_ns: np.ndarray, z_self: np.ndarray) -> ServiceTimes:
+        order = np.lexsort((trace_start_ns, codes))  # stable: equal starts keep their order
+        counts = np.bincount(codes, minlength=len(names))
+        starts, sorted_starts = trace_start_ns[order], np.sort(trace_start_ns)
+        keys = codes[order] * (len(codes) + 1) + np.searchsorted(sorted_starts, starts)
+        return cls(names, np.r_[0, np.cumsum(counts)], starts, z_self[order], sorted_starts, keys)
+
+    def rows_before(self, times_ns: np.ndarray) -> np.ndarray:
+        """int [S, T]: for each service with a row (`present`) and time, the first of the
+        service's rows begun at or after the time (its rows begun before it end there)."""
+        before = np.searchsorted(self.sorted_starts, times_ns)
+        return np.searchsorted(self.keys, (self.present * (len(self.keys) + 1))[:, None] + before)
+
+    @property
+    def present(self) -> np.ndarray:
+        """The numbers of the services with a row."""
+        return np.flatnonzero(np.diff(self.bounds))
 
 
 @dataclass(frozen=True)
@@ -62,10 +89,7 @@ class Observation:
         """The nodes by service, each service's in time order: sorted once per batch, when the
         crowd check first reads the batch, and kept with it in the history (sorting the whole
         window the crowd reads, every batch, had cost ~55 µs a trace: README, issue 14)."""
-        codes, names = self.numbered
-        order = np.lexsort((self.trace_start_ns, codes))  # stable: equal starts keep their order
-        bounds = np.r_[0, np.cumsum(np.bincount(codes, minlength=len(names)))]
-        return ServiceTimes(names, bounds, self.trace_start_ns[order], self.z_self[order])
+        return ServiceTimes.of(*self.numbered, self.trace_start_ns, self.z_self)
 
     def of(self, services: list[str]) -> Observation:
         """The visits of the given services only."""
