@@ -77,7 +77,9 @@ class CrowdRule:
         so a batch's check searches the few batches its windows overlap instead of sorting them
         all again (~55 µs a trace at 1,000 traces/s: README, issue 14)."""
         parts = [past] if isinstance(past, Observation) else list(past)
-        starts_ns = np.asarray(starts_ns, dtype=np.int64)
+        # searched in time order (numpy's search is several times faster on sorted needles), put back after
+        order = np.argsort(starts_ns, kind="stable")
+        starts_ns = np.asarray(starts_ns, dtype=np.int64)[order]
         lower = starts_ns - int(self.window_s * 1e9)
         names = list(dict.fromkeys(name for part in parts for name in part.by_service.names[part.by_service.present]))
         column = {name: i for i, name in enumerate(names)}
@@ -90,7 +92,9 @@ class CrowdRule:
             columns = [column[name] for name in times.names[times.present]]
             visits[:, columns] += (hi - lo).T
             slow[:, columns] += (slow_so_far[hi] - slow_so_far[lo]).T
-        return names, visits, slow
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        return names, visits[back], slow[back]
 
     def explained(self, past: Observation | Sequence[Observation], traces: Observation, trace_index: np.ndarray,
                   num_traces: int) -> np.ndarray:
