@@ -177,7 +177,7 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
             return (Router(int(row["max_services"]), int(row["max_paths"])), rows,
                     f"svm: at most {row['max_services']} services and {row['max_paths']} distinct paths: "
                     f"{figures(row)}, ahead in {ahead:.0%} of resampled decision sets"
-                    f"{unshown_losses(row['source_losses'], checked)}")
+                    f"{unshown_losses(row['source_losses'], checked, confidence)}")
         why = (f"gnn: the best cut ({row['max_services']} services, {row['max_paths']} paths) is not reliably better: "
                f"{figures(row)}, ahead in {ahead:.0%} of resampled decision sets (needs {confidence:.0%})")
     elif overall["quality"] > gnn_alone["quality"] + tolerance:
@@ -215,7 +215,7 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
                     f"{no_worse:.0%} of resampled decision sets (needs {confidence:.0%}), the GNN alone ahead in "
                     f"{behind:.0%}, "
                     f"{row['cost_s_per_trace'] * 1e6:.0f} against {gnn_alone['cost_s_per_trace'] * 1e6:.0f} µs per trace"
-                    f"{unshown_losses(row['source_losses'], checked)}")
+                    f"{unshown_losses(row['source_losses'], checked, confidence)}")
         closest = max(closest, (no_worse, behind, row["max_services"], row["max_paths"]))
     shown = (f"; the nearest, {closest[2]} services and {closest[3]} paths, no worse in {closest[0]:.0%}, "
              f"the GNN alone ahead in {closest[1]:.0%}" if closest[0] >= 0 else "")
@@ -312,12 +312,14 @@ def loss_words(figures: dict[str, float], needed: float | None = None) -> str:
             f"in {figures['held']:.0%} of resamples" + ("" if needed is None else f" (needs {needed:.1%})"))
 
 
-def unshown_losses(losses: dict[str, dict[str, float]], checked: int, min_traces: int = MIN_SOURCE_TRACES) -> str:
+def unshown_losses(losses: dict[str, dict[str, float]], checked: int, confidence: float,
+                   min_traces: int = MIN_SOURCE_TRACES) -> str:
     """In words, a taken cut's point losses on fault sources (of at least `min_traces`
     bottlenecked traces) that held in too few resamples to block it (`worse_sources`), or ''."""
     shown = {source: loss_words(figures) for source, figures in losses.items() if figures["traces"] >= min_traces}
-    return (f"; worse on faults of {shown} (culprit recall), a loss not shown: Holm's step-down over the "
-            f"{checked} fault sources checked" if shown else "")
+    return (f"; worse on faults of {shown} (culprit recall), held in too few resamples to block (Holm's "
+            f"step-down over the {checked} fault sources checked: the first needs "
+            f"{holm_share(confidence, checked):.1%})" if shown else "")
 
 
 def _by_source(y: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights: np.ndarray,
