@@ -935,6 +935,6 @@ def test_holms_step_down_asks_the_most_of_the_loss_held_most_often():
     both = {"network": loss(1.0), "background": loss(0.985)}
     assert set(worse_sources(both, 0.95, 5)) == {"network"}  # then 1 - 0.05 / 4 = 98.75%
     assert set(worse_sources(both, 0.95, 2)) == {"network", "background"}  # then 95%
-    assert "needs 99.0%" in worse_sources(both, 0.95, 5)["network"]
+    assert "needs 99%" in worse_sources(both, 0.95, 5)["network"]
     tiny = {"code": loss(1.0, MIN_SOURCE_TRACES - 1), "background": loss(0.97)}
     assert worse_sources(tiny, 0.95, 1) == worse_sources({"background": loss(0.97)}, 0.95, 1)
