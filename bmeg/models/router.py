@@ -286,7 +286,7 @@ def worse_sources(losses: dict[str, dict[str, float]], confidence: float, checke
     `checked` sources (`checked_sources`) are as many tests, each of which can block: at
     `confidence` each, a cut no worse on any of 5 sources was blocked by one of them with a
     chance up to 1 - 0.95^5 = 23% (README issue 17, session 13). Holm's step-down keeps that
-    chance at 1 - `confidence`: the loss held in the largest share of resamples must hold in
+    chance at most 1 - `confidence`: the loss held in the largest share of resamples must hold in
     1 - (1 - `confidence`) / `checked` of them, the next in 1 - (1 - `confidence`) / (`checked`
     - 1), and so on until one falls short; one source checked, `confidence` as before."""
     candidates = sorted(((source, figures) for source, figures in losses.items() if figures["traces"] >= min_traces),
