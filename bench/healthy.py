@@ -132,7 +132,8 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shar
         rules = {"default": scores.crowd_explained}
         for share in shares:
             other = replace(detector, crowd=replace(CrowdRule(), machine_share=share))
-            rules[f"machine_share {share}"] = other.crowd_explained(forest, scores.observation, None, replay=True)
+            rules[f"machine_share {share}"] = other.crowd_explained(
+                forest, scores.observation, scores.observation, None, replay=True)
         for part, chosen in parts.items():
             mask = np.ones(forest.num_traces, bool) if chosen is None else pc.is_in(ids, chosen).to_numpy(
                 zero_copy_only=False)
