@@ -56,7 +56,7 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--traces", type=int, default=6000, show_default=True, help="Synthetic traces to train on.")
 @click.option("--epochs", type=int, default=10, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--features", type=click.Choice(["relative", "full", "thesis"]), default="relative", show_default=True,
+@click.option("--features", type=click.Choice(["relative", "relative-siblings", "full", "thesis"]), default="relative", show_default=True,
               help="Node features (see bmeg.models.features).")
 @click.option("--held-back", type=float, default=0.25, show_default=True,
               help="Later share of the normal traces held back to calibrate stage 1 on.")
@@ -115,7 +115,7 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
               help="Range of calls an operation makes.")
 @click.option("--epochs", type=int, default=5, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--features", type=click.Choice(["relative", "full", "thesis"]), default="relative", show_default=True,
+@click.option("--features", type=click.Choice(["relative", "relative-siblings", "full", "thesis"]), default="relative", show_default=True,
               help="Node features (the bootstrap that starts from this run must use the same).")
 @json_option
 def pretrain(out: Path, apps: int, traces: int, services: tuple[int, int], depth: tuple[int, int],
