@@ -1,5 +1,6 @@
-"""The `relative-siblings` experiment (issue 12): a call's stretch beside its siblings', so that a
-slow callee (only its own calls stretch) reads apart from a slow caller (all its calls stretch)."""
+"""The `relative-siblings` features (issue 12; the bootstrap's default since session 13): a call's
+stretch beside its siblings', so that a slow callee (only its own calls stretch) reads apart from
+a slow caller (all its calls stretch)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.features import RELATIVE_COLUMNS, FeatureEncoder, beyond_siblings
+from builders import many_traces, span_table, tiny_detector
 
 SPEC = {
     "name": "shop",
@@ -85,3 +87,15 @@ def test_checkpoints_saved_with_the_former_relative_features_still_load():
     assert FeatureEncoder.from_state(siblings.to_state()).names == siblings.names
     with pytest.raises(ValueError, match="differ"):
         FeatureEncoder.from_state({**state, "variant": "relative-siblings"})
+
+
+def test_a_model_saved_on_the_former_default_features_loads_and_diagnoses(tmp_path):
+    """`relative` was the bootstrap's features until session 13: its runs must keep working."""
+    from bmeg.models.detector import Detector
+
+    tiny_detector("relative").save(tmp_path)
+    loaded = Detector.load(tmp_path, device="cpu", application="toy")
+    assert loaded.encoder.variant == "relative" and loaded.encoder.num_features == len(RELATIVE_COLUMNS) + 2
+    diagnosis = loaded.diagnose(span_table(many_traces(3, slow=1)), window=True)
+    assert [t.trace_id for t in diagnosis.traces] == ["t0000", "t0001", "t0002"]
+    assert diagnosis.ranking is not None

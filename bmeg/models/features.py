@@ -6,7 +6,7 @@
   (service, operation), in robust z-scores, including the wait between the parent's start and
   the node's: a callee's queue shows there, before its server span starts) and temporal context (the same z-score of the
   node's service, averaged over its recent visits in earlier traces).
-- `relative` (what `bmeg bootstrap` trains with): only columns that mean the same in every application, so that a model
+- `relative`: only columns that mean the same in every application, so that a model
   trained on one (a twin, a simulated family) reads another: no absolute time, no service
   identity, no position that depends on the application's shape. Per node, against its own
   (service, operation)'s normal baseline: the robust z-scores of its self time, its duration
@@ -23,8 +23,8 @@
   where time is usually spent (a large orchestrator), and a model reading it ranks the same
   services first whatever changed (issue 12: the GNN alone put the orchestrators first on
   real faults).
-- `relative-siblings` (an experiment, issue 12): `relative` plus `z_duration_beyond_siblings`,
-  a node's duration z-score minus the mean of its siblings' (the other children of its parent;
+- `relative-siblings` (what `bmeg bootstrap` trains with, since session 13; issue 12):
+  `relative` plus `z_duration_beyond_siblings`, a node's duration z-score minus the mean of its siblings' (the other children of its parent;
   its own z-score where it has none). A slow store stretches only its own calls; a caller
   starved of CPU, or whose egress is delayed, stretches all of its calls at once, so its
   store's call stands out from its siblings only in the first case.
@@ -57,6 +57,10 @@ from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import NodeColumns
 
 VARIANTS = ("thesis", "full", "relative", "relative-siblings")
+#: What a model trained on a twin reads (`bmeg bootstrap`, `bmeg pretrain`): a twin is never the
+#: real application, so columns that mean the same in both, and a call's stretch beside its
+#: siblings' (README, issue 12, session 13: ahead of `relative` on two testbed recordings).
+BOOTSTRAP_FEATURES = "relative-siblings"
 #: The variants built on `relative`'s columns.
 RELATIVE_VARIANTS = ("relative", "relative-siblings")
 BASELINE_COLUMNS = ("log_self_time_us", "log_duration_us", "log_wait_us")
