@@ -118,8 +118,9 @@ def many_traces(n: int, slow: int | None = None) -> dict[str, list]:
     return merged
 
 
-def tiny_detector():
-    """An untrained detector over `many_traces`' services (imported here: torch only for its users)."""
+def tiny_detector(features: str = "full"):
+    """An untrained detector over `many_traces`' services, on the `features` variant (imported
+    here: torch only for its users)."""
     from bmeg.models.detector import Detector
     from bmeg.models.dgcnn import DGCNN
     from bmeg.models.features import FeatureEncoder
@@ -128,7 +129,7 @@ def tiny_detector():
     from bmeg.models.svm import FirmSVM, TraceSVM, TraceVectorizer
 
     forest = assemble(span_table(many_traces(20)))
-    encoder = FeatureEncoder().fit(forest)
+    encoder = FeatureEncoder(features).fit(forest)
     rng = np.random.default_rng(0)
     firm = FirmSVM().fit(rng.normal(size=(40, 2)), np.r_[np.zeros(30), np.ones(10)])
     keys = np.char.add(np.char.add(forest.spans["service"].to_numpy(zero_copy_only=False).astype(str), "\x1f"),

@@ -16,6 +16,7 @@ from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS
 from bmeg.evaluation.bootstrap import bootstrap, cached_run_dir
 from bmeg.cli import main
 from bmeg.evaluation.rankers import default_rankers
+from bmeg.models.features import BOOTSTRAP_FEATURES
 from bmeg.faultinject import load_topology
 from bmeg.faultinject.twin import simulated_spans
 from bmeg.graphs.rpc import rpc_view
@@ -40,7 +41,9 @@ def bootstrapped(tmp_path_factory):
         normal = recorded.traces.filter(pc.invert(recorded.traces["anomalous"]))["trace_id"]
         write_spans(recorded.spans.filter(pc.is_in(recorded.spans["trace_id"], value_set=normal)),
                     root / "normal.parquet", "parquet")
-        detector, metrics = bootstrap(root / "normal.parquet", root / "run", traces=400, epochs=1, progress=False)
+        # 3 epochs: a 1-epoch model of `relative-siblings` ranked the profile service's store above it
+        # in the recent-traffic test below (1 was enough with `relative`)
+        detector, metrics = bootstrap(root / "normal.parquet", root / "run", traces=400, epochs=3, progress=False)
     return recorded, root / "normal.parquet", root / "run", detector, metrics
 
 
@@ -51,6 +54,7 @@ def test_bootstrap_writes_a_calibrated_model_that_loads(bootstrapped):
     assert json.loads((run_dir / "metrics.json").read_text())["calibration"] == calibration
     loaded = Detector.load(run_dir, device="cpu")
     assert loaded.metrics["calibration"] == calibration and loaded.thresholds == detector.thresholds
+    assert loaded.encoder.variant == BOOTSTRAP_FEATURES == "relative-siblings"  # the default since session 13
 
 
 def test_a_bootstrapped_model_ranks_a_window_against_the_normal_traces_it_kept(bootstrapped):
@@ -216,6 +220,17 @@ def test_the_cached_run_follows_every_option_that_changes_it(tmp_path, monkeypat
     assert others and first not in others
     assert cached_run_dir(normal, "csv") != first
     monkeypatch.setattr(simulator, "SIMULATOR_VERSION", simulator.SIMULATOR_VERSION + 1)
+    assert cached_run_dir(normal) != first
+
+
+def test_the_cached_run_follows_the_bootstraps_default_features(tmp_path, monkeypatch):
+    # a run cached while `relative` was the default must not be reused for the new default
+    normal = tmp_path / "normal.parquet"
+    normal.write_bytes(b"traces")
+    first = cached_run_dir(normal)
+    former = tuple("relative" if value == BOOTSTRAP_FEATURES else value for value in bootstrap.__defaults__)
+    assert former != bootstrap.__defaults__
+    monkeypatch.setattr(bootstrap, "__defaults__", former)
     assert cached_run_dir(normal) != first
 
 

@@ -104,11 +104,11 @@ def test_training_starts_from_the_pretrained_weights(tmp_path):
     from bmeg.evaluation.bootstrap import pretrain_on_family
     from bmeg.models.detector import Detector
     from bmeg.training.pipeline import pretrained_stages
-    from bmeg.models.features import FeatureEncoder
+    from bmeg.models.features import BOOTSTRAP_FEATURES, FeatureEncoder
 
     pretrained, _ = pretrain_on_family(tmp_path / "pre", apps=1, traces=300, epochs=1, seed=2,
                                        params=FamilyParams(services=(5, 7)), progress=False)
-    encoder = FeatureEncoder("relative")
+    encoder = FeatureEncoder(BOOTSTRAP_FEATURES)
     hparams, dgcnn, gcn = pretrained_stages(tmp_path / "pre", encoder)
     assert hparams["dgcnn"] == pretrained.hparams["dgcnn"]
     for name, tensor in pretrained.dgcnn.state_dict().items():
@@ -116,7 +116,7 @@ def test_training_starts_from_the_pretrained_weights(tmp_path):
     assert Detector.load(tmp_path / "pre").router.max_services == -1
     from bmeg.training import train
 
-    warm, _ = train(str(tmp_path / "pre" / "data"), epochs=1, progress=False, features="relative",
+    warm, _ = train(str(tmp_path / "pre" / "data"), epochs=1, progress=False, features=BOOTSTRAP_FEATURES,
                     svm_max_services=-1, pretrained=str(tmp_path / "pre"))
     assert warm.hparams["dgcnn"] == pretrained.hparams["dgcnn"]
     with pytest.raises(ValueError, match="same --features"):

@@ -9,6 +9,7 @@ import click
 from bmeg.cli.output import json_option, print_json, print_table
 from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS
 from bmeg.faultinject.family import FamilyParams
+from bmeg.models.features import BOOTSTRAP_FEATURES, VARIANTS
 from bmeg.training.config import FitConfig
 
 format_option = click.option("--format", "input_format", default=None, help="Trace format (default: detected).")
@@ -56,7 +57,7 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--traces", type=int, default=6000, show_default=True, help="Synthetic traces to train on.")
 @click.option("--epochs", type=int, default=10, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--features", type=click.Choice(["relative", "full", "thesis"]), default="relative", show_default=True,
+@click.option("--features", type=click.Choice(VARIANTS), default=BOOTSTRAP_FEATURES, show_default=True,
               help="Node features (see bmeg.models.features).")
 @click.option("--held-back", type=float, default=0.25, show_default=True,
               help="Later share of the normal traces held back to calibrate stage 1 on.")
@@ -115,7 +116,7 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
               help="Range of calls an operation makes.")
 @click.option("--epochs", type=int, default=5, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--features", type=click.Choice(["relative", "full", "thesis"]), default="relative", show_default=True,
+@click.option("--features", type=click.Choice(VARIANTS), default=BOOTSTRAP_FEATURES, show_default=True,
               help="Node features (the bootstrap that starts from this run must use the same).")
 @json_option
 def pretrain(out: Path, apps: int, traces: int, services: tuple[int, int], depth: tuple[int, int],

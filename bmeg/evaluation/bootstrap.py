@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS, generate_family, write_training_shards
 from bmeg.faultinject.family import FamilyParams
+from bmeg.models.features import BOOTSTRAP_FEATURES
 from bmeg.models.window import with_normal_baselines
 from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
@@ -32,8 +33,6 @@ from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RA
 from bmeg.training.config import FitConfig
 from bmeg.traces.io import read_spans, write_spans
 
-#: A twin is never the real application: train on features that mean the same in both.
-BOOTSTRAP_FEATURES = "relative"
 #: The later share of the normal traces held back to calibrate stage 1 on.
 HELD_BACK = 0.25
 

@@ -6,7 +6,7 @@
   (service, operation), in robust z-scores, including the wait between the parent's start and
   the node's: a callee's queue shows there, before its server span starts) and temporal context (the same z-score of the
   node's service, averaged over its recent visits in earlier traces).
-- `relative` (what `bmeg bootstrap` trains with): only columns that mean the same in every application, so that a model
+- `relative`: only columns that mean the same in every application, so that a model
   trained on one (a twin, a simulated family) reads another: no absolute time, no service
   identity, no position that depends on the application's shape. Per node, against its own
   (service, operation)'s normal baseline: the robust z-scores of its self time, its duration
@@ -23,6 +23,11 @@
   where time is usually spent (a large orchestrator), and a model reading it ranks the same
   services first whatever changed (issue 12: the GNN alone put the orchestrators first on
   real faults).
+- `relative-siblings` (what `bmeg bootstrap` trains with, since session 13; issue 12):
+  `relative` plus `z_duration_beyond_siblings`, a node's duration z-score minus the mean of its siblings' (the other children of its parent;
+  its own z-score where it has none). A slow store stretches only its own calls; a caller
+  starved of CPU, or whose egress is delayed, stretches all of its calls at once, so its
+  store's call stands out from its siblings only in the first case.
 
 Where the earlier traces come from: over a recorded stream (training, evaluation: `past=None`)
 they are the forest's own earlier traces, and those of `context` where given (a generated
@@ -51,7 +56,13 @@ from bmeg.graphs import operation_keys as _operation_keys
 from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import NodeColumns
 
-VARIANTS = ("thesis", "full", "relative")
+VARIANTS = ("thesis", "full", "relative", "relative-siblings")
+#: What a model trained on a twin reads (`bmeg bootstrap`, `bmeg pretrain`): a twin is never the
+#: real application, so columns that mean the same in both, and a call's stretch beside its
+#: siblings' (README, issue 12, session 13: ahead of `relative` on two testbed recordings).
+BOOTSTRAP_FEATURES = "relative-siblings"
+#: The variants built on `relative`'s columns.
+RELATIVE_VARIANTS = ("relative", "relative-siblings")
 BASELINE_COLUMNS = ("log_self_time_us", "log_duration_us", "log_wait_us")
 #: Baselines the `relative` variant adds: z-scored like the first three, except the child
 #: counts, whose difference from the median is used as it is (a count has no useful spread).
@@ -91,14 +102,15 @@ class FeatureEncoder:
     def names(self) -> list[str]:
         if self.variant == "thesis":
             return list(SERVICE_TIME_ONLY)
-        if self.variant == "relative":
-            return [*RELATIVE_COLUMNS, "unknown_operation", "recent_z_self_time"]
+        if self.variant in RELATIVE_VARIANTS:
+            extra = ["z_duration_beyond_siblings"] if self.variant == "relative-siblings" else []
+            return [*RELATIVE_COLUMNS, *extra, "unknown_operation", "recent_z_self_time"]
         z_names = [f"z_{name}" for name in BASELINE_COLUMNS]
         return [*DEFAULT_FEATURES, "log_wait_us", *z_names, "unknown_operation", "recent_z_self_time"]
 
     @property
     def baseline_columns(self) -> tuple[str, ...]:
-        return BASELINE_COLUMNS + STRUCTURE_COLUMNS if self.variant == "relative" else BASELINE_COLUMNS
+        return BASELINE_COLUMNS + STRUCTURE_COLUMNS if self.variant in RELATIVE_VARIANTS else BASELINE_COLUMNS
 
     @property
     def num_features(self) -> int:
@@ -143,8 +155,9 @@ class FeatureEncoder:
             columns["recent_z_self_time"] = self._recent(*visits)[: forest.num_spans]
         else:
             columns["recent_z_self_time"] = self._recent_after(forest, z[:, 0], services, past)
-        if self.variant == "relative":
+        if self.variant in RELATIVE_VARIANTS:
             columns.update(_relative_columns(forest, columns, z, self._raw_deltas(position, columns)))
+            columns["z_duration_beyond_siblings"] = beyond_siblings(forest.parent, z[:, 1])
         return _stack(columns, self.names)
 
     def _positions(self, forest: SpanForest) -> np.ndarray:
@@ -285,6 +298,23 @@ def _relative_columns(forest: SpanForest, columns: dict[str, np.ndarray], z: np.
     child_errors = np.bincount(parent[has_parent], weights=error[has_parent], minlength=forest.num_spans)
     out["error"] = error
     out["error_origin"] = error * (child_errors == 0)
+    return out
+
+
+def beyond_siblings(parent: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each node's value minus the mean of its siblings' (the other nodes with its parent); the
+    value itself for a root or an only child."""
+    has_parent = parent >= 0
+    owner = parent[has_parent]
+    n = len(parent)
+    total = np.bincount(owner, weights=values[has_parent], minlength=n)
+    count = np.bincount(owner, minlength=n)
+    out = values.astype(np.float64).copy()
+    others = np.zeros(n, dtype=np.int64)
+    others[has_parent] = count[owner] - 1
+    with_siblings = others > 0
+    sibling_sum = total[np.maximum(parent, 0)] - values
+    out[with_siblings] -= sibling_sum[with_siblings] / others[with_siblings]
     return out
 
 
