@@ -315,8 +315,8 @@ def _front_and_rare(visits: list[bool | None]):
 def test_a_rarely_visited_services_noise_is_measured_on_slices_where_enough_traces_visit_it():
     """300 recent traces, `rare` in one of eight: 50-trace slices hold ~6 of its requests, and
     one slice where no post had a URL moved it by 1.0, as url-shorten-service's on the testbed;
-    an early return (no call at all) then hid under 0.1 + 2 x 1.0. With slices where at least
-    `NOISE_MIN_VISITS` traces visit it its noise is that of a longer stretch, and the return shows."""
+    an early return (no call at all) then hid under 0.1 + 2 x 1.0. Fewer than `NOISE_MIN_VISITS`
+    visits per slice: its noise is the spread sampling alone gives, and the return shows."""
     from bmeg.models.normal import NOISE_MIN_VISITS, _structure_frame, structure_noise
     from bmeg.models.window import structure_changed
 
@@ -336,11 +336,14 @@ def test_a_rarely_visited_services_noise_is_measured_on_slices_where_enough_trac
 @settings(max_examples=25, deadline=None)
 @given(pattern=st.lists(st.sampled_from([None, None, None, False, True]), min_size=100, max_size=400),
        min_visits=st.integers(1, 40))
-def test_structure_noise_is_the_largest_shift_of_slices_where_min_visits_traces_visit_a_service(pattern, min_visits):
-    """Against a count by hand: `rare`'s noise is the largest |slice mean - period mean| /
-    max(period mean, 1) of its child count over `clip(traces visiting it // min_visits, 2,
-    slices)` slices of equal trace counts, by start time."""
-    from bmeg.models.normal import NOISE_MIN_TRACES, NOISE_SLICES, _structure_frame, structure_noise
+def test_structure_noise_by_slices_or_by_sampling_where_few_traces_visit_a_service(pattern, min_visits):
+    """Against a count by hand: where at least `min_visits` traces per slice visit `rare`, its
+    noise is the largest |slice mean - period mean| / max(period mean, 1) of its child count
+    over slices of equal trace counts, by start time; else the expected largest of that many
+    normal draws times a slice mean's spread, sqrt((slices - 1) / spans) times the child
+    counts' standard deviation, over max(mean, 1)."""
+    from bmeg.models.normal import (NOISE_MIN_TRACES, NOISE_SLICES, _structure_frame, expected_largest_normal,
+                                    structure_noise)
 
     normal = NormalStats.from_forest(_front_and_rare(pattern))
     forest = normal.forest
@@ -351,13 +354,25 @@ def test_structure_noise_is_the_largest_shift_of_slices_where_min_visits_traces_
     if slices < 2 or not visits:
         assert "rare" not in noise.index
         return
-    cut = int(np.clip(len(visits) // min_visits, 2, slices))
-    whole = np.mean([calls for _, calls in visits])
-    by_slice: dict[int, list[float]] = {}
-    for i, calls in visits:
-        by_slice.setdefault(i * cut // len(pattern), []).append(calls)
-    assert noise["rare"] == pytest.approx(max(abs(np.mean(c) - whole) for c in by_slice.values()) / max(whole, 1.0))
+    calls = np.array([c for _, c in visits])
+    whole = calls.mean()
+    if len(visits) >= min_visits * slices:
+        by_slice: dict[int, list[float]] = {}
+        for i, c in visits:
+            by_slice.setdefault(i * slices // len(pattern), []).append(c)
+        expected = max(abs(np.mean(c) - whole) for c in by_slice.values()) / max(whole, 1.0)
+    else:
+        expected = expected_largest_normal(slices) * np.sqrt((slices - 1) / len(calls)) * calls.std() / max(whole, 1.0)
+    assert noise["rare"] == pytest.approx(expected)
     assert error_noise["rare"] == 0.0
+
+
+def test_expected_largest_normal_matches_a_draw():
+    from bmeg.models.normal import expected_largest_normal
+
+    draws = np.abs(np.random.default_rng(0).standard_normal((200_000, 6))).max(axis=1)
+    assert expected_largest_normal(6) == pytest.approx(draws.mean(), rel=0.01)
+    assert expected_largest_normal(1) == pytest.approx(np.sqrt(2 / np.pi), rel=1e-3)
 
 
 @settings(max_examples=30, deadline=None)
