@@ -115,12 +115,17 @@ def split_by_time(dataset: Dataset, train_share: float, cap: int) -> tuple[Datas
 
 
 def _subset(dataset: Dataset, ids: np.ndarray) -> Dataset:
+    """The traces `ids`, with every other trace of the campaign as their history context (read
+    only before each trace's start: the fresh part reads the training part's last minutes, as the
+    stream would, and the traces thinned out stay history, as a generated dataset's unsampled ones)."""
     keep = pa.array(ids.tolist())
 
     def take(table: pa.Table) -> pa.Table:
         return table.filter(pc.is_in(table["trace_id"], value_set=keep))
 
-    return Dataset(dataset.path, take(dataset.spans), take(dataset.traces), take(dataset.nodes), dataset.cards)
+    others = dataset.spans.filter(pc.invert(pc.is_in(dataset.spans["trace_id"], value_set=keep)))
+    context = others if dataset.context is None else pa.concat_tables([dataset.context, others], promote_options="default")
+    return Dataset(dataset.path, take(dataset.spans), take(dataset.traces), take(dataset.nodes), dataset.cards, context)
 
 
 def run_case(name: str, train_set: Dataset, fresh_set: Dataset, decision: Labelled | None, epochs: int) -> dict:
@@ -134,7 +139,9 @@ def run_case(name: str, train_set: Dataset, fresh_set: Dataset, decision: Labell
 
     fresh = pipeline.label(fresh_set, config.seed)
     fresh = replace(fresh, test=np.arange(fresh.forest.num_traces))
-    fresh_raw = detector.score(fresh.forest, all_models=True, replay=True)
+    # read with its history (the generated dataset's unsampled traces), as training and `bmeg
+    # experiment imbalance` read theirs: without it the history features of the fresh traces differ
+    fresh_raw = detector.score(fresh.forest, all_models=True, replay=True, context=fresh.context)
 
     self_time_val = _self_time_score(raw)[data.val]
     self_time_threshold = threshold_for_precision(data.y[data.val], self_time_val, config.min_precision)
@@ -195,18 +202,19 @@ class _timed_gnn_fit:
 def _svm_fit_seconds(detector: Detector, data: Labelled, config: pipeline.TrainConfig) -> float:
     """CPU seconds of the trace SVM's `fit` on the training traces (their vectors built beforehand,
     as the GNN's graphs are built before its `fit`)."""
-    vectors = _trace_vectors(detector, data.forest)[data.train]
+    vectors = _trace_vectors(detector, data.forest, data.context)[data.train]
     began = time.process_time()
     TraceSVM(C=config.svm_C, random_state=config.seed).fit(vectors, data.y[data.train])
     return time.process_time() - began
 
 
-def _trace_vectors(detector: Detector, forest) -> np.ndarray:
-    """The trace SVM's input over a recorded forest, under the detector's vectorizer."""
+def _trace_vectors(detector: Detector, forest, context) -> np.ndarray:
+    """The trace SVM's input over a recorded forest read with its history `context`, under the
+    detector's vectorizer."""
     from bmeg.graphs import node_services, operation_keys
 
     keys = operation_keys(forest, node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False))
-    return detector.trace_vectors(forest, detector.encoder.transform(forest), keys)
+    return detector.trace_vectors(forest, detector.encoder.transform(forest, context=context), keys)
 
 
 def _earlier_svm_figures(detector: Detector, vectorizer: TraceVectorizer, data: Labelled, fresh: Labelled,
@@ -214,11 +222,11 @@ def _earlier_svm_figures(detector: Detector, vectorizer: TraceVectorizer, data: 
     """The trace SVM on an earlier input layout (`vectorizer`, not yet fitted), trained,
     thresholded on validation and judged exactly as the `svm` row; same service ranking."""
     earlier = replace(detector, vectorizer=vectorizer.fit(np.asarray(detector.vectorizer.keys, dtype=object)))
-    vectors = _trace_vectors(earlier, data.forest)
+    vectors = _trace_vectors(earlier, data.forest, data.context)
     svm = TraceSVM(C=config.svm_C, random_state=config.seed).fit(vectors[data.train], data.y[data.train])
     threshold = threshold_for_precision(data.y[data.val], svm.predict_proba(vectors[data.val])[:, 1],
                                         config.min_precision)
-    flagged = svm.predict_proba(_trace_vectors(earlier, fresh.forest))[:, 1] >= threshold
+    flagged = svm.predict_proba(_trace_vectors(earlier, fresh.forest, fresh.context))[:, 1] >= threshold
     return _figures(fresh.y, flagged, fresh_raw.svm_service, fresh_raw, truth)
 
 

@@ -181,7 +181,11 @@ def imbalance(datasets, ratios: str, traces: int, epochs: int, scenario: str, lo
     if as_json:
         print_json(rows)
     else:
-        print_table(rows, title="Imbalance experiment (held-out 20%)")
+        print_table([{k: v for k, v in row.items() if k != "router"} for row in rows],
+                    title="Imbalance experiment (held-out 20%)")
+        for row in rows:
+            if row["router"]:
+                click.echo(f"router, {row['dataset']} {row['imbalance']:g}: {row['router']}")
 
 
 @click.command("demo")

@@ -16,7 +16,9 @@ a score the closed loop can act on), counts as a hit, whatever the model's score
 (`bmeg.training.pipeline.named_culprit`). The GNN alone is kept unless some cut (1) flags
 traces no worse (trace F1) than the GNN alone by more than `tolerance`, and names culprits no
 worse on any one fault source (the loop must handle each; a loss counts where a resample of
-that source's traces keeps it, on a source of at least `MIN_SOURCE_TRACES` bottlenecked traces),
+that source's traces keeps it, on a source of at least `MIN_SOURCE_TRACES` bottlenecked traces;
+one check per source, so the share of resamples a loss must hold in follows Holm's step-down
+over the sources checked, `worse_sources`),
 (2) names culprits better overall by more than `tolerance`, and (3) is still ahead in 95% of
 paired resamples of the decision traces (a lead on a few dozen bottlenecked traces is no
 evidence); among such cuts within `tolerance` of the best, the cheapest per trace, measured.
@@ -117,7 +119,9 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
     culprit F1 (`_culprit_f1`). A cut is eligible when its trace F1 is no worse than the GNN
     alone's by more than `tolerance`, nor its culprit recall on the bottlenecked traces of any
     one fault source (a lead on the common source must not hide a loss on a rarer one), a loss
-    that holds up when that source's traces are resampled (`worse_sources`); "never" wins unless some eligible cut's quality beats it
+    that holds up when that source's traces are resampled (`worse_sources`: Holm's step-down
+    over the sources checked, so that k sources do not block a cut no worse on each of them in
+    up to 1 - `confidence`^k of decisions); "never" wins unless some eligible cut's quality beats it
     by more than `tolerance`. Otherwise the cheapest eligible cut within `tolerance` of the best
     quality is taken, ties to the one sending fewer traces to the SVM, if it holds up when the
     decision traces are resampled (paired bootstrap, 200 draws with `seed`): in at least
@@ -136,17 +140,18 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
     candidates = [Router()] + [Router(int(s), int(p)) for s in np.unique(services) for p in np.unique(paths)]
     rows: list[dict[str, Any]] = []
     gnn_routed = _routed(np.zeros(len(y), dtype=bool), y, verdicts, named)
+    checked = checked_sources(y, sources)
     for router in candidates:
         predicted, right = _routed(router.to_svm(services, paths), y, verdicts, named)
         bottlenecked = weights[y == 1]
         credit = float(np.sum(bottlenecked * right[y == 1]) / np.sum(bottlenecked)) if len(bottlenecked) else 1.0
         share = float(np.mean(router.to_svm(services, paths))) if len(y) else 0.0
+        losses = source_losses(y, (predicted, right), gnn_routed, weights, sources, tolerance, seed)
         rows.append({"max_services": router.max_services, "max_paths": router.max_paths,
                      "f1": _f1(y, predicted, weights), "culprit_credit": credit, "quality": _culprit_f1(y, predicted, right, weights),
                      "share_to_svm": share, "cost_s_per_trace": share * cost_s["svm"] + (1 - share) * cost_s["gnn"],
-                     "by_source": _by_source(y, predicted, right, weights, sources),
-                     "worse_sources": worse_sources(source_losses(y, (predicted, right), gnn_routed, weights, sources,
-                                                                  tolerance, seed), confidence)})
+                     "by_source": _by_source(y, predicted, right, weights, sources), "source_losses": losses,
+                     "worse_sources": worse_sources(losses, confidence, checked)})
     gnn_alone = rows[0]
     # The closed loop acts on the flag (which traces are slow) and on the culprit (the service
     # it acts on): the SVM must name culprits better AND flag traces about as well.
@@ -171,13 +176,15 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
         if ahead >= confidence:
             return (Router(int(row["max_services"]), int(row["max_paths"])), rows,
                     f"svm: at most {row['max_services']} services and {row['max_paths']} distinct paths: "
-                    f"{figures(row)}, ahead in {ahead:.0%} of resampled decision sets")
+                    f"{figures(row)}, ahead in {ahead:.0%} of resampled decision sets"
+                    f"{unshown_losses(row['source_losses'], checked, confidence)}")
         why = (f"gnn: the best cut ({row['max_services']} services, {row['max_paths']} paths) is not reliably better: "
                f"{figures(row)}, ahead in {ahead:.0%} of resampled decision sets (needs {confidence:.0%})")
     elif overall["quality"] > gnn_alone["quality"] + tolerance:
         why = (f"gnn: the cut ({overall['max_services']} services, {overall['max_paths']} paths) names "
                f"culprits better overall (culprit F1 {overall['quality']:.3f} against "
-               f"{gnn_alone['quality']:.3f}) but worse on faults of {overall['worse_sources']} (culprit recall)")
+               f"{gnn_alone['quality']:.3f}) but worse on faults of {overall['worse_sources']} (culprit recall; Holm's "
+               f"step-down over the {checked} fault sources checked)")
     else:
         why = (f"gnn: no cut that flags traces as well (trace F1 >= {gnn_alone['f1']:.3f} - "
                f"{tolerance:g}) names culprits better than the GNN alone by more than {tolerance:g} "
@@ -207,7 +214,8 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
                     f"distinct paths: {figures(row)}, no worse than the GNN alone (within {tolerance:g}) in "
                     f"{no_worse:.0%} of resampled decision sets (needs {confidence:.0%}), the GNN alone ahead in "
                     f"{behind:.0%}, "
-                    f"{row['cost_s_per_trace'] * 1e6:.0f} against {gnn_alone['cost_s_per_trace'] * 1e6:.0f} µs per trace")
+                    f"{row['cost_s_per_trace'] * 1e6:.0f} against {gnn_alone['cost_s_per_trace'] * 1e6:.0f} µs per trace"
+                    f"{unshown_losses(row['source_losses'], checked, confidence)}")
         closest = max(closest, (no_worse, behind, row["max_services"], row["max_paths"]))
     shown = (f"; the nearest, {closest[2]} services and {closest[3]} paths, no worse in {closest[0]:.0%}, "
              f"the GNN alone ahead in {closest[1]:.0%}" if closest[0] >= 0 else "")
@@ -259,22 +267,58 @@ def source_losses(y: np.ndarray, cut: tuple[np.ndarray, np.ndarray], gnn: tuple[
 MIN_SOURCE_TRACES = 15
 
 
-def worse_sources(losses: dict[str, dict[str, float]], confidence: float,
+def checked_sources(y: np.ndarray, sources: np.ndarray, min_traces: int = MIN_SOURCE_TRACES) -> int:
+    """How many fault sources have at least `min_traces` bottlenecked traces: the per-source
+    checks a cut takes (`worse_sources`' family)."""
+    _, counts = np.unique(np.asarray(sources, dtype=object)[np.asarray(y) == 1].astype(str), return_counts=True)
+    return int(np.sum(counts >= min_traces))
+
+
+def worse_sources(losses: dict[str, dict[str, float]], confidence: float, checked: int,
                   min_traces: int = MIN_SOURCE_TRACES) -> dict[str, str]:
     """source -> the figures in words, for the `source_losses` on at least `min_traces`
-    bottlenecked traces that hold in at least `confidence` of the resamples: the sources a cut
-    names culprits worse on.
+    bottlenecked traces that hold in enough of the resamples: the sources a cut names culprits
+    worse on.
 
     A loss must be shown as a lead must (`_bootstrap_shares`): a source with a few dozen
     bottlenecked traces moves 0.03 per trace, so a point loss of one trace blocked the SVM on
-    noise; a real loss on many traces still holds in the resamples and still blocks."""
-    return {source: loss_words(figures) for source, figures in losses.items()
-            if figures["held"] >= confidence and figures["traces"] >= min_traces}
+    noise; a real loss on many traces still holds in the resamples and still blocks. The
+    `checked` sources (`checked_sources`) are as many tests, each of which can block: at
+    `confidence` each, a cut no worse on any of 5 sources was blocked by one of them with a
+    chance up to 1 - 0.95^5 = 23% (README issue 17, session 13). Holm's step-down keeps that
+    chance at most 1 - `confidence`: the loss held in the largest share of resamples must hold in
+    1 - (1 - `confidence`) / `checked` of them, the next in 1 - (1 - `confidence`) / (`checked`
+    - 1), and so on until one falls short; one source checked, `confidence` as before."""
+    candidates = sorted(((source, figures) for source, figures in losses.items() if figures["traces"] >= min_traces),
+                        key=lambda item: -item[1]["held"])
+    family = max(checked, len(candidates))
+    worse = {}
+    for rank, (source, figures) in enumerate(candidates):
+        needed = holm_share(confidence, family - rank)
+        if figures["held"] < needed - 1e-9:  # a hair under: 190 of 200 draws meet 95%
+            break
+        worse[source] = loss_words(figures, needed)
+    return worse
 
 
-def loss_words(figures: dict[str, float]) -> str:
+def holm_share(confidence: float, remaining: int) -> float:
+    """The share of resamples a loss must hold in with `remaining` tests left in Holm's step-down."""
+    return 1.0 - (1.0 - confidence) / max(remaining, 1)
+
+
+def loss_words(figures: dict[str, float], needed: float | None = None) -> str:
     return (f"{figures['cut']:.3f} against {figures['gnn']:.3f} on {figures['traces']:.0f} traces, "
-            f"in {figures['held']:.0%} of resamples")
+            f"in {figures['held']:.0%} of resamples" + ("" if needed is None else f" (needs {needed * 100:.4g}%)"))
+
+
+def unshown_losses(losses: dict[str, dict[str, float]], checked: int, confidence: float,
+                   min_traces: int = MIN_SOURCE_TRACES) -> str:
+    """In words, a taken cut's point losses on fault sources (of at least `min_traces`
+    bottlenecked traces) that held in too few resamples to block it (`worse_sources`), or ''."""
+    shown = {source: loss_words(figures) for source, figures in losses.items() if figures["traces"] >= min_traces}
+    return (f"; worse on faults of {shown} (culprit recall), held in too few resamples to block (Holm's "
+            f"step-down over the {checked} fault sources checked: the first needs "
+            f"{holm_share(confidence, checked) * 100:.4g}%)" if shown else "")
 
 
 def _by_source(y: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights: np.ndarray,

@@ -25,7 +25,8 @@ DEFAULT_TRACES = 40_000
 
 def imbalance_experiment(datasets: Iterable[str], ratios: Iterable[float], traces: int, epochs: int,
                          seed: int = 0, progress: bool = True, **options) -> list[dict]:
-    """One row per (dataset, ratio, model) with the thesis's columns and AC@k."""
+    """One row per (dataset, ratio, model) with the thesis's columns and AC@k; the routed row
+    also with the router's reason (`router`)."""
     rows = []
     for dataset in datasets:
         for ratio in ratios:
@@ -40,5 +41,7 @@ def imbalance_experiment(datasets: Iterable[str], ratios: Iterable[float], trace
                     "to_svm": {"gnn": 0.0, "svm": 1.0}.get(model, metrics["routing"]["share_to_svm"]),
                     "traces_per_s": metrics["traces_per_s"][model],
                     "thesis": ", ".join(f"{k.upper()} {v}" for k, v in thesis.items()),
+                    # which model the router chose, and why (the routed row's; its reason in words)
+                    "router": metrics["routing"].get("why", "") if model == "bmeg" else "",
                 })
     return rows

@@ -44,7 +44,7 @@ from bmeg.models.features import FeatureEncoder
 from bmeg.models.gcn_node import GCNNodeClassifier
 from bmeg.models.graphset import GraphSet
 from bmeg.models.inference import resolve_device
-from bmeg.models.router import Router, choose, loss_words, source_losses_of, worse_sources
+from bmeg.models.router import Router, checked_sources, choose, loss_words, source_losses_of, worse_sources
 from bmeg.models.svm import (
     CONFIRMED,
     CONFIRMED_FROM,
@@ -389,7 +389,8 @@ def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: 
     """The cut `choose` took, checked on the fault sources its decision traces lack: on the
     validation faults of each (the served detector's scores; the training campaign's services),
     it must name culprits no worse than the GNN alone by more than `tolerance`, a loss that holds
-    up in resamples (`bmeg.models.router.worse_sources`), else the GNN alone stays. Where the
+    up in resamples (`bmeg.models.router.worse_sources`, Holm's step-down over the uncovered
+    sources checked), else the GNN alone stays. Where the
     held-out faults say nothing about a kind of fault, the validation faults are the only
     evidence: in the closed loop's recipe the SVM's own-time scores (before
     `CulpritScorer`) named a misconfigured worker pool's service at 0.13 (queueing is the
@@ -399,8 +400,9 @@ def _uncovered_sources_check(router: Router, why: str, detector: Detector, raw: 
     losses = {source: figures for source, figures in source_losses_of(
         router, y, verdicts, named, raw.num_services[val], raw.num_paths[val], sources[val], tolerance,
         seed=seed).items() if source not in covered}
-    worse = worse_sources(losses, confidence)
     uncovered = sorted(set(sources[val][y == 1].tolist()) - covered)
+    checked = np.isin(sources[val], uncovered)  # the family of these checks: the uncovered sources only
+    worse = worse_sources(losses, confidence, checked_sources(y[checked], sources[val][checked]))
     if not uncovered:
         return router, why
     if not worse:
