@@ -9,7 +9,7 @@ started from a family-pretrained run (`bmeg bootstrap --pretrained`):
 
 Every model is scored on the same windows by the rankers of `bmeg evaluate rca` that depend on
 it, `bmeg` (the combined ranker) and `bmeg-gnn` (the GNN alone), named `<ranker>[<model>]`;
-the self-time rule, which needs no model, once. `--simulated` simulates the faults as
+the self-time and structure-shift rules, which need no model, once. `--simulated` simulates the faults as
 `bmeg evaluate rca-sim` does (one episode per service and source, a normal period of twice the
 window). Prints AC@1 / Avg@5 per fault group (latency faults, code faults, all).
 """
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bmeg.evaluation.faults import read_fault_list
-from bmeg.evaluation.rankers import BmegRanker, GnnRanker, SelfTimeRanker, _DetectorScores
+from bmeg.evaluation.rankers import BmegRanker, GnnRanker, SelfTimeRanker, StructureRanker, _DetectorScores
 from bmeg.evaluation.rca import report, run_rca
 from bmeg.evaluation.simulated import simulated_faults
 from bmeg.evaluation.windows import TraceFiles
@@ -50,7 +50,7 @@ def rankers(models: dict[str, Path], normal: SpanForest) -> list:
     for label, run_dir in models.items():
         scores = _DetectorScores(with_normal_baselines(Detector.load(run_dir), normal))
         chosen += [Named(BmegRanker(scores), f"bmeg[{label}]"), Named(GnnRanker(scores), f"bmeg-gnn[{label}]")]
-    return [*chosen, SelfTimeRanker()]
+    return [*chosen, SelfTimeRanker(), StructureRanker()]
 
 
 def main() -> None:

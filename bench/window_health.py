@@ -12,7 +12,10 @@ episodes of the topology as long as its fault episodes. Fault windows: the root-
 harness's (`bmeg evaluate rca`), one per injected fault. Prints the share of healthy windows
 called healthy and the share of fault windows still ranked, per fault type; with `--model`,
 bmeg's AC@1 on the fault windows (the ranking's order does not depend on the answer) and
-counting a fault window called healthy as a miss.
+counting a fault window called healthy as a miss. With `--compare`, the healthy and fault
+windows' answers also under the gates of earlier sessions, on the same windows: without the
+errors' own gate (`ERROR_MIN_SPANS` out of reach: before session 12) and with the structure
+noise on slices of equal trace counts for every service (`min_visits=1`: before session 13).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+import bmeg.models.normal as normal_module
 import bmeg.models.window as window_module
 from bmeg.evaluation.faults import read_fault_list
 from bmeg.evaluation.windows import TraceFiles
@@ -77,6 +81,28 @@ def simulated(args: argparse.Namespace, out: Path) -> tuple[pa.Table, list[SpanF
     return sim.normal, healthy, faults
 
 
+#: Earlier sessions' gates (`--compare`): name, `ERROR_MIN_SPANS`, `structure_noise`'s `min_visits`.
+ERROR_MIN_SPANS = window_module.ERROR_MIN_SPANS
+EARLIER_GATES = [("before session 12 (no errors' gate, noise on trace slices)", 2**62, 1),
+                 ("session 12 (errors' gate, noise on trace slices)", ERROR_MIN_SPANS, 1)]
+
+
+def answers(normal: pa.Table, healthy: list[SpanForest], faults: list[tuple[str, str, SpanForest]]) -> str:
+    """Healthy windows called healthy and fault windows still ranked, per fault type, under the
+    gates the modules hold now."""
+    forest = rpc_view(normal)
+    stats, bound = NormalStats.from_forest(forest), HealthBound.of(forest)
+    if bound is None:
+        return "no health bound"
+    calm = sum(bound.check(stats, w).healthy for w in healthy if w.num_traces)
+    ranked: dict[str, list[bool]] = defaultdict(list)
+    for _, kind, window in faults:
+        if window.num_traces:
+            ranked[kind].append(not bound.check(stats, window).healthy)
+    return (f"healthy windows called healthy {calm}/{sum(1 for w in healthy if w.num_traces)}; still ranked: "
+            + ", ".join(f"{kind} {sum(r) / len(r):.2f}" for kind, r in sorted(ranked.items())))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path)
@@ -92,10 +118,17 @@ def main() -> None:
     parser.add_argument("--healthy-windows", type=int, default=40, help="simulated: fault-free episodes")
     parser.add_argument("--splits", type=int, default=window_module.CALIBRATION_SPLITS,
                         help="held-back windows at most this share of the held-back part (compare choices)")
+    parser.add_argument("--compare", action="store_true", help="also the answers under earlier sessions' gates")
     args = parser.parse_args()
     window_module.CALIBRATION_SPLITS = args.splits
     with tempfile.TemporaryDirectory() as out:
         normal, healthy, faults = simulated(args, Path(out)) if args.simulated else testbed(args)
+    if args.compare:
+        for name, error_min_spans, min_visits in EARLIER_GATES:
+            window_module.ERROR_MIN_SPANS, defaults = error_min_spans, normal_module.structure_noise.__defaults__
+            normal_module.structure_noise.__defaults__ = (*defaults[:-1], min_visits)
+            print(f"-- {name}: {answers(normal, healthy, faults)}")
+            window_module.ERROR_MIN_SPANS, normal_module.structure_noise.__defaults__ = ERROR_MIN_SPANS, defaults
     normal_forest = rpc_view(normal)
     stats = NormalStats.from_forest(normal_forest)
     bound = HealthBound.of(normal_forest)

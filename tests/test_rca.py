@@ -291,6 +291,90 @@ def test_a_normal_period_too_short_to_slice_measures_no_structure_noise():
     assert normal.structure_noise.empty and normal.error_noise.empty
 
 
+def _front_and_rare(visits: list[bool | None]):
+    """A forest: trace i is a `front` request that calls `rare` where `visits[i]` is not None,
+    and `rare` calls `db` twice where it is True (a post with URLs to shorten); 1 ms apart."""
+    rows: dict[str, list] = {name: [] for name in
+                             ("trace_id", "span_id", "parent_id", "service", "operation", "start_ns", "duration_ns")}
+
+    def span(trace, span_id, parent, service, start):
+        for name, value in zip(rows, (trace, span_id, parent, service, "op", start, 500_000)):
+            rows[name].append(value)
+
+    for i, visit in enumerate(visits):
+        start = EPOCH + i * 1_000_000
+        span(f"t{i}", "f", None, "front", start)
+        if visit is not None:
+            span(f"t{i}", "r", "f", "rare", start + 1000)
+        if visit:
+            span(f"t{i}", "d1", "r", "db", start + 2000)
+            span(f"t{i}", "d2", "r", "db", start + 3000)
+    return rpc_view(span_table(rows))
+
+
+def test_a_rarely_visited_services_noise_is_measured_on_slices_where_enough_traces_visit_it():
+    """300 recent traces, `rare` in one of eight: 50-trace slices hold ~6 of its requests, and
+    one slice where no post had a URL moved it by 1.0, as url-shorten-service's on the testbed;
+    an early return (no call at all) then hid under 0.1 + 2 x 1.0. Fewer than `NOISE_MIN_VISITS`
+    visits per slice: its noise is the spread sampling alone gives, and the return shows."""
+    from bmeg.models.normal import NOISE_MIN_VISITS, _structure_frame, structure_noise
+    from bmeg.models.window import structure_changed
+
+    visits = [None if i % 8 else not 50 <= i < 100 for i in range(300)]
+    normal = NormalStats.from_forest(_front_and_rare(visits))
+    forest = normal.forest
+    per_slice, _ = structure_noise(forest, _structure_frame(forest), normal.children, normal.errors, min_visits=1)
+    assert per_slice["rare"] == pytest.approx(1.0)  # the slice with no URL: 0 calls against the period's 1.68
+    assert 38 // NOISE_MIN_VISITS < 6 and normal.structure_noise["rare"] < 0.45
+    assert normal.structure_noise["front"] == per_slice["front"]  # a service in every trace: six slices as before
+    early_return = normal.structure_shift(_front_and_rare([None if i % 8 else False for i in range(300)]))
+    assert early_return["rare"] == pytest.approx(1.0)
+    assert structure_changed(early_return, normal.structure_noise)["rare"]
+    assert not structure_changed(early_return, per_slice)["rare"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(pattern=st.lists(st.sampled_from([None, None, None, False, True]), min_size=100, max_size=400),
+       min_visits=st.integers(1, 40))
+def test_structure_noise_by_slices_or_by_sampling_where_few_traces_visit_a_service(pattern, min_visits):
+    """Against a count by hand: where at least `min_visits` traces per slice visit `rare`, its
+    noise is the largest |slice mean - period mean| / max(period mean, 1) of its child count
+    over slices of equal trace counts, by start time; else the expected largest of that many
+    normal draws times a slice mean's spread, sqrt((slices - 1) / spans) times the child
+    counts' standard deviation, over max(mean, 1)."""
+    from bmeg.models.normal import (NOISE_MIN_TRACES, NOISE_SLICES, _structure_frame, expected_largest_normal,
+                                    structure_noise)
+
+    normal = NormalStats.from_forest(_front_and_rare(pattern))
+    forest = normal.forest
+    noise, error_noise = structure_noise(forest, _structure_frame(forest), normal.children, normal.errors,
+                                         min_visits=min_visits)
+    slices = min(NOISE_SLICES, len(pattern) // NOISE_MIN_TRACES)
+    visits = [(i, 2.0 * bool(v)) for i, v in enumerate(pattern) if v is not None]
+    if slices < 2 or not visits:
+        assert "rare" not in noise.index
+        return
+    calls = np.array([c for _, c in visits])
+    whole = calls.mean()
+    if len(visits) >= min_visits * slices:
+        by_slice: dict[int, list[float]] = {}
+        for i, c in visits:
+            by_slice.setdefault(i * slices // len(pattern), []).append(c)
+        expected = max(abs(np.mean(c) - whole) for c in by_slice.values()) / max(whole, 1.0)
+    else:
+        expected = expected_largest_normal(slices) * np.sqrt((slices - 1) / len(calls)) * calls.std() / max(whole, 1.0)
+    assert noise["rare"] == pytest.approx(expected)
+    assert error_noise["rare"] == 0.0
+
+
+def test_expected_largest_normal_matches_a_draw():
+    from bmeg.models.normal import expected_largest_normal
+
+    draws = np.abs(np.random.default_rng(0).standard_normal((200_000, 6))).max(axis=1)
+    assert expected_largest_normal(6) == pytest.approx(draws.mean(), rel=0.01)
+    assert expected_largest_normal(1) == pytest.approx(np.sqrt(2 / np.pi), rel=1e-3)
+
+
 @settings(max_examples=30, deadline=None)
 @given(failed=st.integers(0, 39), normal_errors=st.sampled_from([0, 10, 40]))
 def test_errors_have_their_own_gate_below_the_structure_floor(failed, normal_errors):

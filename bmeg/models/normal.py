@@ -13,6 +13,7 @@ callee's queues) counts for the service it called.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,8 +32,10 @@ ANOMALY_QUANTILE = 0.95
 MIN_EXCLUSIVE_NS = 10_000
 #: `structure_noise` cuts the normal period into this many slices by time ...
 NOISE_SLICES = 10
-#: ... of at least this many traces each.
+#: ... of at least this many traces each ...
 NOISE_MIN_TRACES = 50
+#: A service that fewer than this many of a slice's traces visit has its noise from sampling (`sampled_noise`).
+NOISE_MIN_VISITS = 10
 
 
 def exclusive_time(forest: SpanForest) -> tuple[np.ndarray, np.ndarray]:
@@ -176,7 +179,8 @@ def _structure_parts(frame: pd.DataFrame, children: pd.Series, errors: pd.Series
 
 
 def structure_noise(forest: SpanForest, frame: pd.DataFrame, children: pd.Series, errors: pd.Series,
-                    slices: int = NOISE_SLICES, min_traces: int = NOISE_MIN_TRACES) -> tuple[pd.Series, pd.Series]:
+                    slices: int = NOISE_SLICES, min_traces: int = NOISE_MIN_TRACES,
+                    min_visits: int = NOISE_MIN_VISITS) -> tuple[pd.Series, pd.Series]:
     """Per service, the largest structure shift of a slice of a fault-free period against the
     whole: how far the service's structure moves with no fault at all; and the same of its
     `errors` part alone (`NormalStats.structure_parts`).
@@ -188,6 +192,16 @@ def structure_noise(forest: SpanForest, frame: pd.DataFrame, children: pd.Series
     of its normal period moved 0.04-0.31). A period too short for two slices has no measured
     noise (empty series). `frame` is `_structure_frame(forest)`; `children` and `errors`
     are the whole period's per-key means.
+
+    Where fewer than `min_visits` of a slice's traces would visit a service, the slices' own
+    shifts are no measure of it: a mean over a handful of requests swings widely, and a
+    service's noise read from two or three slices is as often far too small. Its noise is then
+    the spread the slices would show by sampling alone (`sampled_noise`), from its operations'
+    variances over the whole period. With 300 recent traces as the normal period (`bmeg
+    evaluate rca --recent-traces 300`), 50-trace slices held 3 spans of url-shorten-service's
+    compose_urls, all of a post with no URL, and its noise read 1.00: above the early return
+    that moved it by 1.00 (README, issue 12, session 13). A long fixed period has enough
+    visits of most services in every slice.
     """
     count = min(slices, forest.num_traces // max(min_traces, 1))
     if count < 2:
@@ -197,8 +211,41 @@ def structure_noise(forest: SpanForest, frame: pd.DataFrame, children: pd.Series
     slice_of_trace[order] = np.arange(forest.num_traces) * count // forest.num_traces
     slice_of_span = slice_of_trace[forest.trace_index]
     parts = [_structure_parts(frame[slice_of_span == i], children, errors) for i in range(count)]
-    return (pd.concat([part[["calls", "errors"]].sum(axis=1) for part in parts], axis=1).max(axis=1),
-            pd.concat([part["errors"] for part in parts], axis=1).max(axis=1))
+    noise = pd.concat([part[["calls", "errors"]].sum(axis=1) for part in parts], axis=1).max(axis=1)
+    error_noise = pd.concat([part["errors"] for part in parts], axis=1).max(axis=1)
+    visits = pd.DataFrame({"service": frame["service"], "trace": forest.trace_index}).drop_duplicates()
+    visits = visits.groupby("service").size().reindex(noise.index)
+    rare = noise.index[visits < min_visits * count]
+    if len(rare):
+        sampled, sampled_errors = sampled_noise(frame, count)
+        noise[rare], error_noise[rare] = sampled.reindex(rare), sampled_errors.reindex(rare)
+    return noise, error_noise
+
+
+def sampled_noise(frame: pd.DataFrame, slices: int) -> tuple[pd.Series, pd.Series]:
+    """`structure_noise` of each service as sampling alone would make it, and of its `errors`
+    part: the expected largest of `slices` slices' shifts (`expected_largest_normal`) were each
+    operation's slice mean spread as that of a random 1/`slices` of its spans (the variance of
+    its child counts, and of its error origins, over the spans of `frame`), and a service's shift
+    their span-weighted sum (so its spread at most the weighted sum of theirs)."""
+    by_key = frame.groupby("key").agg(spans=("children", "size"), mean=("children", "mean"),
+                                      variance=("children", lambda c: c.var(ddof=0)), errors=("errors", "mean"),
+                                      service=("service", "first"))
+    spread = np.sqrt((slices - 1) / by_key["spans"])  # times each span's sd: a slice mean's sd about the whole's
+    calls = by_key["spans"] * spread * np.sqrt(by_key["variance"]) / np.maximum(by_key["mean"], 1.0)
+    errors = by_key["spans"] * spread * np.sqrt(by_key["errors"] * (1.0 - by_key["errors"]))
+    by_service = pd.DataFrame({"calls": calls, "errors": errors, "spans": by_key["spans"],
+                               "service": by_key["service"]}).groupby("service").sum()
+    largest = expected_largest_normal(slices)
+    return (largest * (by_service["calls"] + by_service["errors"]) / by_service["spans"],
+            largest * by_service["errors"] / by_service["spans"])
+
+
+def expected_largest_normal(count: int) -> float:
+    """E max |Z_i| over `count` independent standard normal Z_i (0.80 for one, 1.59 for six)."""
+    x = np.linspace(0.0, 10.0, 4001)
+    inside = np.array([math.erf(v / math.sqrt(2.0)) for v in x]) ** count  # P(max |Z| <= x)
+    return float(np.trapezoid(1.0 - inside, x))
 
 
 def _child_counts(forest: SpanForest) -> np.ndarray:
