@@ -77,6 +77,21 @@ def chain_spec(rate: float = 300, **overrides) -> dict:
     return spec
 
 
+# A three-service shop: web calls cart and pay (the feature tests simulate faults on it)
+SHOP_SPEC = {
+    "name": "shop",
+    "workload": {"rate": 100},
+    "requests": {"buy": {"entry": "web:buy", "weight": 1}},
+    "services": {
+        "web": {"cores": 4, "workers": 64, "operations": {"buy": {
+            "self_time": {"median_us": 300, "sigma": 0.3},
+            "calls": [{"call": "cart:get"}, {"call": "pay:charge"}]}}},
+        "cart": {"cores": 2, "operations": {"get": {"self_time": {"median_us": 800, "sigma": 0.3}}}},
+        "pay": {"cores": 2, "operations": {"charge": {"self_time": {"median_us": 1500, "sigma": 0.3}}}},
+    },
+}
+
+
 def chain_topology(rate: float = 300):
     return parse_topology(chain_spec(rate))
 

@@ -18,24 +18,12 @@ from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
 from bmeg.graphs import assemble
 from bmeg.models.features import FeatureEncoder
-
-SPEC = {
-    "name": "shop",
-    "workload": {"rate": 100},
-    "requests": {"buy": {"entry": "web:buy", "weight": 1}},
-    "services": {
-        "web": {"cores": 4, "workers": 64, "operations": {"buy": {
-            "self_time": {"median_us": 300, "sigma": 0.3},
-            "calls": [{"call": "cart:get"}, {"call": "pay:charge"}]}}},
-        "cart": {"cores": 2, "operations": {"get": {"self_time": {"median_us": 800, "sigma": 0.3}}}},
-        "pay": {"cores": 2, "operations": {"charge": {"self_time": {"median_us": 1500, "sigma": 0.3}}}},
-    },
-}
+from builders import SHOP_SPEC
 
 
 @pytest.fixture(scope="module")
 def shop():
-    topology = parse_topology(SPEC)
+    topology = parse_topology(SHOP_SPEC)
     normal = rpc_view(spans_of(simulate(topology, [], 5, 1)))
     slow = rpc_view(spans_of(simulate(topology, [Fault("pay", "interference", "single", 0.0, 5.0, {"factor": 5.0})], 5, 2)))
     return normal, slow

@@ -13,21 +13,7 @@ from hypothesis import strategies as st
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.features import RELATIVE_COLUMNS, FeatureEncoder, beyond_siblings
-from builders import many_traces, span_table, tiny_detector
-
-SPEC = {
-    "name": "shop",
-    "workload": {"rate": 100},
-    "requests": {"buy": {"entry": "web:buy", "weight": 1}},
-    "services": {
-        "web": {"cores": 4, "workers": 64, "operations": {"buy": {
-            "self_time": {"median_us": 300, "sigma": 0.3},
-            "calls": [{"call": "cart:get"}, {"call": "pay:charge"}]}}},
-        "cart": {"cores": 2, "operations": {"get": {"self_time": {"median_us": 800, "sigma": 0.3}}}},
-        "pay": {"cores": 2, "operations": {"charge": {"self_time": {"median_us": 1500, "sigma": 0.3}}}},
-    },
-}
-
+from builders import SHOP_SPEC, many_traces, span_table, tiny_detector
 
 @st.composite
 def forests(draw):
@@ -52,7 +38,7 @@ def test_beyond_siblings_is_the_value_minus_its_siblings_mean(forest):
 
 def _web_calls(fault: Fault) -> pd.DataFrame:
     """Mean of the new column over web's client spans, per operation, with `fault` on all along."""
-    topology = parse_topology(SPEC)
+    topology = parse_topology(SHOP_SPEC)
     normal = rpc_view(spans_of(simulate(topology, [], 5, 1)))
     faulty = rpc_view(spans_of(simulate(topology, [fault], 5, 2)))
     encoder = FeatureEncoder("relative-siblings").fit(normal)
