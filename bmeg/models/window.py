@@ -237,17 +237,25 @@ def window_shift(normal: NormalStats, window: SpanForest) -> WindowShift:
     gaps = parts[["caller", "callee"]].max(axis=1).dropna().nlargest(2)
     structure = normal.structure_parts(window)
     beyond = pd.concat([_beyond_gate(structure[["calls", "errors"]].sum(axis=1), normal.structure_noise),
-                        _beyond_gate(structure["errors"].where(structure["error_spans"] >= ERROR_MIN_SPANS),
-                                     normal.error_noise, ERROR_FLOOR)]).dropna()
+                        _errors_beyond_gate(structure, normal.error_noise)]).dropna()
     return WindowShift(time=float(time.max()) if len(time) else 0.0,
                        gap_lead=float(gaps.iloc[0] - gaps.iloc[1]) if len(gaps) == 2 else 0.0,
                        structure=float(beyond.max()) if len(beyond) else 0.0,
                        service=str(time.idxmax()) if len(time) else None)
 
 
-def _beyond_gate(shift: pd.Series, noise: pd.Series, floor: float = STRUCTURE_FLOOR) -> pd.Series:
-    """How far each shift is above `floor + NOISE_FACTOR * noise` (the gate of `structure_changed`)."""
-    return shift - (floor + NOISE_FACTOR * noise.reindex(shift.index).fillna(0.0))
+def _beyond_gate(shift: pd.Series, noise: pd.Series, floor: float = STRUCTURE_FLOOR,
+                 factor: float = NOISE_FACTOR) -> pd.Series:
+    """How far each shift is above `floor + factor * noise` (the gate of `structure_changed`; 0
+    noise for a service the normal period did not measure)."""
+    return shift - (floor + factor * noise.reindex(shift.index).fillna(0.0))
+
+
+def _errors_beyond_gate(parts: pd.DataFrame, noise: pd.Series, floor: float = ERROR_FLOOR,
+                        min_spans: int = ERROR_MIN_SPANS, factor: float = NOISE_FACTOR) -> pd.Series:
+    """How far each service's `errors` part is above its own gate (`errors_began`); NaN where
+    errors began in fewer than `min_spans` spans."""
+    return _beyond_gate(parts["errors"].where(parts["error_spans"] >= min_spans), noise, floor, factor)
 
 
 class HealthBound:
@@ -427,8 +435,7 @@ def errors_began(parts: pd.DataFrame, noise: pd.Series, floor: float = ERROR_FLO
     fails a few percent of a service's requests moves it less than 0.1 (README, issue 12,
     session 12). `min_spans`: a rarely visited service with one failed request is no change.
     """
-    errors = parts["errors"].where(parts["error_spans"] >= min_spans)
-    return (errors > floor + factor * noise.reindex(parts.index).fillna(0.0)).fillna(False).astype(bool)
+    return _errors_beyond_gate(parts, noise, floor, min_spans, factor) > 0
 
 
 def structure_changed(shift: pd.Series, noise: pd.Series, floor: float = STRUCTURE_FLOOR,
@@ -446,4 +453,4 @@ def structure_changed(shift: pd.Series, noise: pd.Series, floor: float = STRUCTU
     is 1.0. Measured (README): testbed latency AC@1 0.06 -> 0.18, exceptions 0.79 -> 0.74; on
     the dev set it hid the two code faults the fixed bar found (AC@1 0.29 -> 0.00).
     """
-    return shift > floor + factor * noise.reindex(shift.index).fillna(0.0)
+    return _beyond_gate(shift, noise, floor, factor) > 0
