@@ -9,6 +9,8 @@ see `bmeg.graphs.rpc.rpc_view`) and statistics of a normal period, and returns
   ranker every door of the product uses (`bmeg.models.window.combined_ranking`).
 - `bmeg-gnn`: the GNN alone: each service's mean node score in the window against its mean
   in the normal period (see `node_score_shift`).
+- `bmeg-window-gcn`: a GCN over the window's service graph, trained on windows simulated from
+  the twin (`bmeg.models.window_gcn`), where the detector's run directory holds one.
 - `firm-svm`: FIRM's SVM scores on the critical path, averaged over the window.
 - `ochiai-spectrum (internal)`: spectrum ranking (Ochiai) of services over anomalous vs normal
   traces; an internal approximation in MicroRank's family, *not* MicroRank (no PageRank
@@ -23,6 +25,7 @@ ranker follows `Ranker`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +34,7 @@ import pandas as pd
 from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
 from bmeg.models.window import combined_ranking, node_score_shift, with_normal_baselines
+from bmeg.models.window_gcn import WINDOW_GCN_FILE, WindowGCN, load_window_gcn, rank_window, service_features
 
 
 class Ranker(Protocol):
@@ -158,6 +162,26 @@ class GnnRanker:
         return _ranking(node_score_shift(self.scores(window), self.scores(normal.forest)))
 
 
+class WindowGcnRanker:
+    """The window GCN (`bmeg.models.window_gcn`): each service's logit from its shifts against
+    the normal period, the GNN's score shift and its callers' and callees' in the window."""
+
+    name = "bmeg-window-gcn"
+
+    def __init__(self, scores: _DetectorScores, model: WindowGCN):
+        self.scores, self.model = scores, model
+
+    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
+        gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
+        return rank_window(self.model, service_features(normal, window, gnn))
+
+
+def window_gcn_of(detector) -> WindowGCN | None:
+    """The window GCN the detector's run directory holds, or None."""
+    path = None if detector.run_dir is None else Path(detector.run_dir) / WINDOW_GCN_FILE
+    return load_window_gcn(path) if path is not None and path.is_file() else None
+
+
 class BmegRanker:
     """B-MEG on a window: `bmeg.models.window.combined_ranking`, the ranker every door of the
     product uses, with the detector's scores shared with the other detector-based rankers."""
@@ -185,4 +209,6 @@ def default_rankers(detector=None, normal: SpanForest | None = None, published: 
     if normal is not None:
         detector = with_normal_baselines(detector, normal)
     scores = _DetectorScores(detector)
-    return [BmegRanker(scores), GnnRanker(scores), FirmSvmRanker(detector), *baselines]
+    window_gcn = window_gcn_of(detector)
+    learned: list[Ranker] = [] if window_gcn is None else [WindowGcnRanker(scores, window_gcn)]
+    return [BmegRanker(scores), GnnRanker(scores), *learned, FirmSvmRanker(detector), *baselines]

@@ -1,0 +1,160 @@
+"""Training the window ranker `bmeg.models.window_gcn.WindowGCN` with no real label.
+
+Every training window is simulated from the application's twin (`twin.yaml` of a run of `bmeg
+bootstrap`): one episode of fault-free traffic, then 1-3 faults of every simulated source
+(and, in a share of windows, a code fault applied to the spans) on the twin's services from a
+moment on. The traces begun before that moment are the window's normal period (as `bmeg evaluate
+rca --recent-traces` compares a window with the traffic just before it), those begun after are
+the window. Each window's features are computed against its normal period with the run's own
+detector (the per-trace GNN's score shift), exactly as the ranker computes them on real windows
+(`service_features`); the faulty services visited by the window are its targets.
+
+The loss is listwise: minus the log of the softmax mass the window's services put on its targets
+(any one of them first is a hit, as the harness scores several faults of one window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from bmeg.faultinject import Fault, TopologySpec, load_topology, simulate, spans_of
+from bmeg.faultinject.codefaults import CODE_FAULTS, apply_code_fault
+from bmeg.faultinject.scenario import SOURCE_PARAMETERS
+from bmeg.graphs.rpc import rpc_view
+from bmeg.models.normal import NormalStats
+from bmeg.models.window import node_score_shift, with_normal_baselines
+from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, WindowGraph, save_window_gcn, service_features
+from bmeg.traces.schema import trace_starts
+
+#: Latency sources the twin simulates (all of `SOURCE_PARAMETERS`).
+SOURCES = tuple(SOURCE_PARAMETERS)
+#: The share of windows that also hold a code fault, and the share of its service's requests it hits.
+CODE_FAULT_WINDOWS = 0.15
+CODE_FAULT_SHARE = 0.5
+#: Traces of a window's normal period and of the window itself (drawn between the two).
+NORMAL_TRACES = (300, 1200)
+WINDOW_TRACES = (300, 1500)
+EPOCH_NS = 1_700_000_000 * 10**9
+
+
+@dataclass(frozen=True)
+class TrainingWindow:
+    graph: WindowGraph
+    targets: list[int]  # indices of the faulty services in graph.services
+
+
+def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int = 0) -> list[TrainingWindow]:
+    """`count` faulted windows simulated from `spec`, with their features read by `detector`
+    (a `bmeg.models.detector.Detector`); windows whose faulty services are never visited are skipped."""
+    rng = np.random.default_rng(seed)
+    rate = spec.workload.rate
+    baseline = rpc_view(spans_of(simulate(spec, [], NORMAL_TRACES[1] / rate, seed), EPOCH_NS, seed))
+    detector = with_normal_baselines(detector, baseline)  # as the harness does with the fixed normal period
+    targets = sorted(name for name, service in spec.services.items() if service.storage is None)
+    windows = []
+    for index in range(count):
+        window = _simulated_window(spec, detector, targets, rng, seed * 100_003 + index + 1)
+        if window is not None:
+            windows.append(window)
+    return windows
+
+
+def _simulated_window(spec: TopologySpec, detector: Any, services: list[str], rng: np.random.Generator,
+                      episode_seed: int) -> TrainingWindow | None:
+    rate = spec.workload.rate
+    before_s = rng.uniform(*NORMAL_TRACES) / rate
+    window_s = rng.uniform(*WINDOW_TRACES) / rate
+    chosen = rng.choice(services, size=min(int(rng.choice([1, 1, 2, 3])), len(services)), replace=False)
+    faults = [_latency_fault(str(service), rng, before_s, before_s + window_s) for service in chosen]
+    spans = spans_of(simulate(spec, faults, before_s + window_s, episode_seed), EPOCH_NS, episode_seed)
+    starts = trace_starts(spans)
+    begun_before = pc.less(starts["start_ns_min"], EPOCH_NS + int(before_s * 1e9))
+    normal_ids, window_ids = starts["trace_id"].filter(begun_before), starts["trace_id"].filter(pc.invert(begun_before))
+    window_spans = spans.filter(pc.is_in(spans["trace_id"], window_ids))
+    faulty = [str(service) for service in chosen]
+    if rng.random() < CODE_FAULT_WINDOWS:
+        service = str(rng.choice(services))
+        coded = apply_code_fault(window_spans, service, str(rng.choice(CODE_FAULTS)), CODE_FAULT_SHARE, rng).spans
+        if coded.num_rows:
+            window_spans, faulty = coded, [*faulty, service]
+    return training_window(detector, spans.filter(pc.is_in(spans["trace_id"], normal_ids)), window_spans, faulty)
+
+
+def _latency_fault(service: str, rng: np.random.Generator, start_s: float, end_s: float) -> Fault:
+    source = str(rng.choice(SOURCES))
+    parameters = {name: float(rng.uniform(lo, hi)) for name, (lo, hi) in SOURCE_PARAMETERS[source].items()}
+    if source == "network":
+        parameters.pop("bandwidth_kbit")  # a delay, as the real lists' network_delay
+    return Fault(service, source, "multiple", start_s, end_s, parameters)
+
+
+def training_window(detector: Any, normal_spans: pa.Table, window_spans: pa.Table,
+                    faulty: list[str]) -> TrainingWindow | None:
+    """One window's graph against its normal period, the `faulty` services it visits its targets."""
+    normal, window = rpc_view(normal_spans), rpc_view(window_spans)
+    if normal.num_traces == 0 or window.num_traces == 0:
+        return None
+    gnn = node_score_shift(detector.score(window, replay=True), detector.score(normal, replay=True))
+    graph = service_features(NormalStats.from_forest(normal), window, gnn)
+    targets = sorted({graph.services.index(service) for service in faulty if service in graph.services})
+    return TrainingWindow(graph, targets) if targets else None
+
+
+def listwise_loss(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    """-log of the softmax mass on the targets: small when one of them comes first."""
+    return -(torch.logsumexp(logits[targets], 0) - torch.logsumexp(logits, 0))
+
+
+def fit_window_gcn(windows: list[TrainingWindow], epochs: int = 60, seed: int = 0, lr: float = 3e-3) -> WindowGCN:
+    """A `WindowGCN` trained on `windows`, one window per step, in a fresh order each epoch."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = WindowGCN()
+    optimiser = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
+    model.train()
+    for _ in range(epochs):
+        for index in rng.permutation(len(windows)):
+            window = windows[index]
+            optimiser.zero_grad()
+            listwise_loss(model(window.graph.x, window.graph.edges), window.targets).backward()
+            optimiser.step()
+    return model.eval()
+
+
+def top1(model: WindowGCN, windows: list[TrainingWindow]) -> float:
+    """The share of windows whose first service is one of its targets."""
+    with torch.no_grad():
+        hits = [int(model(w.graph.x, w.graph.edges).argmax()) in w.targets for w in windows]
+    return float(np.mean(hits)) if hits else float("nan")
+
+
+def feature_top1(feature: str, windows: list[TrainingWindow]) -> float:
+    """`top1` of the rule that ranks by one input feature (e.g. `self_time`, the self-time rule)."""
+    column = FEATURES.index(feature)
+    hits = [int(w.graph.x[:, column].argmax()) in w.targets for w in windows]
+    return float(np.mean(hits)) if hits else float("nan")
+
+
+def train_window_gcn(run_dir: str | Path, windows: int = 300, epochs: int = 60, seed: int = 0) -> tuple[WindowGCN, dict]:
+    """Train the window GCN of a run of `bmeg bootstrap` (its `twin.yaml` and detector) into the
+    run directory (`WINDOW_GCN_FILE`); returns (model, metrics)."""
+    from bmeg.models.detector import Detector
+
+    run_dir = Path(run_dir)
+    detector = Detector.load(run_dir)
+    data = simulated_windows(load_topology(run_dir / "twin.yaml"), detector, windows, seed)
+    held = max(len(data) // 5, 1)
+    model = fit_window_gcn(data[held:], epochs, seed)
+    metrics = {"windows": len(data), "held_out": held, "held_out_top1": top1(model, data[:held]),
+               "train_top1": top1(model, data[held:]), "held_out_self_time_top1": feature_top1("self_time", data[:held]),
+               "held_out_gnn_top1": feature_top1("gnn_shift", data[:held])}
+    model = fit_window_gcn(data, epochs, seed)  # the saved model sees every window
+    save_window_gcn(model, run_dir / WINDOW_GCN_FILE, metrics)
+    return model, metrics
