@@ -13,6 +13,8 @@ import argparse
 import time
 from pathlib import Path
 
+import torch
+
 from bmeg.training.window_gcn import train_window_gcn
 
 
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # small graphs on a shared machine (`fit_window_gcn`)
     for run in args.runs:
         began = time.perf_counter()
         _, metrics = train_window_gcn(run, args.windows, args.epochs, args.seed)
