@@ -256,7 +256,7 @@ class Detector:
         """`CulpritScorer`'s input: [len(traces), width, 3] (`service_deviations`; all traces by
         default, else only `traces`' nodes are read) from the GNN's node features `x`."""
         column = self.encoder.names.index
-        return service_deviations(forest, codes, width, forest.spans["kind"].to_numpy(zero_copy_only=False),
+        return service_deviations(forest, codes, width, forest.spans["kind"],
                                   x[:, column("z_log_self_time_us")].astype(np.float64),
                                   x[:, column("z_log_wait_us")].astype(np.float64), traces)
 

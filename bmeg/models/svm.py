@@ -327,7 +327,8 @@ def node_deviations(x: np.ndarray, feature_names: list[str], deviations: tuple[s
     return np.stack([column(name) for name in deviations], axis=1) if deviations else np.zeros((len(x), 0))
 
 
-def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: np.ndarray, z_self: np.ndarray,
+def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: np.ndarray | pa.ChunkedArray,
+                       z_self: np.ndarray,
                        z_wait: np.ndarray, traces: np.ndarray | None = None) -> np.ndarray:
     """float [T, width, 3]: per trace (of `traces`, in that order; default all) and service (node
     service codes `codes`), the largest robust z-score of each of `CULPRIT_FEATURES` over the
@@ -347,7 +348,8 @@ def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: 
     row_of[traces] = np.arange(len(traces))
     nodes = np.flatnonzero(row_of[forest.trace_index] >= 0)  # a parent is in its child's trace: in `nodes` too
     row, parent = row_of[forest.trace_index[nodes]], forest.parent[nodes]
-    callee = (parent >= 0) & (kind[np.maximum(parent, 0)] == "client") & (kind[nodes] == "server")
+    client, server = _kind_is(kind, "client"), _kind_is(kind, "server")
+    callee = (parent >= 0) & client[np.maximum(parent, 0)] & server[nodes]
     gap_span = np.zeros(forest.num_spans, dtype=bool)
     gap_span[parent[callee]] = True
     blocks = []
@@ -357,6 +359,14 @@ def service_deviations(forest: SpanForest, codes: np.ndarray, width: int, kind: 
         np.maximum.at(largest, (row[mask], codes[nodes][mask]), values[mask])
         blocks.append(np.where(np.isfinite(largest), largest, 0.0))
     return np.stack(blocks, axis=-1)
+
+
+def _kind_is(kind: np.ndarray | pa.ChunkedArray, name: str) -> np.ndarray:
+    """bool [N]: which spans are of kind `name` (compared in Arrow when the kinds are Arrow's:
+    no Python string per span)."""
+    if isinstance(kind, (pa.Array, pa.ChunkedArray)):
+        return pc.equal(kind, name).fill_null(False).to_numpy(zero_copy_only=False)
+    return np.asarray(kind, dtype=object) == name
 
 
 class CulpritScorer(_LinearClassifier):
