@@ -60,6 +60,16 @@ def test_scale_out_is_balanced_and_undone(bed):
     assert system.quota_cores(Path(str(state.processes[service].cgroup))) == pytest.approx(DEFAULT_QUOTA_CORES)
 
 
+def _arms(arms) -> str:
+    """Every arm's figures, its actions and its p95 timeline: what a failure needs to be read (CI
+    once saw a kept scale-out leave the late p95 39x the normal one, in 1 of 6 runs)."""
+    return "\n".join(
+        f"{a.arm}: p95 normal {a.p95_normal_ms:.0f} ms, late median {a.p95_late_median_ms:.0f} ms "
+        f"(x{a.late_over_normal}), traces {a.traces}, actions {a.actions}, "
+        f"timeline {[(round(t), round(p95)) for t, p95, _ in a.timeline]}"
+        for a in arms)
+
+
 def test_closed_loop_mitigation_beats_no_mitigation(bed):
     """The saturated service's quota raised (or it scaled out) and kept, the application's
     late-fault p95 back within 1.5x of normal in every controller arm, and well below the
@@ -89,10 +99,10 @@ def test_closed_loop_mitigation_beats_no_mitigation(bed):
     # latency gone (a mitigation that does nothing leaves the ratio near 1)
     none_late = sum(a.p95_late_median_ms for a in nones)
     bmeg_late = sum(a.p95_late_median_ms for a in bmegs)
-    assert bmeg_late < 0.8 * none_late, f"mitigated {bmegs} vs {nones}"
+    assert bmeg_late < 0.8 * none_late, _arms(report.arms)
     # the issue's target: the late-fault p95 (the median of its 1-s p95s, which a few seconds of
     # other users' load do not move) within 1.5x of the arm's normal one
-    assert all(a.late_over_normal <= 1.5 for a in bmegs), [(a.late_over_normal, a.actions) for a in bmegs]
+    assert all(a.late_over_normal <= 1.5 for a in bmegs), _arms(report.arms)
     # everything the loop did is undone: one instance, the normal quota, no fault
     state = bed.state()
     assert not state.faults and not [r for r in state.processes.values() if r.role == "replica"]
