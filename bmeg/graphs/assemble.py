@@ -33,6 +33,7 @@ spans listed in `dropped`) so a stream of traces can go on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -96,12 +97,51 @@ class SpanForest:
     def num_traces(self) -> int:
         return len(self.trace_ids)
 
-    @property
+    # The derived arrays below are computed once per forest (its arrays are never changed after
+    # `assemble`), read-only: a batch's features, SVM vectors and latencies all read them.
+    @cached_property
     def end_ns(self) -> np.ndarray:
-        return self.start_ns + self.duration_ns
+        return _read_only(self.start_ns + self.duration_ns)
+
+    @cached_property
+    def self_time_ns(self) -> np.ndarray:
+        """Duration of each span not covered by the union of its children (clipped to the span)."""
+        parent = self.parent
+        children = np.flatnonzero(parent >= 0)
+        owner = parent[children]
+        start, end = self.start_ns, self.end_ns
+        low = np.clip(start[children], start[owner], end[owner])
+        high = np.clip(end[children], start[owner], end[owner])
+        order = np.lexsort((low, owner))
+        owner, low, high = owner[order], low[order], high[order]
+        reach = _running_max_within_groups(owner, high)
+        # What each child adds to the union: the part after everything its earlier siblings cover.
+        earlier = np.r_[np.iinfo(np.int64).min, reach[:-1]]
+        earlier[np.r_[True, owner[1:] != owner[:-1]]] = np.iinfo(np.int64).min
+        added = np.maximum(high - np.maximum(low, earlier), 0)
+        covered = np.bincount(owner, weights=added, minlength=self.num_spans)
+        return _read_only(self.duration_ns - covered.astype(np.int64))
 
     def trace_slice(self, trace: int) -> slice:
         return slice(int(self.trace_offsets[trace]), int(self.trace_offsets[trace + 1]))
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False
+    return values
+
+
+def _running_max_within_groups(group: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Running maximum of `values` restarting at each group (groups contiguous, sorted).
+
+    Values are ranked so that (group, rank) packs into one int64 and a plain running max works.
+    """
+    if len(values) == 0:
+        return values
+    distinct, rank = np.unique(values, return_inverse=True)
+    width = np.int64(len(distinct))
+    packed = np.maximum.accumulate(group.astype(np.int64) * width + rank)
+    return distinct[packed - group * width]
 
 
 def assemble(table: pa.Table, *, on_bad_trace: Literal["raise", "drop"] = "raise") -> SpanForest:

@@ -72,9 +72,12 @@ def operation_keys(forest: SpanForest, services: np.ndarray | None = None) -> np
     return operation_key_array(forest, services).to_numpy(zero_copy_only=False)
 
 
-def operation_key_array(forest: SpanForest, services: np.ndarray | None = None) -> pa.Array:
+def operation_key_array(forest: SpanForest, services: np.ndarray | pa.Array | None = None) -> pa.Array:
     """`operation_keys` as one Arrow string array: looked up and grouped in Arrow, no Python strings made."""
-    service = forest.spans["service"] if services is None else pa.array(services, pa.string())
+    if services is None:
+        service = forest.spans["service"]
+    else:
+        service = services if isinstance(services, pa.Array) else pa.array(services, pa.string())
     keys = pc.binary_join_element_wise(service, forest.spans["operation"], "\x1f")
     return keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
 

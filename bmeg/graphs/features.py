@@ -98,32 +98,6 @@ def base_columns(forest: SpanForest, paths: CriticalPaths | None = None) -> dict
 
 
 def self_time_ns(forest: SpanForest) -> np.ndarray:
-    """Duration of each span not covered by the union of its children (clipped to the span)."""
-    n = forest.num_spans
-    parent = forest.parent
-    children = np.flatnonzero(parent >= 0)
-    owner = parent[children]
-    low = np.clip(forest.start_ns[children], forest.start_ns[owner], forest.end_ns[owner])
-    high = np.clip(forest.end_ns[children], forest.start_ns[owner], forest.end_ns[owner])
-    order = np.lexsort((low, owner))
-    owner, low, high = owner[order], low[order], high[order]
-    reach = _running_max_within_groups(owner, high)
-    # What each child adds to the union: the part after everything its earlier siblings cover.
-    earlier = np.r_[np.iinfo(np.int64).min, reach[:-1]]
-    earlier[np.r_[True, owner[1:] != owner[:-1]]] = np.iinfo(np.int64).min
-    added = np.maximum(high - np.maximum(low, earlier), 0)
-    covered = np.bincount(owner, weights=added, minlength=n)
-    return forest.duration_ns - covered.astype(np.int64)
-
-
-def _running_max_within_groups(group: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Running maximum of `values` restarting at each group (groups contiguous, sorted).
-
-    Values are ranked so that (group, rank) packs into one int64 and a plain running max works.
-    """
-    if len(values) == 0:
-        return values
-    distinct, rank = np.unique(values, return_inverse=True)
-    width = np.int64(len(distinct))
-    packed = np.maximum.accumulate(group.astype(np.int64) * width + rank)
-    return distinct[packed - group * width]
+    """Duration of each span not covered by the union of its children (clipped to the span):
+    `SpanForest.self_time_ns`, computed once per forest (read-only)."""
+    return forest.self_time_ns

@@ -26,7 +26,7 @@ import pyarrow as pa
 import torch
 
 from bmeg.diagnosis import Diagnosis
-from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
+from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_key_array
 from bmeg.graphs.critical_path import CriticalPaths
 from bmeg.graphs.features import self_time_ns
 from bmeg.graphs.rpc import rpc_view
@@ -77,6 +77,7 @@ class Scores:
 
     services: list[str]  # columns of the [T, S] matrices
     node_services: np.ndarray  # [N] service of each node (stores split out)
+    node_codes: np.ndarray  # [N] each node's service as its column in `services`
     gnn_anomaly: np.ndarray  # [T] DGCNN P(anomalous)
     gnn_node: np.ndarray  # [N] GCN P(bottleneck) of each node (NaN where the GNN did not run)
     gnn_service: np.ndarray  # [T, S] max GCN node score per service (0 where absent)
@@ -136,13 +137,14 @@ class Detector:
         `history`'s recent nodes and the forest's traces, or with `replay` the forest's
         (`crowd_explained`)."""
         paths = paths or critical_paths(forest)
-        services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+        service_array = node_services(forest, storage_nodes=True)
+        services = service_array.to_numpy(zero_copy_only=False)
         past = None if replay else (history.z_self if history is not None else {})
         x = self.encoder.transform(forest, paths, services, past, context if replay else None)
         codes, names = pd.factorize(services)
         present = np.zeros((forest.num_traces, len(names)), dtype=bool)
         present[forest.trace_index, codes] = True
-        keys = operation_keys(forest, services)
+        keys = operation_key_array(forest, service_array)  # Arrow: looked up and numbered without Python strings
         num_paths = distinct_paths(forest, keys)
         to_svm = self.router.to_svm(present.sum(axis=1), num_paths)
         everything = np.arange(forest.num_traces)
@@ -156,7 +158,7 @@ class Detector:
         # what a history records and the crowd reads of these traces: the model's services only
         recorded = observation.of(self.services) if observation is not None and (history is not None or replay) else None
         raw = Scores(
-            services=list(names), node_services=services, gnn_anomaly=gnn_anomaly, gnn_node=gnn_node,
+            services=list(names), node_services=services, node_codes=codes, gnn_anomaly=gnn_anomaly, gnn_node=gnn_node,
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
             service=gnn_service, observation=recorded,
@@ -213,7 +215,7 @@ class Detector:
         np.maximum.at(service, (forest.trace_index[rows], codes[rows]), probabilities["node"])
         return anomaly, node, service
 
-    def _svm_scores(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray, codes: np.ndarray, present: np.ndarray,
+    def _svm_scores(self, forest: SpanForest, x: np.ndarray, keys: pa.Array, codes: np.ndarray, present: np.ndarray,
                     traces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         anomaly = np.full(forest.num_traces, np.nan)
         service = np.full(present.shape, np.nan)
@@ -254,11 +256,12 @@ class Detector:
         """`CulpritScorer`'s input: [len(traces), width, 3] (`service_deviations`; all traces by
         default, else only `traces`' nodes are read) from the GNN's node features `x`."""
         column = self.encoder.names.index
-        return service_deviations(forest, codes, width, forest.spans["kind"].to_numpy(zero_copy_only=False),
+        return service_deviations(forest, codes, width, forest.spans["kind"],
                                   x[:, column("z_log_self_time_us")].astype(np.float64),
                                   x[:, column("z_log_wait_us")].astype(np.float64), traces)
 
-    def trace_vectors(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray, traces: np.ndarray | None = None,
+    def trace_vectors(self, forest: SpanForest, x: np.ndarray, keys: np.ndarray | pa.Array,
+                      traces: np.ndarray | None = None,
                       services: np.ndarray | None = None) -> np.ndarray:
         """The trace SVM's input: [len(traces), vectorizer columns] (all traces by default) from
         the GNN's node features `x`, and the traces' `culprit_features` (`services`; computed
@@ -271,7 +274,8 @@ class Detector:
         row_of[traces] = np.arange(len(traces))
         nodes = np.flatnonzero(row_of[forest.trace_index] >= 0)
         deviations = self.vectorizer.deviations
-        return self.vectorizer.transform(row_of[forest.trace_index[nodes]], len(traces), keys[nodes],
+        node_keys = keys.take(pa.array(nodes)) if isinstance(keys, pa.Array) else keys[nodes]
+        return self.vectorizer.transform(row_of[forest.trace_index[nodes]], len(traces), node_keys,
                                          self_time_ns(forest)[nodes] / 1e3,
                                          node_deviations(x[nodes], self.encoder.names, deviations) if deviations
                                          else None, services)
@@ -465,9 +469,7 @@ def _ranked_columns(values: np.ndarray, present: np.ndarray, limit: int | None =
 
 def _service_latency_us(forest: SpanForest, scores: Scores) -> np.ndarray:
     """[T, S] each service's self time per trace (µs), in the columns of the score matrices."""
-    column_of = {name: i for i, name in enumerate(scores.services)}
-    column = np.fromiter(map(column_of.__getitem__, scores.node_services), np.int64, forest.num_spans)
-    cells = forest.trace_index * len(scores.services) + column
+    cells = forest.trace_index * len(scores.services) + scores.node_codes
     latency = np.bincount(cells, weights=self_time_ns(forest) / 1e3, minlength=scores.present.size)
     return latency.reshape(scores.present.shape)
 

@@ -137,12 +137,13 @@ class FeatureEncoder:
         """float32 [num_spans, num_features], in `names` order (`services`: node services, if known;
         `past`: the stream's earlier visits per service; `context`: the recorded stream's other
         traces, history only, with `past` None; see the module's docstring)."""
-        columns = _columns(forest, paths)
+        keys = _operation_key_array(forest)  # read twice below: made once
+        columns = _columns(forest, paths, keys)
         if self.variant == "thesis":
             return _stack(columns, SERVICE_TIME_ONLY)
         if not self.keys:
             raise ValueError("FeatureEncoder is not fitted: call fit() on normal traces first")
-        position = self._positions(forest)
+        position = self._positions(forest, keys)
         z, known = self._z_scores(position, columns)
         columns.update({f"z_{name}": z[:, i] for i, name in enumerate(self.baseline_columns)})
         columns["unknown_operation"] = (~known).astype(np.float64)
@@ -160,11 +161,13 @@ class FeatureEncoder:
             columns["z_duration_beyond_siblings"] = beyond_siblings(forest.parent, z[:, 1])
         return _stack(columns, self.names)
 
-    def _positions(self, forest: SpanForest) -> np.ndarray:
+    def _positions(self, forest: SpanForest, keys: pa.Array | None = None) -> np.ndarray:
         """Each span's operation among the baselines' keys, -1 where unknown (looked up in Arrow:
-        pandas' `get_indexer` on Python strings, twice per batch, was ~7% of the consumer's diagnosing)."""
-        keys, _, _ = self._baselines
-        return pc.index_in(_operation_key_array(forest), value_set=keys).fill_null(-1).to_numpy(zero_copy_only=False)
+        pandas' `get_indexer` on Python strings, twice per batch, was ~7% of the consumer's diagnosing);
+        `keys`: the forest's `operation_key_array`, when made already."""
+        known, _, _ = self._baselines
+        keys = _operation_key_array(forest) if keys is None else keys
+        return pc.index_in(keys, value_set=known).fill_null(-1).to_numpy(zero_copy_only=False)
 
     def _raw_deltas(self, position: np.ndarray, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Child count and repeated share minus the operation's normal median (0 where unknown)."""
@@ -256,11 +259,12 @@ def _trace_starts(forest: SpanForest) -> np.ndarray:
     return forest.start_ns[forest.root][forest.trace_index]
 
 
-def _columns(forest: SpanForest, paths: CriticalPaths | None) -> dict[str, np.ndarray]:
+def _columns(forest: SpanForest, paths: CriticalPaths | None, keys: pa.Array | None = None) -> dict[str, np.ndarray]:
     """The graph stage's columns plus `log_wait_us` (start minus the parent's start, 0 at roots)
     and the structure columns: `explained_share` (1 - self time / duration), `log_children`
     (log1p of the child count), `repeated_share` (share of children whose (service, operation)
-    a sibling also has), `cp_share` (exclusive critical-path time over the trace's end-to-end time)."""
+    a sibling also has), `cp_share` (exclusive critical-path time over the trace's end-to-end time).
+    `keys`: the forest's `operation_key_array`, when made already."""
     columns = base_columns(forest, paths)
     parent = forest.parent
     has_parent = parent >= 0
@@ -273,7 +277,8 @@ def _columns(forest: SpanForest, paths: CriticalPaths | None) -> dict[str, np.nd
     columns["log_children"] = np.log1p(children)
     child = np.flatnonzero(has_parent)
     # numbered by Arrow's hashing: np.unique sorted Python strings (~15% of a batch), pandas hashed them
-    key_code = pc.dictionary_encode(_operation_key_array(forest).take(pa.array(child))).indices.to_numpy(zero_copy_only=False)
+    keys = _operation_key_array(forest) if keys is None else keys
+    key_code = pc.dictionary_encode(keys.take(pa.array(child))).indices.to_numpy(zero_copy_only=False)
     # children repeating a sibling's key = children - distinct (parent, key) pairs under each
     # parent: one sort of integers (a pandas groupby cost ~10 µs a trace)
     keys = int(key_code.max(initial=0)) + 1

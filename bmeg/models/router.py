@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from bmeg.graphs import SpanForest
 
@@ -48,10 +50,13 @@ _PRIME = np.int64(1_000_003)
 _MODULUS = np.int64((1 << 61) - 1)
 
 
-def distinct_paths(forest: SpanForest, keys: np.ndarray) -> np.ndarray:
+def distinct_paths(forest: SpanForest, keys: np.ndarray | pa.Array) -> np.ndarray:
     """int64 [T]: distinct root-to-leaf sequences of node keys in each trace."""
     # any consistent numbering will do (only equal paths are counted): hashing, not np.unique's sort of strings
-    codes, _ = pd.factorize(np.asarray(keys, dtype=object))
+    if isinstance(keys, pa.Array):
+        codes = pc.dictionary_encode(keys).indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    else:
+        codes, _ = pd.factorize(np.asarray(keys, dtype=object))
     path = np.zeros(forest.num_spans, dtype=np.int64)
     for depth in range(int(forest.depth.max(initial=0)) + 1):
         level = np.flatnonzero(forest.depth == depth)

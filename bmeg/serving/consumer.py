@@ -39,6 +39,7 @@ trace still in flight from a partition taken away never releases a message read 
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -78,6 +79,11 @@ log = logging.getLogger(__name__)
 ENCODINGS = {"otlp_proto": "application/x-protobuf", "otlp_json": "application/json"}
 #: Batches handed to the diagnosing thread and not yet published: one diagnosed, one waiting.
 MAX_BATCHES_IN_FLIGHT = 2
+#: New container objects between the collector's young-generation passes while consuming (Python's
+#: default: 700). A batch's results (~30 dicts and lists a trace) outlive hundreds of passes at
+#: 700 and are walked again in the older generations: ~19 µs of collection a trace end to end,
+#: ~9 at this setting (measured with `gc.callbacks`, one trace per message).
+YOUNG_OBJECTS_PER_COLLECTION = 20_000
 #: OTLP protobuf messages of one partition read as one (bounds the work redone when one is bad).
 MAX_RUN_MESSAGES = 500
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -185,11 +191,14 @@ class StreamConsumer:
         # sight, the full collections that each batch's thousands of result objects trigger
         # walk only the new objects (they cost as much as the model's forward pass before).
         freeze_heap()
+        thresholds = gc.get_threshold()
+        gc.set_threshold(YOUNG_OBJECTS_PER_COLLECTION, *thresholds[1:])
         try:
             while not stop.is_set():
                 self.step()
         finally:
             self.close()
+            gc.set_threshold(*thresholds)
 
     def step(self) -> None:
         """One poll: take its messages, diagnose the traces that finished, commit when due."""

@@ -331,21 +331,35 @@ def _fields(data: bytes | memoryview) -> list[tuple[int, int, int, int]] | None:
     fields: list[tuple[int, int, int, int]] = []
     at, end = 0, len(data)
     while at < end and len(fields) < _MAX_FIELDS_SCANNED:
-        tag, at = _varint(data, at)
-        if tag is None or tag >> 3 == 0:
+        # a one-byte varint (every tag here, most lengths) read inline: the Kafka consumer checks
+        # each message's encoding, and the calls were most of that check's time
+        tag = data[at]
+        if tag >= 0x80:
+            long_tag, at = _varint(data, at)
+            if long_tag is None:
+                return None
+            tag = long_tag
+        else:
+            at += 1
+        if tag >> 3 == 0:
             return None
         number, wire_type = tag >> 3, tag & 7
-        if wire_type == _VARINT:
+        if wire_type == _LEN:
+            length = data[at] if at < end else 0x80
+            if length >= 0x80:
+                long_length, at = _varint(data, at)
+                if long_length is None:
+                    return None
+                length = long_length
+            else:
+                at += 1
+            after = at + length
+        elif wire_type == _VARINT:
             value, after = _varint(data, at)
             if value is None:
                 return None
         elif wire_type in (_I64, _I32):
             after = at + (8 if wire_type == _I64 else 4)
-        elif wire_type == _LEN:
-            length, at = _varint(data, at)
-            if length is None:
-                return None
-            after = at + length
         else:
             return None  # groups are in none of these messages
         if after > end:
