@@ -13,23 +13,25 @@ on those). What the closed loop acts on is the flag (which traces are slow) and 
 service it acts on), so a cut's quality is its culprit F1: a flagged bottlenecked trace whose
 top-ranked service is a true bottleneck, named one (at or above its model's node threshold and
 a score the closed loop can act on), counts as a hit, whatever the model's score scale
-(`bmeg.training.pipeline.named_culprit`). The GNN alone is kept unless some cut (1) flags
-traces no worse (trace F1) than the GNN alone by more than `tolerance`, and names culprits no
-worse on any one fault source (the loop must handle each; a loss counts where a resample of
-that source's traces keeps it, on a source of at least `MIN_SOURCE_TRACES` bottlenecked traces;
-one check per source, so the share of resamples a loss must hold in follows Holm's step-down
-over the sources checked, `worse_sources`),
-(2) names culprits better overall by more than `tolerance`, and (3) is still ahead in 95% of
-paired resamples of the decision traces (a lead on a few dozen bottlenecked traces is no
-evidence); among such cuts within `tolerance` of the best, the cheapest per trace, measured.
-Where no cut is ahead so, a cut is tied with the GNN alone when the resamples show it no worse:
-in 95% of them its culprit F1 and its trace F1 are no more than `tolerance` below the GNN
-alone's (not merely when the GNN alone fails to be ahead in 95% of them: on a few dozen
-bottlenecked decision traces nothing is ahead in 95%, and absence of evidence took the worse
-model, README issue 17, session 12), and the GNN alone is not ahead in 95% of them either (a
-cut measurably worse, though within the tolerance, is not taken for its cost); a tie goes to
-the cheaper model: the cheapest cut that passes (1) and is tied so. The reason, in words, travels with the router (`why`) into every
-GNN-routed trace's `route`.
+(`bmeg.training.pipeline.named_culprit`); and the loop must handle every kind of fault, whatever
+the decision draw's mix of them, so a cut's quality is its culprit F1 under a uniform mix of
+fault sources (`uniform_mix_culprit_f1`: the mean over the sources of the culprit F1 each
+source's bottlenecked traces give alone at the draw's imbalance; issue 17, session 14: a loss on
+one source may be traded for gains on others, as the mean weighs them). The GNN alone is kept
+unless some cut (1) flags traces no worse (trace F1) than the GNN alone by more than
+`tolerance`, (2) names culprits better under the uniform mix by more than `tolerance`, and (3)
+is still ahead in 95% of paired resamples of the decision traces, resampled within each fault
+source (a lead on a few dozen bottlenecked traces is no evidence); among such cuts within
+`tolerance` of the best, the cheapest per trace, measured. Where no cut is ahead so, a cut is
+tied with the GNN alone when the resamples show it no worse: in 95% of them its culprit F1
+under the uniform mix and its trace F1 are no more than `tolerance` below the GNN alone's (not
+merely when the GNN alone fails to be ahead in 95% of them: on a few dozen bottlenecked
+decision traces nothing is ahead in 95%, and absence of evidence took the worse model, README
+issue 17, session 12), and the GNN alone is not ahead in 95% of them either (a cut measurably
+worse, though within the tolerance, is not taken for its cost); a tie goes to the cheaper
+model: the cheapest cut that passes (1) and is tied so. The reason, in words, names the
+criterion that decided and travels with the router (`why`) into every GNN-routed trace's
+`route`.
 """
 
 from __future__ import annotations
@@ -121,79 +123,85 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
     cost in seconds per trace, measured, optional trace weights (default 1) and fault sources.
 
     Every pair of cuts seen in the data is tried (plus "never the SVM"). A cut's quality is its
-    culprit F1 (`_culprit_f1`). A cut is eligible when its trace F1 is no worse than the GNN
-    alone's by more than `tolerance`, nor its culprit recall on the bottlenecked traces of any
-    one fault source (a lead on the common source must not hide a loss on a rarer one), a loss
-    that holds up when that source's traces are resampled (`worse_sources`: Holm's step-down
-    over the sources checked, so that k sources do not block a cut no worse on each of them in
-    up to 1 - `confidence`^k of decisions); "never" wins unless some eligible cut's quality beats it
-    by more than `tolerance`. Otherwise the cheapest eligible cut within `tolerance` of the best
-    quality is taken, ties to the one sending fewer traces to the SVM, if it holds up when the
-    decision traces are resampled (paired bootstrap, 200 draws with `seed`): in at least
-    `confidence` of the draws it names culprits better than the GNN alone and flags traces no
+    culprit F1 under a uniform mix of the fault sources (`uniform_mix_culprit_f1`: each source
+    weighs the same, whatever the draw's mix; no sources given: one source, the plain culprit
+    F1). A cut is eligible when its trace F1 is no worse than the GNN alone's by more than
+    `tolerance`; "never" wins unless some eligible cut's quality beats it by more than
+    `tolerance`. Otherwise the cheapest eligible cut within `tolerance` of the best quality is
+    taken, ties to the one sending fewer traces to the SVM, if it holds up when the decision
+    traces are resampled within each fault source (paired bootstrap, 200 draws with `seed`): in
+    at least `confidence` of the draws its quality is above the GNN alone's and its trace F1 no
     worse than `tolerance` below it. Else, with `tie_to_cheaper`, the cheapest eligible cut
     cheaper than the GNN alone is taken that is tied with it: whose quality is no worse than the
-    GNN alone's by more than `tolerance`, which in at least `confidence` of the draws names
-    culprits and flags traces no worse than `tolerance` below it, and which the GNN alone beats
-    (names culprits better, or flags traces better by more than `tolerance`) in fewer than
-    `confidence` of them; else (or without `tie_to_cheaper`: decision traces that share the training faults,
-    where a tie says nothing) the GNN alone stays. Returns the router, every candidate with its
-    figures and the reason in words.
+    GNN alone's by more than `tolerance`, which in at least `confidence` of the draws has a
+    quality and a trace F1 no worse than `tolerance` below it, and which the GNN alone beats
+    (a higher quality, or a trace F1 higher by more than `tolerance`) in fewer than `confidence`
+    of them; else (or without `tie_to_cheaper`: decision traces that share the training faults,
+    where a tie says nothing) the GNN alone stays. A loss on one fault source is traded for the
+    gains on others as the uniform mix weighs them (issue 17, session 14; until then any loss
+    that held in resamples blocked a cut): a taken cut's reason names its losses. Returns the
+    router, every candidate with its figures and the reason in words.
     """
     weights = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=np.float64)
     sources = np.full(len(y), "", dtype=object) if sources is None else np.asarray(sources, dtype=object)
+    codes = source_codes(y, sources)
+    count = mixed_sources(codes)
+    mix = f"a uniform mix of {count} fault source{'s' if count != 1 else ''}"
     candidates = [Router()] + [Router(int(s), int(p)) for s in np.unique(services) for p in np.unique(paths)]
     rows: list[dict[str, Any]] = []
-    gnn_routed = _routed(np.zeros(len(y), dtype=bool), y, verdicts, named)
-    checked = checked_sources(y, sources)
+    gnn = _routed(np.zeros(len(y), dtype=bool), y, verdicts, named)
     for router in candidates:
         predicted, right = _routed(router.to_svm(services, paths), y, verdicts, named)
         bottlenecked = weights[y == 1]
         credit = float(np.sum(bottlenecked * right[y == 1]) / np.sum(bottlenecked)) if len(bottlenecked) else 1.0
         share = float(np.mean(router.to_svm(services, paths))) if len(y) else 0.0
-        losses = source_losses(y, (predicted, right), gnn_routed, weights, sources, tolerance, seed)
         rows.append({"max_services": router.max_services, "max_paths": router.max_paths,
-                     "f1": _f1(y, predicted, weights), "culprit_credit": credit, "quality": _culprit_f1(y, predicted, right, weights),
+                     "f1": _f1(y, predicted, weights), "culprit_credit": credit,
+                     "quality": uniform_mix_culprit_f1(codes, predicted, right, weights),
+                     "pooled_culprit_f1": _culprit_f1(y, predicted, right, weights),
                      "share_to_svm": share, "cost_s_per_trace": share * cost_s["svm"] + (1 - share) * cost_s["gnn"],
-                     "by_source": _by_source(y, predicted, right, weights, sources), "source_losses": losses,
-                     "worse_sources": worse_sources(losses, confidence, checked)})
+                     "by_source": _by_source(y, predicted, right, weights, sources)})
     gnn_alone = rows[0]
     # The closed loop acts on the flag (which traces are slow) and on the culprit (the service
     # it acts on): the SVM must name culprits better AND flag traces about as well.
-    flags_as_well = [row for row in rows if row["f1"] >= gnn_alone["f1"] - tolerance]
-    eligible = [row for row in flags_as_well if not row["worse_sources"]]
+    eligible = [row for row in rows if row["f1"] >= gnn_alone["f1"] - tolerance]
     best = max(row["quality"] for row in eligible)
-    overall = max(flags_as_well, key=lambda row: row["quality"])
-    gnn = _routed(np.zeros(len(y), dtype=bool), y, verdicts, named)
+
+    def cut_of(row: dict[str, Any]) -> Router:
+        return Router(int(row["max_services"]), int(row["max_paths"]))
 
     def shares(row: dict[str, Any]) -> tuple[float, float, float]:
-        cut = Router(int(row["max_services"]), int(row["max_paths"]))
-        return _bootstrap_shares(y, weights, _routed(cut.to_svm(services, paths), y, verdicts, named), gnn, tolerance, seed)
+        return _bootstrap_shares(y, weights, codes, _routed(cut_of(row).to_svm(services, paths), y, verdicts, named),
+                                 gnn, tolerance, seed)
 
     def figures(row: dict[str, Any]) -> str:
-        return (f"culprit F1 {row['quality']:.3f} against the GNN alone's {gnn_alone['quality']:.3f}, trace F1 "
-                f"{row['f1']:.3f} against {gnn_alone['f1']:.3f}")
+        return (f"culprit F1 {row['quality']:.3f} against the GNN alone's {gnn_alone['quality']:.3f} (under {mix}; "
+                f"under the draw's own mix {row['pooled_culprit_f1']:.3f} against {gnn_alone['pooled_culprit_f1']:.3f}), "
+                f"trace F1 {row['f1']:.3f} against {gnn_alone['f1']:.3f}")
+
+    def traded(row: dict[str, Any]) -> str:
+        """The taken cut's losses on single fault sources, traded under the uniform mix, or ''."""
+        losses = source_losses(y, _routed(cut_of(row).to_svm(services, paths), y, verdicts, named), gnn, weights,
+                               sources, tolerance, seed)
+        return (f"; worse on faults of {({source: loss_words(figures) for source, figures in losses.items()})} "
+                f"(culprit recall), traded for the gains on the others under the uniform mix" if losses else "")
 
     if best > gnn_alone["quality"] + tolerance:
         row = min((row for row in eligible if row["quality"] >= best - tolerance),
                   key=lambda row: (row["cost_s_per_trace"], row["share_to_svm"]))
         ahead, _, _ = shares(row)
         if ahead >= confidence:
-            return (Router(int(row["max_services"]), int(row["max_paths"])), rows,
-                    f"svm: at most {row['max_services']} services and {row['max_paths']} distinct paths: "
-                    f"{figures(row)}, ahead in {ahead:.0%} of resampled decision sets"
-                    f"{unshown_losses(row['source_losses'], checked, confidence)}")
-        why = (f"gnn: the best cut ({row['max_services']} services, {row['max_paths']} paths) is not reliably better: "
-               f"{figures(row)}, ahead in {ahead:.0%} of resampled decision sets (needs {confidence:.0%})")
-    elif overall["quality"] > gnn_alone["quality"] + tolerance:
-        why = (f"gnn: the cut ({overall['max_services']} services, {overall['max_paths']} paths) names "
-               f"culprits better overall (culprit F1 {overall['quality']:.3f} against "
-               f"{gnn_alone['quality']:.3f}) but worse on faults of {overall['worse_sources']} (culprit recall; Holm's "
-               f"step-down over the {checked} fault sources checked)")
+            return (cut_of(row), rows,
+                    f"svm: at most {row['max_services']} services and {row['max_paths']} distinct paths, by the "
+                    f"lead under a uniform mix of fault sources: {figures(row)}, ahead in {ahead:.0%} of decision "
+                    f"sets resampled within each source (needs {confidence:.0%}){traded(row)}")
+        why = (f"gnn: the best cut ({row['max_services']} services, {row['max_paths']} paths) is not reliably better "
+               f"under a uniform mix of fault sources: {figures(row)}, ahead in {ahead:.0%} of decision sets "
+               f"resampled within each source (needs {confidence:.0%})")
     else:
-        why = (f"gnn: no cut that flags traces as well (trace F1 >= {gnn_alone['f1']:.3f} - "
-               f"{tolerance:g}) names culprits better than the GNN alone by more than {tolerance:g} "
-               f"(culprit F1 {best:.3f} against {gnn_alone['quality']:.3f})")
+        why = (f"gnn: no cut that flags traces as well (trace F1 >= {gnn_alone['f1']:.3f} - {tolerance:g}) names "
+               f"culprits better than the GNN alone under {mix} by more than {tolerance:g} (culprit F1 {best:.3f} "
+               f"against {gnn_alone['quality']:.3f})")
     if not tie_to_cheaper:
         return Router(), rows, why
     # Tied: no model measurably ahead, and the cut measurably no worse. The cuts are chosen "by
@@ -214,18 +222,18 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
         seen.add(key)
         _, no_worse, behind = shares(row)
         if no_worse >= confidence and behind < confidence:
-            return (Router(int(row["max_services"]), int(row["max_paths"])), rows,
-                    f"svm: tied on quality, cheaper: at most {row['max_services']} services and {row['max_paths']} "
-                    f"distinct paths: {figures(row)}, no worse than the GNN alone (within {tolerance:g}) in "
-                    f"{no_worse:.0%} of resampled decision sets (needs {confidence:.0%}), the GNN alone ahead in "
-                    f"{behind:.0%}, "
+            return (cut_of(row), rows,
+                    f"svm: tied on quality, cheaper: at most {row['max_services']} services and "
+                    f"{row['max_paths']} distinct paths: {figures(row)}, no worse than the GNN alone (within "
+                    f"{tolerance:g}) in {no_worse:.0%} of decision sets resampled within each source (needs "
+                    f"{confidence:.0%}), the GNN alone ahead in {behind:.0%}, "
                     f"{row['cost_s_per_trace'] * 1e6:.0f} against {gnn_alone['cost_s_per_trace'] * 1e6:.0f} µs per trace"
-                    f"{unshown_losses(row['source_losses'], checked, confidence)}")
+                    f"{traded(row)}")
         closest = max(closest, (no_worse, behind, row["max_services"], row["max_paths"]))
     shown = (f"; the nearest, {closest[2]} services and {closest[3]} paths, no worse in {closest[0]:.0%}, "
              f"the GNN alone ahead in {closest[1]:.0%}" if closest[0] >= 0 else "")
     return Router(), rows, (f"{why}; nor is a cheaper cut shown tied with it (each flags traces worse, names culprits "
-                            f"worse on a fault source, is no worse than it within {tolerance:g} in fewer than "
+                            f"worse under the uniform mix, is no worse than it within {tolerance:g} in fewer than "
                             f"{confidence:.0%} of resampled decision sets, or is beaten in {confidence:.0%}{shown})")
 
 
@@ -265,7 +273,9 @@ def source_losses(y: np.ndarray, cut: tuple[np.ndarray, np.ndarray], gnn: tuple[
     return losses
 
 
-#: The fewest bottlenecked traces of a fault source on which a loss can block a cut. A resample
+#: The fewest bottlenecked traces of a fault source that the uniform mix weighs as a source
+#: (`source_codes`) and on which a loss can block a cut in the check on sources the decision
+#: draws lack (`worse_sources`). A resample
 #: of n traces keeps a point loss in most draws whatever n: 3 traces the cut gets wrong and the
 #: GNN right are a loss in every resample (the testbed's code+misconfiguration, README issue 17),
 #: yet one such trace moves that source's recall by 1/n. At 15 one trace is 0.067.
@@ -283,7 +293,9 @@ def worse_sources(losses: dict[str, dict[str, float]], confidence: float, checke
                   min_traces: int = MIN_SOURCE_TRACES) -> dict[str, str]:
     """source -> the figures in words, for the `source_losses` on at least `min_traces`
     bottlenecked traces that hold in enough of the resamples: the sources a cut names culprits
-    worse on.
+    worse on (the check on validation faults of the sources the decision draws lack,
+    `bmeg.training.pipeline`; until session 14 also `choose`'s, where a uniform mix of the
+    sources now trades a loss on one for gains on others).
 
     A loss must be shown as a lead must (`_bootstrap_shares`): a source with a few dozen
     bottlenecked traces moves 0.03 per trace, so a point loss of one trace blocked the SVM on
@@ -316,14 +328,45 @@ def loss_words(figures: dict[str, float], needed: float | None = None) -> str:
             f"in {figures['held']:.0%} of resamples" + ("" if needed is None else f" (needs {needed * 100:.4g}%)"))
 
 
-def unshown_losses(losses: dict[str, dict[str, float]], checked: int, confidence: float,
-                   min_traces: int = MIN_SOURCE_TRACES) -> str:
-    """In words, a taken cut's point losses on fault sources (of at least `min_traces`
-    bottlenecked traces) that held in too few resamples to block it (`worse_sources`), or ''."""
-    shown = {source: loss_words(figures) for source, figures in losses.items() if figures["traces"] >= min_traces}
-    return (f"; worse on faults of {shown} (culprit recall), held in too few resamples to block (Holm's "
-            f"step-down over the {checked} fault sources checked: the first needs "
-            f"{holm_share(confidence, checked) * 100:.4g}%)" if shown else "")
+def source_codes(y: np.ndarray, sources: np.ndarray, min_traces: int = MIN_SOURCE_TRACES) -> np.ndarray:
+    """int [T]: each bottlenecked trace's fault source numbered 0..k-1 among the sources of at
+    least `min_traces` bottlenecked traces (the uniform mix's sources), -2 on a bottlenecked trace
+    of a smaller source, -1 on a normal trace. Where no source is that large (or none is given),
+    every bottlenecked trace is of one source, 0."""
+    bottlenecked = np.asarray(y) == 1
+    _, numbers, counts = np.unique(np.asarray(sources, dtype=object)[bottlenecked].astype(str),
+                                   return_inverse=True, return_counts=True)
+    large = counts >= min_traces
+    codes = np.full(len(bottlenecked), -1, dtype=np.int64)
+    # below the floor a resample keeps a point loss whatever its size (`MIN_SOURCE_TRACES`): such
+    # a source, weighed as much as one of hundreds of traces, would decide on a handful's noise
+    codes[bottlenecked] = np.where(large, np.cumsum(large) - 1, -2)[numbers] if large.any() else 0
+    return codes
+
+
+def mixed_sources(codes: np.ndarray) -> int:
+    """How many fault sources the uniform mix weighs (`source_codes`)."""
+    return int(codes.max(initial=-1)) + 1
+
+
+def uniform_mix_culprit_f1(codes: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights: np.ndarray) -> float:
+    """The culprit F1 (`_culprit_f1`) under a uniform mix of fault sources: the mean over the
+    sources of `codes` (`source_codes`) of the culprit F1 of that source's bottlenecked traces
+    alone, weighed up to all the bottlenecked traces' weight, beside every normal trace (so each
+    source at the draw's imbalance, and the draw's mix of sources decides nothing). One source:
+    the plain culprit F1 of its bottlenecked and the normal traces."""
+    sources = mixed_sources(codes)
+    if sources == 0:
+        return 0.0
+    mixed = codes >= 0
+
+    def per_source(values: np.ndarray) -> np.ndarray:
+        return np.bincount(codes[mixed], (weights * values)[mixed], minlength=sources)
+
+    targets, hits, claims = per_source(np.ones(len(codes))), per_source(predicted * right), per_source(predicted)
+    false_claims = float(np.sum((weights * predicted)[codes == -1]))
+    scale = np.sum(targets) / np.maximum(targets, 1e-12)  # each source weighed up to every mixed bottlenecked trace
+    return float(np.mean(2 * scale * hits / np.maximum(scale * (claims + targets) + false_claims, 1e-12)))
 
 
 def _by_source(y: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights: np.ndarray,
@@ -336,20 +379,24 @@ def _by_source(y: np.ndarray, predicted: np.ndarray, right: np.ndarray, weights:
     return figures
 
 
-def _bootstrap_shares(y: np.ndarray, weights: np.ndarray, cut: tuple[np.ndarray, np.ndarray],
+def _bootstrap_shares(y: np.ndarray, weights: np.ndarray, codes: np.ndarray, cut: tuple[np.ndarray, np.ndarray],
                       gnn: tuple[np.ndarray, np.ndarray], tolerance: float, seed: int,
                       draws: int = 200) -> tuple[float, float, float]:
-    """The shares of paired resamples of the decision traces in which `cut` is ahead (names
-    culprits better than `gnn` and flags traces no worse than `tolerance` below it), in which it
-    is no worse (names culprits and flags traces no worse than `tolerance` below `gnn`), and in
-    which `gnn` is ahead (names culprits better than `cut`, or flags traces better by more than
-    `tolerance`)."""
+    """The shares of paired resamples of the decision traces, resampled within each fault source
+    of `codes` (`source_codes`; the normal traces one stratum, the small sources' another), in
+    which `cut` is ahead (a culprit F1 under the uniform mix (`uniform_mix_culprit_f1`) above
+    `gnn`'s and a trace F1 no worse than `tolerance` below it), in which it is no worse (both no
+    worse than `tolerance` below `gnn`'s), and in which `gnn` is ahead (a culprit F1 under the
+    uniform mix above `cut`'s, or a trace F1 above it by more than `tolerance`)."""
     rng = np.random.default_rng(seed)
+    strata = [np.flatnonzero(codes == code) for code in np.unique(codes)]
     ahead = no_worse = behind = 0
     for _ in range(draws):
-        pick = rng.integers(0, len(y), len(y))
-        yy, ww = y[pick], weights[pick]
-        cut_f1, gnn_f1 = _culprit_f1(yy, cut[0][pick], cut[1][pick], ww), _culprit_f1(yy, gnn[0][pick], gnn[1][pick], ww)
+        pick = np.concatenate([stratum[rng.integers(0, len(stratum), len(stratum))] for stratum in strata]
+                              ) if strata else np.zeros(0, dtype=np.int64)
+        yy, ww, cc = y[pick], weights[pick], codes[pick]
+        cut_f1 = uniform_mix_culprit_f1(cc, cut[0][pick], cut[1][pick], ww)
+        gnn_f1 = uniform_mix_culprit_f1(cc, gnn[0][pick], gnn[1][pick], ww)
         cut_flags, gnn_flags = _f1(yy, cut[0][pick], ww), _f1(yy, gnn[0][pick], ww)
         ahead += int(cut_f1 > gnn_f1 and cut_flags >= gnn_flags - tolerance)
         no_worse += int(cut_f1 >= gnn_f1 - tolerance and cut_flags >= gnn_flags - tolerance)
