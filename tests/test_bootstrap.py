@@ -1,6 +1,7 @@
 """`bmeg.evaluation.bootstrap`: normal traces -> twin -> trained, calibrated model on disk."""
 
 import json
+from dataclasses import replace
 import shutil
 
 import pyarrow as pa
@@ -22,6 +23,7 @@ from bmeg.faultinject.twin import simulated_spans
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats
+from bmeg.models.router import Router
 from bmeg.models.window import WindowDetector, WindowRanker
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.serving.app import create_app
@@ -75,6 +77,29 @@ def test_a_bootstrapped_model_ranks_a_window_against_the_normal_traces_it_kept(b
     harness = default_rankers(Detector.load(run_dir), rpc_view(kept), published=False)[0]
     measured = harness.rank(rpc_view(recorded.spans), NormalStats.from_forest(rpc_view(kept)))
     assert harness.name == "bmeg" and [service for service, _ in measured] == [s.service for s in expected]
+
+
+def test_a_windows_gnn_ranking_is_the_gnns_whatever_the_router_sends_to_the_svm(bootstrapped):
+    """The window rankers read the GNN's node score of every trace: a router that sends every
+    trace to the SVM ranks a window as one that sends none, in the harness (`bmeg`, `bmeg-gnn`)
+    and in the product's `diagnose(window=True)` (a bootstrap whose router took the SVM for the
+    small graphs once left the GNN's window score reading 4% of the traces)."""
+    recorded, _, run_dir, _, _ = bootstrapped
+    kept = read_spans(run_dir / NORMAL_TRACES_FILE, format="parquet")
+    normal, window = rpc_view(kept), rpc_view(recorded.spans)
+    detector = Detector.load(run_dir, device="cpu")
+    rankings = {}
+    for name, router in (("gnn", Router()), ("svm", Router.everything())):
+        routed = replace(detector, router=router)
+        harness = default_rankers(routed, normal, published=False)[:2]
+        rankings[name] = {ranker.name: [s for s, _ in ranker.rank(window, NormalStats.from_forest(normal))]
+                          for ranker in harness}
+        diagnosis = routed.diagnose(recorded.spans, window=True, replay=True, ranker=WindowRanker(routed, kept))
+        rankings[name]["diagnose"] = [entry.service for entry in diagnosis.ranking]
+        rankings[name]["routed to the svm"] = bool(all(t.model == "svm" for t in diagnosis.traces))
+    assert list(rankings["gnn"]) == ["bmeg", "bmeg-gnn", "diagnose", "routed to the svm"]
+    assert rankings["svm"].pop("routed to the svm") and not rankings["gnn"].pop("routed to the svm")
+    assert rankings["svm"] == rankings["gnn"]
 
 
 @pytest.fixture(scope="module")

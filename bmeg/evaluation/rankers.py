@@ -33,7 +33,7 @@ import pandas as pd
 
 from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import combined_ranking, node_score_shift, with_normal_baselines
+from bmeg.models.window import combined_ranking, gnn_window_scores, node_score_shift, with_normal_baselines
 from bmeg.models.window_gcn import WINDOW_GCN_FILE, WindowGCN, load_window_gcn, rank_window, service_features
 
 
@@ -127,7 +127,7 @@ class _DetectorScores:
         held = self._held.pop(id(window), None)
         if held is None or held[0] is not window:
             # the window is a recorded slice of a stream: each trace reads the window's earlier traces
-            held = (window, self.detector.score(window, replay=True))
+            held = (window, gnn_window_scores(self.detector, window))
         # the two used last stay, the latest at the end
         self._held = {**dict(list(self._held.items())[-1:]), id(window): held}
         return held[1]

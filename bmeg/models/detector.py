@@ -318,7 +318,10 @@ class Detector:
         `bmeg.diagnosis.single_trace_json`) skips building the typed objects."""
         forest = spans if isinstance(spans, SpanForest) else assemble(spans, on_bad_trace="raise")
         paths = critical_paths(forest)
-        scores = self.score(forest, paths, history, replay=replay, crowd=True)
+        # a window ranked against a normal period reads the GNN's node scores of every trace
+        # (`gnn_window_scores`); each trace's verdict is still its routed model's
+        ranked = window and ranker is not None
+        scores = self.score(forest, paths, history, replay=replay, crowd=True, all_models=ranked)
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
             history.record(scores.observation)

@@ -114,7 +114,7 @@ class WindowRanker:
             raise TraceInputError("the normal period holds no complete trace to compare a window with")
         self.stats = NormalStats.from_forest(forest)
         self.detector = with_normal_baselines(detector, forest)
-        self.normal_scores = self.detector.score(forest, replay=True)
+        self.normal_scores = gnn_window_scores(self.detector, forest)
         self.health, self.health_stats = HealthBound.of(forest), self.stats
         self.method = WINDOW_NORMAL_PERIOD
 
@@ -136,7 +136,7 @@ class WindowRanker:
             return self
         ranker = copy.copy(self)
         ranker.stats = NormalStats.from_forest(forest)
-        ranker.normal_scores = self.detector.score(forest, replay=True)
+        ranker.normal_scores = gnn_window_scores(self.detector, forest)
         ranker.method = WINDOW_RECENT_TRAFFIC
         return ranker
 
@@ -148,8 +148,9 @@ class WindowRanker:
 
     def rank(self, window: SpanForest, window_scores: Scores | None = None) -> Ranking:
         """`combined_ranking` of a window in the RPC view; `window_scores`, when given, are this
-        ranker's detector's replayed scores of it (`scores_reusable`)."""
-        scores = window_scores if window_scores is not None else self.detector.score(window, replay=True)
+        ranker's detector's replayed scores of it with the GNN's node score of every trace
+        (`scores_reusable`)."""
+        scores = window_scores if window_scores is not None else gnn_window_scores(self.detector, window)
         return combined_ranking(self.stats, window, scores, self.normal_scores)
 
     def ranking(self, window: pa.Table | SpanForest,
@@ -163,6 +164,14 @@ class WindowRanker:
         named = health is None or not health.healthy
         return [ServiceScore(service=service, score=1.0 / rank, bottleneck=named and rank == 1)
                 for rank, (service, _) in enumerate(ranked, start=1)], health
+
+
+def gnn_window_scores(detector: Detector, forest: SpanForest) -> Scores:
+    """The detector's replayed scores of a window (or of its normal period) with the GNN run on
+    every trace: a window's GNN ranking (`node_score_shift`) is the GNN's, whichever traces the
+    router sends to the SVM (a bootstrap whose router took the SVM for the small graphs left the
+    GNN's node scores NaN on 96% of a window's traces, and the ranking read the other 4%)."""
+    return detector.score(forest, replay=True, all_models=True)
 
 
 def latest_before(spans: pa.Table, start_ns: int, traces: int = RECENT_TRACES,

@@ -29,7 +29,7 @@ from bmeg.faultinject.codefaults import CODE_FAULTS, apply_code_fault
 from bmeg.faultinject.scenario import SOURCE_PARAMETERS
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.normal import NormalStats
-from bmeg.models.window import node_score_shift, with_normal_baselines
+from bmeg.models.window import gnn_window_scores, node_score_shift, with_normal_baselines
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, WindowGraph, save_window_gcn, service_features
 from bmeg.traces.schema import trace_starts
 
@@ -101,7 +101,7 @@ def training_window(detector: Any, normal_spans: pa.Table, window_spans: pa.Tabl
     normal, window = rpc_view(normal_spans), rpc_view(window_spans)
     if normal.num_traces == 0 or window.num_traces == 0:
         return None
-    gnn = node_score_shift(detector.score(window, replay=True), detector.score(normal, replay=True))
+    gnn = node_score_shift(gnn_window_scores(detector, window), gnn_window_scores(detector, normal))
     graph = service_features(NormalStats.from_forest(normal), window, gnn)
     targets = sorted({graph.services.index(service) for service in faulty if service in graph.services})
     return TrainingWindow(graph, targets) if targets else None
