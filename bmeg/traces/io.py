@@ -331,28 +331,14 @@ def _fields(data: bytes | memoryview) -> list[tuple[int, int, int, int]] | None:
     fields: list[tuple[int, int, int, int]] = []
     at, end = 0, len(data)
     while at < end and len(fields) < _MAX_FIELDS_SCANNED:
-        # a one-byte varint (every tag here, most lengths) read inline: the Kafka consumer checks
-        # each message's encoding, and the calls were most of that check's time
-        tag = data[at]
-        if tag >= 0x80:
-            long_tag, at = _varint(data, at)
-            if long_tag is None:
-                return None
-            tag = long_tag
-        else:
-            at += 1
-        if tag >> 3 == 0:
+        tag, at = _varint(data, at)
+        if tag is None or tag >> 3 == 0:
             return None
         number, wire_type = tag >> 3, tag & 7
         if wire_type == _LEN:
-            length = data[at] if at < end else 0x80
-            if length >= 0x80:
-                long_length, at = _varint(data, at)
-                if long_length is None:
-                    return None
-                length = long_length
-            else:
-                at += 1
+            length, at = _varint(data, at)
+            if length is None:
+                return None
             after = at + length
         elif wire_type == _VARINT:
             value, after = _varint(data, at)
@@ -370,6 +356,10 @@ def _fields(data: bytes | memoryview) -> list[tuple[int, int, int, int]] | None:
 
 
 def _varint(data: bytes | memoryview, at: int) -> tuple[int | None, int]:
+    # a one-byte varint (every tag here, most lengths) first: the Kafka consumer checks each
+    # message's encoding, and the loop was most of that check's time
+    if at < len(data) and data[at] < 0x80:
+        return data[at], at + 1
     value, shift = 0, 0
     while at < len(data) and shift < 64:
         byte = data[at]
