@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
@@ -10,7 +12,7 @@ import torch
 
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
-from bmeg.models.checkpoint import refuse_pickles
+from bmeg.models.checkpoint import CheckpointError, refuse_pickles
 from bmeg.models.normal import NormalStats
 from bmeg.models.window_gcn import (FEATURES, WINDOW_GCN_FILE, WindowGCN, load_window_gcn, rank_window,
                                     save_window_gcn, service_features)
@@ -74,4 +76,21 @@ def test_saved_and_loaded_without_pickle_it_ranks_the_same(windows, tmp_path):
     state = torch.load(path, weights_only=True)
     torch.save({**state, "features": ["other"]}, path)
     with pytest.raises(ValueError, match="other features"):
+        load_window_gcn(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00garbage" * 100, pickle.dumps({"format": "x"}), b"PK\x03\x04truncated"])
+def test_a_damaged_or_foreign_window_gcn_file_is_refused_with_its_path(content, tmp_path):
+    path = tmp_path / WINDOW_GCN_FILE
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_window_gcn(path)
+
+
+def test_a_window_gcn_of_another_shape_is_refused(windows, tmp_path):
+    path = tmp_path / WINDOW_GCN_FILE
+    save_window_gcn(fit_window_gcn(windows[:2], epochs=1, seed=0), path)
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "config": {"unknown": 1}}, path)
+    with pytest.raises(CheckpointError, match="not a bmeg window GCN"):
         load_window_gcn(path)

@@ -58,6 +58,18 @@ def _starts_like_a_pickle(path: Path) -> bool:
     return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
+def load_tensor_dict(path: Path, format_name: str, what: str) -> dict[str, Any]:
+    """The dict of tensors and plain values saved at `path` with `"format": format_name`, read by
+    torch's restricted unpickler; CheckpointError naming `what` it should be otherwise."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises many types for damaged, foreign or unsafe files
+        raise CheckpointError(f"{path} is not {what} ({type(error).__name__}: {error})") from error
+    if not isinstance(state, dict) or state.get("format") != format_name:
+        raise CheckpointError(f"{path} is not {what}")
+    return state
+
+
 def load_checkpoint(run_dir: Path, *, application: str | None = None) -> dict[str, Any]:
     """The saved state; CheckpointError with the reason when it cannot (or must not) be used."""
     run_dir = Path(run_dir)
@@ -65,12 +77,7 @@ def load_checkpoint(run_dir: Path, *, application: str | None = None) -> dict[st
     if not model_path.is_file():
         raise CheckpointError(f"no model at {model_path}: train one with `bmeg train --out {run_dir}`")
     refuse_pickles(run_dir)
-    try:
-        state = torch.load(model_path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises many types for damaged, foreign or unsafe files
-        raise CheckpointError(f"{model_path} is not a bmeg checkpoint ({type(error).__name__}: {error})") from error
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{model_path} is not a bmeg checkpoint")
+    state = load_tensor_dict(model_path, FORMAT, "a bmeg checkpoint")
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{model_path} has checkpoint format {state.get('format_version')} "

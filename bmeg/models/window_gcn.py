@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch_geometric.nn import GCNConv
 
 from bmeg.graphs import SpanForest, node_services
+from bmeg.models.checkpoint import CheckpointError, load_tensor_dict
 from bmeg.models.normal import NormalStats, Ranking
 
 #: The file of a run directory that holds the window GCN.
@@ -143,12 +144,14 @@ def save_window_gcn(model: WindowGCN, path: Path, metrics: dict | None = None) -
 
 
 def load_window_gcn(path: Path) -> WindowGCN:
-    """The model saved at `path` (`save_window_gcn`); ValueError for another format or feature list."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != WINDOW_GCN_FORMAT:
-        raise ValueError(f"{path} is not a bmeg window GCN")
-    if state["features"] != list(FEATURES):
-        raise ValueError(f"{path} was trained on other features ({state['features']}): retrain it")
-    model = WindowGCN(**state["config"])
-    model.load_state_dict(state["weights"])
+    """The model saved at `path` (`save_window_gcn`); CheckpointError (a ValueError) for a damaged
+    or foreign file, another format or another feature list."""
+    state = load_tensor_dict(path, WINDOW_GCN_FORMAT, "a bmeg window GCN")
+    if state.get("features") != list(FEATURES):
+        raise CheckpointError(f"{path} was trained on other features ({state.get('features')}): retrain it")
+    try:
+        model = WindowGCN(**state["config"])
+        model.load_state_dict(state["weights"])
+    except (KeyError, TypeError, RuntimeError) as error:  # a config or weights of another shape
+        raise CheckpointError(f"{path} is not a bmeg window GCN ({type(error).__name__}: {error})") from error
     return model.eval()
