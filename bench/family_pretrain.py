@@ -9,9 +9,9 @@ started from a family-pretrained run (`bmeg bootstrap --pretrained`):
 
 Every model is scored on the same windows by the rankers of `bmeg evaluate rca` that depend on
 it, `bmeg` (the combined ranker), `bmeg-gnn` (the GNN alone) and, where the run directory holds
-one, `bmeg-window-gcn` (`bench/window_gcn.py` trains it), named `<ranker>[<model>]`;
-the self-time and structure-shift rules, which need no model, once. `--simulated` simulates the faults as
-`bmeg evaluate rca-sim` does (one episode per service and source, a normal period of twice the
+one, `bmeg-window-gcn` (`bench/window_gcn.py` trains it), named `<ranker>[<model>]`, and any
+window GCN file given with `--window-gcn LABEL=FILE` (on the first model's GNN scores); the self-time and
+structure-shift rules, which need no model, once. `--simulated` simulates the faults as `bmeg evaluate rca-sim` does (one episode per service and source, a normal period of twice the
 window). Prints AC@1 / Avg@5 per fault group (latency faults, code faults, all).
 """
 
@@ -33,6 +33,7 @@ from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats, Ranking
+from bmeg.models.window_gcn import load_window_gcn
 from bmeg.models.window import with_normal_baselines
 from bmeg.traces.io import read_spans
 
@@ -47,7 +48,7 @@ class Named:
         return self.ranker.rank(window, normal)
 
 
-def rankers(models: dict[str, Path], normal: SpanForest) -> list:
+def rankers(models: dict[str, Path], normal: SpanForest, window_gcns: dict[str, Path] | None = None) -> list:
     chosen: list = []
     for label, run_dir in models.items():
         detector = Detector.load(run_dir)
@@ -56,6 +57,9 @@ def rankers(models: dict[str, Path], normal: SpanForest) -> list:
         window_gcn = window_gcn_of(detector)
         if window_gcn is not None:
             chosen.append(Named(WindowGcnRanker(scores, window_gcn), f"bmeg-window-gcn[{label}]"))
+        if label == next(iter(models)):  # other window GCN files read the first model's GNN scores
+            chosen += [Named(WindowGcnRanker(scores, load_window_gcn(path)), f"bmeg-window-gcn[{name}]")
+                       for name, path in (window_gcns or {}).items()]
     return [*chosen, SelfTimeRanker(), StructureRanker()]
 
 
@@ -71,6 +75,8 @@ def main() -> None:
     parser.add_argument("--simulated", type=Path, help="a topology spec: simulate its faults instead")
     parser.add_argument("--window-seconds", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--window-gcn", action="append", default=[],
+                        help="LABEL=FILE: one more window GCN file, scored with the first model's GNN (repeat)")
     parser.add_argument("--json", type=Path, help="also write the harness's whole report (every fault's ranks) here")
     args = parser.parse_args()
     models = {label: Path(run) for label, _, run in (given.partition("=") for given in args.model)}
@@ -85,7 +91,8 @@ def main() -> None:
                 parser.error("give --traces, --faults and --normal, or --simulated")
             normal, files, faults, minutes = rpc_view(read_spans(args.normal)), TraceFiles(args.traces), \
                 read_fault_list(args.faults, 2), args.window_minutes
-        chosen = rankers(models, normal)
+        chosen = rankers(models, normal, {label: Path(file) for label, _, file in
+                                          (given.partition("=") for given in args.window_gcn)})
         results = run_rca(files, faults, normal, chosen, minutes, progress=False, recent_traces=args.recent_traces)
         summary = report(results, [r.name for r in chosen], files, minutes)
     if args.json is not None:

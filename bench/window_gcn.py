@@ -2,7 +2,14 @@
 from each run's twin (no real label), into each run directory, and print how often its first
 service is a faulty one on held-out simulated windows:
 
-    python bench/window_gcn.py RUN_DIR [RUN_DIR ...] [--windows 300] [--epochs 60] [--seed 0]
+    python bench/window_gcn.py RUN_DIR [RUN_DIR ...] [--windows 300] [--epochs 60] [--seed 0] \
+        [--code-alone 0.2] [--weight-decay 1e-4] [--without gnn_shift gnn_lead] [--cache DIR]
+
+`--cache DIR` keeps each run's simulated windows (DIR/<run>-<windows>-<code-alone>-s<seed>.pt) and
+reads them back when they are there: simulating them is most of the time. `--compare N` trains
+nothing into the runs: it fits settings side by side on the same windows and prints their top-1
+on N held-out windows simulated apart (another seed), latency windows and code-alone windows
+apart, after 10-`--epochs` epochs, with the fit's time (`bench/window_gcn.py RUN --compare 150`).
 
 `bench/family_pretrain.py` and `bmeg evaluate rca` then score it as `bmeg-window-gcn`.
 """
@@ -15,7 +22,61 @@ from pathlib import Path
 
 import torch
 
-from bmeg.training.window_gcn import train_window_gcn
+from bmeg.faultinject import load_topology
+from bmeg.models.detector import Detector
+from bmeg.models.window_gcn import FEATURES
+from bmeg.training.window_gcn import (FitSettings, TrainingWindow, feature_top1, fit_window_gcn, load_windows,
+                                      save_windows, simulated_windows, top1, train_window_gcn)
+
+#: held-out seeds are apart from every training seed
+HELD_OUT_SEED = 1000
+GNN_INPUTS = ("gnn_shift", "gnn_lead")
+
+
+def windows_of(run: Path, count: int, seed: int, code_alone: float, cache: Path | None) -> list[TrainingWindow]:
+    path = None if cache is None else cache / f"{run.name}-{count}-{code_alone:g}-s{seed}.pt"
+    if path is not None and path.is_file():
+        return load_windows(path)
+    began = time.perf_counter()
+    windows = simulated_windows(load_topology(run / "twin.yaml"), Detector.load(run), count, seed, code_alone)
+    print(f"{run}: simulated {len(windows)} windows (seed {seed}) in {time.perf_counter() - began:.0f} s", flush=True)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_windows(windows, path)
+    return windows
+
+
+def compare(run: Path, pool: list[TrainingWindow], held: list[TrainingWindow], settings: FitSettings, seed: int) -> None:
+    """Fit settings side by side on `pool` and print their held-out top-1 per epoch checkpoint."""
+    latency, code = [w for w in held if not w.code_alone], [w for w in held if w.code_alone]
+    print(f"{run}: held out {len(latency)} latency windows, {len(code)} code-alone; rules on the latency ones: "
+          f"self time {feature_top1('self_time', latency):.3f}, GNN shift {feature_top1('gnn_shift', latency):.3f}; "
+          f"on the code-alone ones: errors {feature_top1('errors_beyond_noise', code):.3f}", flush=True)
+    plain = [w for w in pool if not w.code_alone]
+    without_gnn = tuple(f for f in FEATURES if f not in GNN_INPUTS)
+    variants = {
+        "100 windows, no code-alone (session 14)": (plain[:100], settings),
+        f"{len(plain)} windows, no code-alone": (plain, settings),
+        f"{len(pool)} windows with code-alone": (pool, settings),
+        "  the same, weight decay 1e-3": (pool, FitSettings(settings.epochs, settings.lr, 1e-3, settings.features)),
+        "  the same, weight decay 1e-2": (pool, FitSettings(settings.epochs, settings.lr, 1e-2, settings.features)),
+        "  the same, lr 1e-3": (pool, FitSettings(settings.epochs, 1e-3, settings.weight_decay, settings.features)),
+        "  the same, without the GNN's shift": (pool, FitSettings(settings.epochs, settings.lr, settings.weight_decay,
+                                                                  without_gnn)),
+    }
+    checkpoints = sorted({10, 20, 40, settings.epochs} & set(range(1, settings.epochs + 1)))
+    for name, (train, chosen) in variants.items():
+        curve: dict[int, tuple[float, float]] = {}
+
+        def follow(epoch: int, model, curve=curve) -> None:
+            if epoch in checkpoints:
+                curve[epoch] = (top1(model, latency), top1(model, code))
+
+        began = time.perf_counter()
+        model = fit_window_gcn(train, seed=seed, settings=chosen, after_epoch=follow)
+        cells = " ".join(f"e{e} {lat:.3f}/{cod:.3f}" for e, (lat, cod) in curve.items())
+        print(f"{run}: {name}: held-out latency/code top-1 {cells}; train {top1(model, train):.2f}; "
+              f"fit {time.perf_counter() - began:.0f} s", flush=True)
 
 
 def main() -> None:
@@ -24,14 +85,27 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=300)
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--code-alone", type=float, default=0.0, help="share of windows with a code fault alone")
+    parser.add_argument("--weight-decay", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--without", nargs="*", default=[], choices=FEATURES, help="inputs left out (an ablation)")
+    parser.add_argument("--cache", type=Path, help="a folder for the simulated windows")
+    parser.add_argument("--compare", type=int, metavar="N", help="compare settings on N held-out windows")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small graphs on a shared machine (`fit_window_gcn`)
+    settings = FitSettings(args.epochs, args.lr, args.weight_decay, tuple(f for f in FEATURES if f not in args.without))
     for run in args.runs:
         began = time.perf_counter()
-        _, metrics = train_window_gcn(run, args.windows, args.epochs, args.seed)
-        print(f"{run}: {metrics['windows']} windows, held-out top-1 {metrics['held_out_top1']:.2f} "
-              f"(train {metrics['train_top1']:.2f}; the self-time rule {metrics['held_out_self_time_top1']:.2f}, "
-              f"the GNN's shift {metrics['held_out_gnn_top1']:.2f}), {time.perf_counter() - began:.0f} s", flush=True)
+        windows = windows_of(run, args.windows, args.seed, args.code_alone, args.cache)
+        if args.compare:
+            held = windows_of(run, args.compare, HELD_OUT_SEED + args.seed, args.code_alone, args.cache)
+            compare(run, windows, held, settings, args.seed)
+            continue
+        _, metrics = train_window_gcn(run, windows, seed=args.seed, settings=settings)
+        print(f"{run}: {metrics['windows']} windows ({metrics['code_alone_windows']} code-alone), held-out top-1 "
+              f"{metrics['held_out_top1']:.2f} (train {metrics['train_top1']:.2f}; the self-time rule "
+              f"{metrics['held_out_self_time_top1']:.2f}, the GNN's shift {metrics['held_out_gnn_top1']:.2f}), "
+              f"{time.perf_counter() - began:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

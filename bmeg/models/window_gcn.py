@@ -108,8 +108,17 @@ def _call_edges(window: SpanForest, nodes: np.ndarray, index: dict[str, int]) ->
 class WindowGCN(nn.Module):
     """Per-service logits of one window's service graph (`WindowGraph`)."""
 
-    def __init__(self, in_channels: int = len(FEATURES), hidden_channels: int = 32, layers: int = 2):
+    def __init__(self, hidden_channels: int = 32, layers: int = 2, features: tuple[str, ...] | list[str] = FEATURES,
+                 in_channels: int | None = None):
         super().__init__()
+        unknown = [name for name in features if name not in FEATURES]
+        if unknown or not features:
+            raise ValueError(f"a window GCN reads some of {FEATURES}, not {list(features)}")
+        if in_channels is not None and in_channels != len(features):  # session 14's files name only the count
+            raise ValueError(f"{in_channels} input channels for {len(features)} features")
+        in_channels = len(features)
+        # the columns of `service_features`' x it reads (an ablation drops some); not a weight
+        self.columns = [FEATURES.index(name) for name in features]
         self.embed = nn.Linear(in_channels, hidden_channels)
         # callees' messages to their callers and callers' to their callees, apart
         self.up = nn.ModuleList([GCNConv(hidden_channels, hidden_channels) for _ in range(layers)])
@@ -117,10 +126,11 @@ class WindowGCN(nn.Module):
         self.head = nn.Sequential(nn.Linear(hidden_channels + in_channels, hidden_channels), nn.ReLU(),
                                   nn.Linear(hidden_channels, 1))
         self.linear = nn.Linear(in_channels, 1)  # the inputs straight to the output: a rule at least
-        self.config = {"in_channels": in_channels, "hidden_channels": hidden_channels, "layers": layers}
+        self.config = {"hidden_channels": hidden_channels, "layers": layers, "features": list(features)}
 
     def forward(self, x: Tensor, edges: Tensor) -> Tensor:
-        """x [S, F], edges [2, E] (caller -> callee) -> logits [S]."""
+        """x [S, len(FEATURES)] (`service_features`), edges [2, E] (caller -> callee) -> logits [S]."""
+        x = x[:, self.columns]
         h = torch.relu(self.embed(x))
         reverse = edges.flip(0)
         for up, down in zip(self.up, self.down, strict=True):
@@ -152,6 +162,6 @@ def load_window_gcn(path: Path) -> WindowGCN:
     try:
         model = WindowGCN(**state["config"])
         model.load_state_dict(state["weights"])
-    except (KeyError, TypeError, RuntimeError) as error:  # a config or weights of another shape
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a config or weights of another shape
         raise CheckpointError(f"{path} is not a bmeg window GCN ({type(error).__name__}: {error})") from error
     return model.eval()

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,7 @@ from bmeg.faultinject import Fault, TopologySpec, load_topology, simulate, spans
 from bmeg.faultinject.codefaults import CODE_FAULTS, apply_code_fault
 from bmeg.faultinject.scenario import SOURCE_PARAMETERS
 from bmeg.graphs.rpc import rpc_view
+from bmeg.models.checkpoint import CheckpointError, load_tensor_dict
 from bmeg.models.normal import NormalStats
 from bmeg.models.window import gnn_window_scores, node_score_shift, with_normal_baselines
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, WindowGraph, save_window_gcn, service_features
@@ -38,21 +40,28 @@ SOURCES = tuple(SOURCE_PARAMETERS)
 #: The share of windows that also hold a code fault, and the share of its service's requests it hits.
 CODE_FAULT_WINDOWS = 0.15
 CODE_FAULT_SHARE = 0.5
+#: The share of windows with a code fault alone (no latency fault): the only windows in which
+#: errors and vanished calls, not a time shift, must put the faulty service first.
+CODE_ALONE_WINDOWS = 0.0
 #: Traces of a window's normal period and of the window itself (drawn between the two).
 NORMAL_TRACES = (300, 1200)
 WINDOW_TRACES = (300, 1500)
 EPOCH_NS = 1_700_000_000 * 10**9
+WINDOWS_FORMAT = "bmeg-window-gcn-windows"
 
 
 @dataclass(frozen=True)
 class TrainingWindow:
     graph: WindowGraph
     targets: list[int]  # indices of the faulty services in graph.services
+    code_alone: bool = False  # a code fault and no latency fault
 
 
-def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int = 0) -> list[TrainingWindow]:
+def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int = 0,
+                      code_alone: float = CODE_ALONE_WINDOWS) -> list[TrainingWindow]:
     """`count` faulted windows simulated from `spec`, with their features read by `detector`
-    (a `bmeg.models.detector.Detector`); windows whose faulty services are never visited are skipped."""
+    (a `bmeg.models.detector.Detector`), a share `code_alone` of them with a code fault alone;
+    windows whose faulty services are never visited are skipped."""
     rng = np.random.default_rng(seed)
     rate = spec.workload.rate
     baseline = rpc_view(spans_of(simulate(spec, [], NORMAL_TRACES[1] / rate, seed), EPOCH_NS, seed))
@@ -60,18 +69,20 @@ def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int =
     targets = sorted(name for name, service in spec.services.items() if service.storage is None)
     windows = []
     for index in range(count):
-        window = _simulated_window(spec, detector, targets, rng, seed * 100_003 + index + 1)
+        window = _simulated_window(spec, detector, targets, rng, seed * 100_003 + index + 1, code_alone)
         if window is not None:
             windows.append(window)
     return windows
 
 
 def _simulated_window(spec: TopologySpec, detector: Any, services: list[str], rng: np.random.Generator,
-                      episode_seed: int) -> TrainingWindow | None:
+                      episode_seed: int, code_alone: float = 0.0) -> TrainingWindow | None:
     rate = spec.workload.rate
     before_s = rng.uniform(*NORMAL_TRACES) / rate
     window_s = rng.uniform(*WINDOW_TRACES) / rate
-    chosen = rng.choice(services, size=min(int(rng.choice([1, 1, 2, 3])), len(services)), replace=False)
+    alone = rng.random() < code_alone
+    latency = 0 if alone else min(int(rng.choice([1, 1, 2, 3])), len(services))
+    chosen = rng.choice(services, size=latency, replace=False)
     faults = [_latency_fault(str(service), rng, before_s, before_s + window_s) for service in chosen]
     spans = spans_of(simulate(spec, faults, before_s + window_s, episode_seed), EPOCH_NS, episode_seed)
     starts = trace_starts(spans)
@@ -79,12 +90,22 @@ def _simulated_window(spec: TopologySpec, detector: Any, services: list[str], rn
     normal_ids, window_ids = starts["trace_id"].filter(begun_before), starts["trace_id"].filter(pc.invert(begun_before))
     window_spans = spans.filter(pc.is_in(spans["trace_id"], window_ids))
     faulty = [str(service) for service in chosen]
-    if rng.random() < CODE_FAULT_WINDOWS:
+    if alone or rng.random() < CODE_FAULT_WINDOWS:
         service = str(rng.choice(services))
-        coded = apply_code_fault(window_spans, service, str(rng.choice(CODE_FAULTS)), CODE_FAULT_SHARE, rng).spans
-        if coded.num_rows:
-            window_spans, faulty = coded, [*faulty, service]
-    return training_window(detector, spans.filter(pc.is_in(spans["trace_id"], normal_ids)), window_spans, faulty)
+        fault = apply_code_fault(window_spans, service, str(rng.choice(CODE_FAULTS)), CODE_FAULT_SHARE, rng)
+        if alone and not fault.bottleneck.any():
+            return None  # nothing a trace records shows it (an early return from a span that calls nothing)
+        if fault.spans.num_rows:
+            window_spans, faulty = _with_changed_traces(window_spans, fault.spans), [*faulty, service]
+    window = training_window(detector, spans.filter(pc.is_in(spans["trace_id"], normal_ids)), window_spans, faulty)
+    return None if window is None else TrainingWindow(window.graph, window.targets, code_alone=alone)
+
+
+def _with_changed_traces(spans: pa.Table, changed: pa.Table) -> pa.Table:
+    """`spans` with the traces of `changed` replaced by it (a code fault keeps only the traces
+    that visit its service; a real window holds the others too)."""
+    others = spans.filter(pc.invert(pc.is_in(spans["trace_id"], pc.unique(changed["trace_id"]))))
+    return pa.concat_tables([others, changed.select(others.column_names).cast(others.schema)])
 
 
 def _latency_fault(service: str, rng: np.random.Generator, start_s: float, end_s: float) -> Fault:
@@ -112,22 +133,39 @@ def listwise_loss(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
     return -(torch.logsumexp(logits[targets], 0) - torch.logsumexp(logits, 0))
 
 
-def fit_window_gcn(windows: list[TrainingWindow], epochs: int = 60, seed: int = 0, lr: float = 3e-3) -> WindowGCN:
-    """A `WindowGCN` trained on `windows`, one window per step, in a fresh order each epoch."""
+@dataclass(frozen=True)
+class FitSettings:
+    """How a window GCN is fitted: the inputs it reads (an ablation drops some), its steps and decay."""
+
+    epochs: int = 60
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    features: tuple[str, ...] = FEATURES
+
+
+def fit_window_gcn(windows: list[TrainingWindow], epochs: int = 60, seed: int = 0, lr: float = 3e-3,
+                   settings: FitSettings | None = None,
+                   after_epoch: Callable[[int, WindowGCN], None] | None = None) -> WindowGCN:
+    """A `WindowGCN` trained on `windows`, one window per step, in a fresh order each epoch
+    (`settings`, where given, in place of `epochs` and `lr`); `after_epoch(epoch, model)` is
+    called after each epoch (1, 2, ...), e.g. to follow held-out windows."""
+    settings = settings or FitSettings(epochs=epochs, lr=lr)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    model = WindowGCN()
-    optimiser = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
-    model.train()
+    model = WindowGCN(features=settings.features)
+    optimiser = torch.optim.Adam(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # graphs of a few dozen nodes: more threads only wait on each other (30x slower on 2 busy cores)
     try:
-        for _ in range(epochs):
+        for epoch in range(1, settings.epochs + 1):
+            model.train()
             for index in rng.permutation(len(windows)):
                 window = windows[index]
                 optimiser.zero_grad()
                 listwise_loss(model(window.graph.x, window.graph.edges), window.targets).backward()
                 optimiser.step()
+            if after_epoch is not None:
+                after_epoch(epoch, model.eval())
     finally:
         torch.set_num_threads(threads)
     return model.eval()
@@ -147,19 +185,40 @@ def feature_top1(feature: str, windows: list[TrainingWindow]) -> float:
     return float(np.mean(hits)) if hits else float("nan")
 
 
-def train_window_gcn(run_dir: str | Path, windows: int = 300, epochs: int = 60, seed: int = 0) -> tuple[WindowGCN, dict]:
+def save_windows(windows: list[TrainingWindow], path: Path) -> None:
+    """Training windows as a dict of tensors and plain values (`load_windows`): simulating them
+    is most of a training run's time, and the settings of `FitSettings` are compared on the same."""
+    torch.save({"format": WINDOWS_FORMAT, "features": list(FEATURES),
+                "windows": [{"services": w.graph.services, "x": w.graph.x, "edges": w.graph.edges,
+                             "targets": w.targets, "code_alone": w.code_alone} for w in windows]}, path)
+
+
+def load_windows(path: Path) -> list[TrainingWindow]:
+    state = load_tensor_dict(path, WINDOWS_FORMAT, "bmeg window GCN training windows")
+    if state.get("features") != list(FEATURES):
+        raise CheckpointError(f"{path} holds windows of other features ({state.get('features')}): simulate them again")
+    return [TrainingWindow(WindowGraph(w["services"], w["x"], w["edges"]), w["targets"], w["code_alone"])
+            for w in state["windows"]]
+
+
+def train_window_gcn(run_dir: str | Path, windows: int | list[TrainingWindow] = 300, epochs: int = 60, seed: int = 0,
+                     settings: FitSettings | None = None) -> tuple[WindowGCN, dict]:
     """Train the window GCN of a run of `bmeg bootstrap` (its `twin.yaml` and detector) into the
-    run directory (`WINDOW_GCN_FILE`); returns (model, metrics)."""
+    run directory (`WINDOW_GCN_FILE`) on `windows` (or that many simulated here); returns (model, metrics)."""
     from bmeg.models.detector import Detector
 
     run_dir = Path(run_dir)
-    detector = Detector.load(run_dir)
-    data = simulated_windows(load_topology(run_dir / "twin.yaml"), detector, windows, seed)
-    held = max(len(data) // 5, 1)
-    model = fit_window_gcn(data[held:], epochs, seed)
-    metrics = {"windows": len(data), "held_out": held, "held_out_top1": top1(model, data[:held]),
-               "train_top1": top1(model, data[held:]), "held_out_self_time_top1": feature_top1("self_time", data[:held]),
-               "held_out_gnn_top1": feature_top1("gnn_shift", data[:held])}
-    model = fit_window_gcn(data, epochs, seed)  # the saved model sees every window
+    settings = settings or FitSettings(epochs=epochs)
+    if isinstance(windows, int):
+        windows = simulated_windows(load_topology(run_dir / "twin.yaml"), Detector.load(run_dir), windows, seed)
+    held = max(len(windows) // 5, 1)
+    model = fit_window_gcn(windows[held:], seed=seed, settings=settings)
+    metrics = {"windows": len(windows), "held_out": held, "held_out_top1": top1(model, windows[:held]),
+               "train_top1": top1(model, windows[held:]),
+               "held_out_self_time_top1": feature_top1("self_time", windows[:held]),
+               "held_out_gnn_top1": feature_top1("gnn_shift", windows[:held]),
+               "code_alone_windows": sum(w.code_alone for w in windows), "epochs": settings.epochs,
+               "lr": settings.lr, "weight_decay": settings.weight_decay}
+    model = fit_window_gcn(windows, seed=seed, settings=settings)  # the saved model sees every window
     save_window_gcn(model, run_dir / WINDOW_GCN_FILE, metrics)
     return model, metrics
