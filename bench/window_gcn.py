@@ -3,7 +3,8 @@ from each run's twin (no real label), into each run directory, and print how oft
 service is a faulty one on held-out simulated windows:
 
     python bench/window_gcn.py RUN_DIR [RUN_DIR ...] [--windows 300] [--epochs 60] [--seed 0] \
-        [--code-alone 0.2] [--weight-decay 1e-4] [--without gnn_shift gnn_lead] [--cache DIR]
+        [--code-alone 0.2] [--weight-decay 1e-4] [--without gnn_shift gnn_lead] [--cache DIR] \
+        [--drop-code-alone] [--file window_gcn.pt]
 
 `--cache DIR` keeps each run's simulated windows (DIR/<run>-<windows>-<code-alone>-s<seed>.pt) and
 reads them back when they are there: simulating them is most of the time. `--compare N` trains
@@ -24,7 +25,7 @@ import torch
 
 from bmeg.faultinject import load_topology
 from bmeg.models.detector import Detector
-from bmeg.models.window_gcn import FEATURES
+from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE
 from bmeg.training.window_gcn import (FitSettings, TrainingWindow, feature_top1, fit_window_gcn, load_windows,
                                       save_windows, simulated_windows, top1, train_window_gcn)
 
@@ -90,18 +91,25 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--without", nargs="*", default=[], choices=FEATURES, help="inputs left out (an ablation)")
     parser.add_argument("--cache", type=Path, help="a folder for the simulated windows")
+    parser.add_argument("--drop-code-alone", action="store_true", help="train on the latency windows only")
+    parser.add_argument("--file", default=WINDOW_GCN_FILE, help="the model's file in each run directory")
     parser.add_argument("--compare", type=int, metavar="N", help="compare settings on N held-out windows")
+    parser.add_argument("--simulate-only", action="store_true", help="only simulate the windows into --cache")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small graphs on a shared machine (`fit_window_gcn`)
     settings = FitSettings(args.epochs, args.lr, args.weight_decay, tuple(f for f in FEATURES if f not in args.without))
     for run in args.runs:
         began = time.perf_counter()
         windows = windows_of(run, args.windows, args.seed, args.code_alone, args.cache)
+        if args.simulate_only:
+            continue
         if args.compare:
             held = windows_of(run, args.compare, HELD_OUT_SEED + args.seed, args.code_alone, args.cache)
             compare(run, windows, held, settings, args.seed)
             continue
-        _, metrics = train_window_gcn(run, windows, seed=args.seed, settings=settings)
+        if args.drop_code_alone:
+            windows = [w for w in windows if not w.code_alone]
+        _, metrics = train_window_gcn(run, windows, seed=args.seed, settings=settings, file=args.file)
         print(f"{run}: {metrics['windows']} windows ({metrics['code_alone_windows']} code-alone), held-out top-1 "
               f"{metrics['held_out_top1']:.2f} (train {metrics['train_top1']:.2f}; the self-time rule "
               f"{metrics['held_out_self_time_top1']:.2f}, the GNN's shift {metrics['held_out_gnn_top1']:.2f}), "

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
+import pyarrow as pa
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
@@ -17,8 +21,9 @@ from bmeg.models.normal import NormalStats
 from bmeg.models.window_gcn import (FEATURES, WINDOW_GCN_FILE, WindowGCN, load_window_gcn, rank_window,
                                     save_window_gcn, service_features)
 from bmeg.traces.schema import trace_starts
-from bmeg.training.window_gcn import TrainingWindow, fit_window_gcn, listwise_loss, top1
-from builders import chain_spec
+from bmeg.training.window_gcn import (FitSettings, TrainingWindow, _with_changed_traces, fit_window_gcn, listwise_loss,
+                                      load_windows, save_windows, simulated_windows, top1)
+from builders import chain_spec, tiny_detector
 
 SERVICES = ["front", "mid", "leaf"]
 
@@ -94,3 +99,64 @@ def test_a_window_gcn_of_another_shape_is_refused(windows, tmp_path):
     torch.save({**state, "config": {"unknown": 1}}, path)
     with pytest.raises(CheckpointError, match="not a bmeg window GCN"):
         load_window_gcn(path)
+
+
+def test_a_model_without_some_inputs_ignores_them_and_keeps_them_out_when_loaded(windows, tmp_path):
+    kept = tuple(f for f in FEATURES if f not in ("gnn_shift", "gnn_lead"))
+    model = fit_window_gcn(windows[:4], seed=0, settings=FitSettings(epochs=2, features=kept))
+    graph = windows[0].graph
+    noisy = graph.x.clone()
+    noisy[:, [FEATURES.index("gnn_shift"), FEATURES.index("gnn_lead")]] = torch.randn(len(graph.services), 2) * 5
+    assert torch.equal(model(graph.x, graph.edges), model(noisy, graph.edges))
+    save_window_gcn(model, tmp_path / WINDOW_GCN_FILE)
+    loaded = load_window_gcn(tmp_path / WINDOW_GCN_FILE)
+    assert loaded.config["features"] == list(kept)
+    assert torch.equal(loaded(noisy, graph.edges), model(noisy, graph.edges))
+    with pytest.raises(ValueError, match="reads some of"):
+        WindowGCN(features=("own", "unknown"))
+
+
+def test_a_session_14_file_naming_only_its_input_count_still_loads(windows, tmp_path):
+    model = fit_window_gcn(windows[:2], epochs=1, seed=0)
+    path = tmp_path / WINDOW_GCN_FILE
+    save_window_gcn(model, path)
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "config": {"in_channels": len(FEATURES), "hidden_channels": 32, "layers": 2}}, path)
+    graph = windows[0].graph
+    assert torch.equal(load_window_gcn(path)(graph.x, graph.edges), model(graph.x, graph.edges))
+    torch.save({**state, "config": {"in_channels": 3, "hidden_channels": 32, "layers": 2}}, path)
+    with pytest.raises(CheckpointError, match="not a bmeg window GCN"):
+        load_window_gcn(path)
+
+
+def test_saved_training_windows_read_back_the_same_and_a_foreign_file_is_refused(windows, tmp_path):
+    held = [replace(w, code_alone=bool(i % 2)) for i, w in enumerate(windows[:3])]
+    save_windows(held, tmp_path / "windows.pt")
+    back = load_windows(tmp_path / "windows.pt")
+    assert [(w.graph.services, w.targets, w.code_alone) for w in back] == [(w.graph.services, w.targets, w.code_alone) for w in held]
+    assert all(torch.equal(a.graph.x, b.graph.x) and torch.equal(a.graph.edges, b.graph.edges) for a, b in zip(back, held))
+    save_window_gcn(fit_window_gcn(windows[:1], epochs=1, seed=0), tmp_path / WINDOW_GCN_FILE)
+    with pytest.raises(CheckpointError, match="training windows"):
+        load_windows(tmp_path / WINDOW_GCN_FILE)
+
+
+@settings(max_examples=30, deadline=None)
+@given(drawn=st.integers(1, 6).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1), min_size=1))))
+def test_a_code_faults_changed_traces_replace_theirs_and_the_others_stay(drawn):
+    traces, changed = drawn  # a code fault changes at least one trace (`_simulated_window` skips it otherwise)
+    ids = [f"t{i}" for i in range(traces)]
+    spans = pa.table({"trace_id": [t for t in ids for _ in range(2)], "duration_ns": list(range(2 * traces)),
+                      "status": ["ok"] * 2 * traces})
+    hit = [ids[i] for i in sorted(changed)]
+    new = pa.table({"status": ["error"] * len(hit), "duration_ns": [-1] * len(hit), "trace_id": hit})
+    merged = _with_changed_traces(spans, new).to_pylist()
+    assert sorted({row["trace_id"] for row in merged}) == ids  # no trace lost, as in a real window
+    assert sorted(r["trace_id"] for r in merged if r["status"] == "error") == sorted(hit)  # one span each, replaced
+    assert len(merged) == 2 * traces - len(hit)
+
+
+def test_code_alone_windows_hold_one_code_fault_its_service_the_target_and_every_trace():
+    topology = parse_topology(chain_spec(rate=200))
+    held = simulated_windows(topology, tiny_detector(), 2, seed=3, code_alone=1.0)
+    assert held and all(w.code_alone and len(w.targets) == 1 for w in held)
+    assert all({"front", "mid", "leaf"} <= set(w.graph.services) for w in held)  # the window kept every service

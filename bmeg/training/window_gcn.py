@@ -202,9 +202,10 @@ def load_windows(path: Path) -> list[TrainingWindow]:
 
 
 def train_window_gcn(run_dir: str | Path, windows: int | list[TrainingWindow] = 300, epochs: int = 60, seed: int = 0,
-                     settings: FitSettings | None = None) -> tuple[WindowGCN, dict]:
+                     settings: FitSettings | None = None, file: str = WINDOW_GCN_FILE) -> tuple[WindowGCN, dict]:
     """Train the window GCN of a run of `bmeg bootstrap` (its `twin.yaml` and detector) into the
-    run directory (`WINDOW_GCN_FILE`) on `windows` (or that many simulated here); returns (model, metrics)."""
+    run directory (`file`, the ranker's `WINDOW_GCN_FILE` unless told) on `windows` (or that many
+    simulated here); returns (model, metrics)."""
     from bmeg.models.detector import Detector
 
     run_dir = Path(run_dir)
@@ -220,5 +221,5 @@ def train_window_gcn(run_dir: str | Path, windows: int | list[TrainingWindow] = 
                "code_alone_windows": sum(w.code_alone for w in windows), "epochs": settings.epochs,
                "lr": settings.lr, "weight_decay": settings.weight_decay}
     model = fit_window_gcn(windows, seed=seed, settings=settings)  # the saved model sees every window
-    save_window_gcn(model, run_dir / WINDOW_GCN_FILE, metrics)
+    save_window_gcn(model, run_dir / file, metrics)
     return model, metrics
