@@ -157,6 +157,6 @@ def test_a_code_faults_changed_traces_replace_theirs_and_the_others_stay(drawn):
 
 def test_code_alone_windows_hold_one_code_fault_its_service_the_target_and_every_trace():
     topology = parse_topology(chain_spec(rate=200))
-    held = simulated_windows(topology, tiny_detector(), 2, seed=3, code_alone=1.0)
+    held = simulated_windows(topology, tiny_detector(), 1, seed=3, code_alone=1.0)
     assert held and all(w.code_alone and len(w.targets) == 1 for w in held)
     assert all({"front", "mid", "leaf"} <= set(w.graph.services) for w in held)  # the window kept every service
