@@ -2,8 +2,8 @@
 from each run's twin (no real label), into each run directory, and print how often its first
 service is a faulty one on held-out simulated windows:
 
-    python bench/window_gcn.py RUN_DIR [RUN_DIR ...] [--windows 300] [--epochs 60] [--seed 0] \
-        [--code-alone 0.2] [--weight-decay 1e-4] [--without gnn_shift gnn_lead] [--cache DIR] \
+    python bench/window_gcn.py RUN_DIR [RUN_DIR ...] [--windows 200] [--epochs 10] [--seed 0] \
+        [--code-alone 0.2] [--weight-decay 1e-2] [--without gnn_shift gnn_lead] [--cache DIR] \
         [--drop-code-alone] [--file window_gcn.pt]
 
 `--cache DIR` keeps each run's simulated windows (DIR/<run>-<windows>-<code-alone>-s<seed>.pt) and
@@ -26,7 +26,7 @@ import torch
 from bmeg.faultinject import load_topology
 from bmeg.models.detector import Detector
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE
-from bmeg.training.window_gcn import (FitSettings, TrainingWindow, feature_top1, fit_window_gcn, load_windows,
+from bmeg.training.window_gcn import (CODE_ALONE_WINDOWS, FitSettings, TrainingWindow, feature_top1, fit_window_gcn, load_windows,
                                       save_windows, simulated_windows, top1, train_window_gcn)
 
 #: held-out seeds are apart from every training seed
@@ -83,11 +83,12 @@ def compare(run: Path, pool: list[TrainingWindow], held: list[TrainingWindow], s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--windows", type=int, default=300)
-    parser.add_argument("--epochs", type=int, default=60)
+    # the defaults: session 15's round 2 (README, issue 12, session 15)
+    parser.add_argument("--windows", type=int, default=200)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--code-alone", type=float, default=0.0, help="share of windows with a code fault alone")
-    parser.add_argument("--weight-decay", type=float, default=1e-4)
+    parser.add_argument("--code-alone", type=float, default=CODE_ALONE_WINDOWS, help="share of windows with a code fault alone")
+    parser.add_argument("--weight-decay", type=float, default=1e-2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--without", nargs="*", default=[], choices=FEATURES, help="inputs left out (an ablation)")
     parser.add_argument("--cache", type=Path, help="a folder for the simulated windows")

@@ -42,7 +42,7 @@ CODE_FAULT_WINDOWS = 0.15
 CODE_FAULT_SHARE = 0.5
 #: The share of windows with a code fault alone (no latency fault): the only windows in which
 #: errors and vanished calls, not a time shift, must put the faulty service first.
-CODE_ALONE_WINDOWS = 0.0
+CODE_ALONE_WINDOWS = 0.2
 #: Traces of a window's normal period and of the window itself (drawn between the two).
 NORMAL_TRACES = (300, 1200)
 WINDOW_TRACES = (300, 1500)
