@@ -124,7 +124,8 @@ def test_the_busy_case_only_adds_moderate_traces_to_the_stall(past, traces):
     history = observation(past)
     judged = [trace(z, 3 * SECOND) for z in traces]
     stall, both = explained(history, *judged, rule=SESSION_11), explained(history, *judged)
-    _, slow, _ = RULE.slow_services(history, np.full(1, 3 * SECOND))
+    _, visits, slow_visits = RULE.crowd_counts(history, np.full(1, 3 * SECOND))
+    slow = (visits >= RULE.min_visits) & (slow_visits >= RULE.slow_share * visits)
     for z, old, new in zip(traces, stall, both):
         assert new >= old
         if new and not old:

@@ -75,14 +75,6 @@ class CrowdRule:
         (not empty) read."""
         return int(np.min(starts_ns)) - int(self.window_s * 1e9), int(np.max(starts_ns))
 
-    def slow_services(self, past: Observation | Sequence[Observation],
-                      starts_ns: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
-        """(services of the past, bool [T, S]: slow in each trace's crowd, bool [T, S]: counted),
-        for traces beginning at `starts_ns`; the crowd is `past`'s nodes (`crowd_counts`)."""
-        names, visits, slow = self.crowd_counts(past, starts_ns)
-        counted = visits >= self.min_visits
-        return names, counted & (slow >= self.slow_share * visits), counted
-
     def crowd_counts(self, past: Observation | Sequence[Observation],
                      starts_ns: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
         """(services of the past, int [T, S]: visits, int [T, S]: slow visits) in the crowd of
