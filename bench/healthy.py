@@ -25,12 +25,12 @@ replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, 
 `--dataset` the whole dataset (its fault rounds and the gaps between them), of which the
 between-rounds and the anomalous traces are counted. The model as bootstrapped is scored so,
 without and with the check, side by side ("replayed" rows; the rows above them score each
-trace on its own, with no past, as before), and with session 11's check beside (a stalled
-machine only: `busy_z` None); `--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check
+trace on its own, with no past, as before), and with session 15's busy-machine case beside
+(`busy_z=12`, off by default); `--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check
 with those parameters of `bmeg.models.crowd.CrowdRule` changed (e.g. `--crowd busy_z=11`);
 `--served-batch-s S` also serves each stream as the Kafka consumer does (`served`), so that
 the verdicts of a served stream, whose past lacks its batch, can be set beside the replay's
-(with the default check, and with session 11's).
+(with the default check, and with the busy case).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
 RULES = {"quantile": None, "bound95": 0.95}
-#: The crowd check of session 11: a stalled machine (half the services slow) explains a trace, a busy one does not.
-SESSION_11 = "busy_z=None"
+#: The crowd check with session 15's busy-machine case (off by default): the measured `busy_z`.
+BUSY = "busy_z=12"
 #: A fault's effects (queues draining) may outlast its window by this much.
 MARGIN_S = 0.5
 
@@ -132,8 +132,8 @@ def held_by_source(dataset: Path | None, held: np.ndarray) -> dict[str, int]:
 def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, overrides: list[str],
              batch_s: float | None) -> list[dict]:
     """The model as bootstrapped on streams replayed in time order, without and with the crowd
-    check (its default, session 11's, and each of `overrides`: `crowd_rule`), and with `batch_s`
-    also served (`served`, the default check and session 11's): per set, the share flagged
+    check (its default, the busy case's, and each of `overrides`: `crowd_rule`), and with `batch_s`
+    also served (`served`, the default check and the busy case's): per set, the share flagged
     (healthy sets) or the recall (the dataset's anomalous)."""
     streams: list[tuple[str, pa.Table, dict[str, pa.Array | None]]] = [
         (path.stem, read_spans(path), {path.stem: None}) for path in healthy]
@@ -146,7 +146,7 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, over
         scores = detector.score(forest, replay=True, crowd=True)
         ids = pa.array(forest.trace_ids)
         rules = {"default": scores.crowd_explained}
-        for change in [SESSION_11, *overrides]:
+        for change in [BUSY, *overrides]:
             other = replace(detector, crowd=crowd_rule(change))
             rules[change] = other.crowd_explained(forest, scores.observation, scores.observation, None, replay=True)
         for part, chosen in parts.items():
@@ -159,7 +159,7 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, over
                              "flagged_without_crowd": float(without.mean()),
                              "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum()),
                              "held_by_source": held_by_source(dataset, np.asarray(forest.trace_ids)[mask][held])})
-        for rule in ["default", SESSION_11] if batch_s is not None else []:
+        for rule in ["default", BUSY] if batch_s is not None else []:
             verdicts = served(replace(detector, crowd=crowd_rule(rule) if rule != "default" else detector.crowd),
                               spans, batch_s)
             for part, chosen in parts.items():

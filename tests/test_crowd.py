@@ -18,8 +18,8 @@ from bmeg.traces import span_table
 
 SERVICES = ["a", "b", "c", "d", "e", "f"]
 SECOND = 10**9
-RULE = CrowdRule()
-SESSION_11 = CrowdRule(busy_z=None)  # a stalled machine only
+RULE = CrowdRule()  # a stalled machine only (session 11's; the default)
+BUSY = CrowdRule(busy_z=12.0)  # and a busy machine (session 15's, off by default)
 past_nodes = st.lists(st.tuples(st.sampled_from(SERVICES), st.integers(0, 3 * SECOND), st.floats(-5, 50)),
                       max_size=150)
 
@@ -100,36 +100,36 @@ def test_a_busy_machine_explains_a_moderate_slowness_where_the_crowd_has_some():
     """A hog taking part of the CPU: a tail of slow visits on a few services (under half of
     them, so no stall), none slow on half its visits."""
     busy = crowd({"a": 0.1, "b": 0.2})
-    moderate, strong = RULE.busy_z - 1, RULE.busy_z + 1
-    assert explained(busy, trace({"a": moderate, "b": moderate, "d": 1.0})) == [True]
-    assert explained(busy, trace({"a": moderate, "b": strong})) == [False]  # beyond a busy machine's
-    assert explained(busy, trace({"d": moderate})) == [False]  # d has no slow visit in the crowd
-    assert explained(busy, trace({"a": moderate}), rule=SESSION_11) == [False]  # session 11: no stall, no hold
+    moderate, strong = BUSY.busy_z - 1, BUSY.busy_z + 1
+    assert explained(busy, trace({"a": moderate, "b": moderate, "d": 1.0}), rule=BUSY) == [True]
+    assert explained(busy, trace({"a": moderate, "b": strong}), rule=BUSY) == [False]  # beyond a busy machine's
+    assert explained(busy, trace({"d": moderate}), rule=BUSY) == [False]  # d has no slow visit in the crowd
+    assert explained(busy, trace({"a": moderate}), rule=RULE) == [False]  # session 11: no stall, no hold
 
 
 def test_a_fault_holding_one_service_keeps_its_alarms_on_a_busy_machine():
     one_service = crowd({"b": 0.2})  # one service slow: not several
-    assert explained(one_service, trace({"b": RULE.busy_z - 1})) == [False]
+    assert explained(one_service, trace({"b": BUSY.busy_z - 1}), rule=BUSY) == [False]
     # a service slow on half its visits or more is a fault's (a delay, a pinned hog), whatever else is slow
-    faulty = crowd({"a": 0.1, "c": RULE.fault_share})
-    assert explained(faulty, trace({"a": RULE.busy_z - 1})) == [False]
-    assert explained(faulty, trace({"a": RULE.busy_z - 1}), rule=replace(RULE, fault_share=0.6)) == [True]
+    faulty = crowd({"a": 0.1, "c": BUSY.fault_share})
+    assert explained(faulty, trace({"a": BUSY.busy_z - 1}), rule=BUSY) == [False]
+    assert explained(faulty, trace({"a": BUSY.busy_z - 1}), rule=replace(RULE, fault_share=0.6)) == [True]
 
 
 @settings(max_examples=60, deadline=None)
 @given(past_nodes, st.lists(st.dictionaries(st.sampled_from(SERVICES), st.floats(-5, 50), min_size=1), min_size=1, max_size=4))
 def test_the_busy_case_only_adds_moderate_traces_to_the_stall(past, traces):
-    """What session 11's rule explains (a stalled machine) the rule still explains; what it adds
+    """What session 11's rule explains (a stalled machine) the busy rule still explains; what it adds
     are traces whose every visit is below `busy_z`, with a crowd slow on several services."""
     history = observation(past)
     judged = [trace(z, 3 * SECOND) for z in traces]
-    stall, both = explained(history, *judged, rule=SESSION_11), explained(history, *judged)
-    _, visits, slow_visits = RULE.crowd_counts(history, np.full(1, 3 * SECOND))
-    slow = (visits >= RULE.min_visits) & (slow_visits >= RULE.slow_share * visits)
+    stall, both = explained(history, *judged), explained(history, *judged, rule=BUSY)
+    _, visits, slow_visits = BUSY.crowd_counts(history, np.full(1, 3 * SECOND))
+    slow = (visits >= BUSY.min_visits) & (slow_visits >= BUSY.slow_share * visits)
     for z, old, new in zip(traces, stall, both):
         assert new >= old
         if new and not old:
-            assert max(z.values()) < RULE.busy_z and slow.sum() >= RULE.busy_services
+            assert max(z.values()) < BUSY.busy_z and slow.sum() >= BUSY.busy_services
 
 
 @pytest.mark.parametrize("kwargs", [{"window_s": 0}, {"slow_share": 0}, {"machine_share": 1.5}, {"min_visits": 0},
@@ -206,7 +206,7 @@ def test_a_served_stream_judges_as_a_replay(batch, machine):
     if machine == "stalled":
         table = span_table(stream(set(range(10, 45)), slow_one={50}))
     else:
-        detector = replace(detector, crowd=CrowdRule(machine_share=1.0))
+        detector = replace(detector, crowd=replace(BUSY, machine_share=1.0))
         table = span_table(stream(set(), slow_one=set(), busy=set(range(10, 100))))
     replayed = {trace.trace_id: trace.anomalous for trace in detector.diagnose(table, replay=True).traces}
     history = StreamHistory(visits=detector.encoder.history)
