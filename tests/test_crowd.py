@@ -113,7 +113,7 @@ def test_a_fault_holding_one_service_keeps_its_alarms_on_a_busy_machine():
     # a service slow on half its visits or more is a fault's (a delay, a pinned hog), whatever else is slow
     faulty = crowd({"a": 0.1, "c": BUSY.fault_share})
     assert explained(faulty, trace({"a": BUSY.busy_z - 1}), rule=BUSY) == [False]
-    assert explained(faulty, trace({"a": BUSY.busy_z - 1}), rule=replace(RULE, fault_share=0.6)) == [True]
+    assert explained(faulty, trace({"a": BUSY.busy_z - 1}), rule=replace(BUSY, fault_share=0.6)) == [True]
 
 
 @settings(max_examples=60, deadline=None)
@@ -133,7 +133,7 @@ def test_the_busy_case_only_adds_moderate_traces_to_the_stall(past, traces):
 
 
 @pytest.mark.parametrize("kwargs", [{"window_s": 0}, {"slow_share": 0}, {"machine_share": 1.5}, {"min_visits": 0},
-                                    {"fault_share": 0}, {"busy_z": 4.0}, {"busy_services": 0}])
+                                    {"fault_share": 0}, {"busy_z": 4.0}, {"busy_z": 12.0, "busy_services": 0}])
 def test_bad_parameters_are_a_clear_error(kwargs):
     with pytest.raises(ValueError):
         CrowdRule(**kwargs)
