@@ -218,7 +218,7 @@ NATURAL_SEED_OFFSET = FRESH_SEED_OFFSET + 500
 #: bottlenecked traces are weighed back to the training imbalance (`decision_weights`).
 DECISION_IMBALANCE = 0.3
 #: The largest draw of the whole scenario the decision data takes its normal traces from
-#: (`decision_normal_draw`): 116,538 at imbalance 0.01; below about 0.0099 the normal traces
+#: (`decision_normal_draw`): 116,538 at imbalance 0.01; below about 0.0097 the normal traces
 #: stop growing and the evidence on false alarms thins as it did for every imbalance before.
 MAX_DECISION_NORMAL_DRAW = 120_000
 
