@@ -9,9 +9,11 @@ started from a family-pretrained run (`bmeg bootstrap --pretrained`):
 
 Every model is scored on the same windows by the rankers of `bmeg evaluate rca` that depend on
 it, `bmeg` (the combined ranker), `bmeg-gnn` (the GNN alone) and, where the run directory holds
-one, `bmeg-window-gcn` (`bench/window_gcn.py` trains it), named `<ranker>[<model>]`, and any
-window GCN file given with `--window-gcn LABEL=FILE` (on the first model's GNN scores); the self-time and
-structure-shift rules, which need no model, once. `--simulated` simulates the faults as `bmeg evaluate rca-sim` does (one episode per service and source, a normal period of twice the
+one, `bmeg-window-gcn` (`bench/window_gcn.py` trains it) and `bmeg-wgcn-fusion` (`bmeg` with it in
+place of the GNN in its fusion), named `<ranker>[<model>]`, and any window GCN file given with
+`--window-gcn LABEL=FILE` (on the first model's GNN scores); the self-time and structure-shift
+rules, which need no model, once. `--simulated` simulates the faults as `bmeg evaluate rca-sim`
+does (one episode per service and source, a normal period of twice the
 window). Prints AC@1 / Avg@5 per fault group (latency faults, code faults, all).
 """
 
@@ -23,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 from bmeg.evaluation.faults import read_fault_list
-from bmeg.evaluation.rankers import (BmegRanker, GnnRanker, SelfTimeRanker, StructureRanker, WindowGcnRanker,
-                                     _DetectorScores, window_gcn_of)
+from bmeg.evaluation.rankers import (BmegRanker, GnnRanker, SelfTimeRanker, StructureRanker, WindowGcnFusionRanker,
+                                     WindowGcnRanker, _DetectorScores, window_gcn_of)
 from bmeg.evaluation.rca import report, run_rca
 from bmeg.evaluation.simulated import simulated_faults
 from bmeg.evaluation.windows import TraceFiles
@@ -56,7 +58,8 @@ def rankers(models: dict[str, Path], normal: SpanForest, window_gcns: dict[str, 
         chosen += [Named(BmegRanker(scores), f"bmeg[{label}]"), Named(GnnRanker(scores), f"bmeg-gnn[{label}]")]
         window_gcn = window_gcn_of(detector)
         if window_gcn is not None:
-            chosen.append(Named(WindowGcnRanker(scores, window_gcn), f"bmeg-window-gcn[{label}]"))
+            chosen += [Named(WindowGcnFusionRanker(scores, window_gcn), f"bmeg-wgcn-fusion[{label}]"),
+                       Named(WindowGcnRanker(scores, window_gcn), f"bmeg-window-gcn[{label}]")]
         if label == next(iter(models)):  # other window GCN files read the first model's GNN scores
             chosen += [Named(WindowGcnRanker(scores, load_window_gcn(path)), f"bmeg-window-gcn[{name}]")
                        for name, path in (window_gcns or {}).items()]

@@ -25,10 +25,12 @@ replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, 
 `--dataset` the whole dataset (its fault rounds and the gaps between them), of which the
 between-rounds and the anomalous traces are counted. The model as bootstrapped is scored so,
 without and with the check, side by side ("replayed" rows; the rows above them score each
-trace on its own, with no past, as before); `--machine-share X` (repeatable) adds the check
-with that machine share (`bmeg.models.crowd.CrowdRule`), the parameter it was chosen by;
+trace on its own, with no past, as before), and with session 15's busy-machine case beside
+(`busy_z=12`, off by default); `--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check
+with those parameters of `bmeg.models.crowd.CrowdRule` changed (e.g. `--crowd busy_z=11`);
 `--served-batch-s S` also serves each stream as the Kafka consumer does (`served`), so that
-the verdicts of a served stream, whose past lacks its batch, can be set beside the replay's.
+the verdicts of a served stream, whose past lacks its batch, can be set beside the replay's
+(with the default check, and with the busy case).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
 RULES = {"quantile": None, "bound95": 0.95}
+#: The crowd check with session 15's busy-machine case (off by default): the measured `busy_z`.
+BUSY = "busy_z=12"
 #: A fault's effects (queues draining) may outlast its window by this much.
 MARGIN_S = 0.5
 
@@ -80,6 +84,18 @@ def testbed_stream(dataset: Path) -> tuple[pa.Table, pa.Array, pa.Array]:
 
 
 RATES = (0.01, 0.005)
+
+
+def crowd_rule(overrides: str) -> CrowdRule:
+    """The default `CrowdRule` with `overrides` ("KEY=VALUE,KEY=VALUE"; VALUE a number or None) changed."""
+    changes: dict[str, float | int | None] = {}
+    for item in overrides.split(","):
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key not in CrowdRule.__dataclass_fields__:
+            raise SystemExit(f"--crowd: no CrowdRule parameter {key!r}")
+        kind = int if isinstance(getattr(CrowdRule(), key), int) else float
+        changes[key] = None if value == "None" else kind(float(value))
+    return replace(CrowdRule(), **changes)
 
 
 def served(detector: Detector, spans: pa.Table, batch_s: float) -> dict[str, tuple[bool, bool]]:
@@ -113,12 +129,12 @@ def held_by_source(dataset: Path | None, held: np.ndarray) -> dict[str, int]:
     return {str(name): int(count) for name, count in zip(names, counts)}
 
 
-def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shares: list[float],
+def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, overrides: list[str],
              batch_s: float | None) -> list[dict]:
     """The model as bootstrapped on streams replayed in time order, without and with the crowd
-    check (its default, and with each of `shares` as its machine share), and with `batch_s`
-    also served (`served`): per set, the share flagged (healthy sets) or the recall (the
-    dataset's anomalous)."""
+    check (its default, the busy case's, and each of `overrides`: `crowd_rule`), and with `batch_s`
+    also served (`served`, the default check and the busy case's): per set, the share flagged
+    (healthy sets) or the recall (the dataset's anomalous)."""
     streams: list[tuple[str, pa.Table, dict[str, pa.Array | None]]] = [
         (path.stem, read_spans(path), {path.stem: None}) for path in healthy]
     if dataset is not None:
@@ -130,10 +146,9 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shar
         scores = detector.score(forest, replay=True, crowd=True)
         ids = pa.array(forest.trace_ids)
         rules = {"default": scores.crowd_explained}
-        for share in shares:
-            other = replace(detector, crowd=replace(CrowdRule(), machine_share=share))
-            rules[f"machine_share {share}"] = other.crowd_explained(
-                forest, scores.observation, scores.observation, None, replay=True)
+        for change in [BUSY, *overrides]:
+            other = replace(detector, crowd=crowd_rule(change))
+            rules[change] = other.crowd_explained(forest, scores.observation, scores.observation, None, replay=True)
         for part, chosen in parts.items():
             mask = np.ones(forest.num_traces, bool) if chosen is None else pc.is_in(ids, chosen).to_numpy(
                 zero_copy_only=False)
@@ -144,14 +159,16 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, shar
                              "flagged_without_crowd": float(without.mean()),
                              "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum()),
                              "held_by_source": held_by_source(dataset, np.asarray(forest.trace_ids)[mask][held])})
-        if batch_s is not None:
-            verdicts = served(detector, spans, batch_s)
+        for rule in ["default", BUSY] if batch_s is not None else []:
+            verdicts = served(replace(detector, crowd=crowd_rule(rule) if rule != "default" else detector.crowd),
+                              spans, batch_s)
             for part, chosen in parts.items():
                 keys = forest.trace_ids if chosen is None else chosen.to_pylist()
                 flagged, held = np.array([verdicts[key] for key in keys], dtype=bool).reshape(-1, 2).T
-                rows.append({"set": part, "rule": f"default, served in {batch_s}-s batches", "traces": len(keys),
+                rows.append({"set": part, "rule": f"{rule}, served in {batch_s}-s batches", "traces": len(keys),
                              "flagged_without_crowd": float(flagged.mean()),
-                             "flagged_with_crowd": float((flagged & ~held).mean()), "held_by_crowd": int(held.sum())})
+                             "flagged_with_crowd": float((flagged & ~held).mean()), "held_by_crowd": int(held.sum()),
+                             "held_by_source": held_by_source(dataset, np.asarray(keys)[held])})
     return rows
 
 
@@ -184,8 +201,8 @@ def main() -> None:
                         help="fresh healthy traces; repeat for sets scored side by side (named by file stem)")
     parser.add_argument("--anomalous", type=Path, default=None)
     parser.add_argument("--dataset", type=Path, default=None, help="a testbed dataset: both sets from it")
-    parser.add_argument("--machine-share", type=float, action="append", default=[],
-                        help="also the crowd check with this machine share (repeatable), on the replayed streams")
+    parser.add_argument("--crowd", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="also the crowd check with these CrowdRule parameters changed (repeatable), replayed")
     parser.add_argument("--served-batch-s", type=float, default=None,
                         help="also serve the streams as the Kafka consumer does, in batches of this many seconds")
     parser.add_argument("--json", type=Path, default=None)
@@ -222,7 +239,7 @@ def main() -> None:
                          "fresh_flagged": flagged(calibrated), "recall": recall(calibrated)})
     traces = {name: len(s.anomalous) for name, s in scores.items()}
     blame = {name: blamed(loaded, s) for name, s in scores.items()}
-    streams = replayed(loaded, args.healthy, args.dataset, args.machine_share, args.served_batch_s)
+    streams = replayed(loaded, args.healthy, args.dataset, args.crowd, args.served_batch_s)
     result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": traces, "rows": rows,
               "as_bootstrapped_blamed": blame, "replayed": streams}
     for row in rows:

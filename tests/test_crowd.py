@@ -1,5 +1,6 @@
-"""Stage 1 against the crowd (`bmeg.models.crowd`): machine-wide slowness holds an alarm, a
-slowness of one service does not, and only the stream's past is read."""
+"""Stage 1 against the crowd (`bmeg.models.crowd`): machine-wide slowness holds an alarm, and so
+does a busy machine's moderate tail spread over several services; a slowness of one service,
+or one that fills half a service's visits, does not; only the stream's past is read."""
 
 from dataclasses import replace
 
@@ -17,7 +18,10 @@ from bmeg.traces import span_table
 
 SERVICES = ["a", "b", "c", "d", "e", "f"]
 SECOND = 10**9
-RULE = CrowdRule()
+RULE = CrowdRule()  # a stalled machine only (session 11's; the default)
+BUSY = CrowdRule(busy_z=12.0)  # and a busy machine (session 15's, off by default)
+past_nodes = st.lists(st.tuples(st.sampled_from(SERVICES), st.integers(0, 3 * SECOND), st.floats(-5, 50)),
+                      max_size=150)
 
 
 def crowd(slow: dict[str, float], start_ns: int = 0, visits: int = 20, end_ns: int = SECOND) -> Observation:
@@ -85,21 +89,54 @@ def test_too_few_visits_are_not_counted():
     assert explained(Observation.empty(), trace({"a": 30.0})) == [False]
 
 
-@pytest.mark.parametrize("kwargs", [{"window_s": 0}, {"slow_share": 0}, {"machine_share": 1.5}, {"min_visits": 0}])
-def test_bad_parameters_are_a_clear_error(kwargs):
-    with pytest.raises(ValueError):
-        CrowdRule(**kwargs)
-
-
-past_nodes = st.lists(st.tuples(st.sampled_from(SERVICES), st.integers(0, 3 * SECOND), st.floats(-5, 50)),
-                      max_size=150)
-
-
 def observation(nodes) -> Observation:
     if not nodes:
         return Observation.empty()
     services, starts, z = zip(*nodes)
     return Observation(np.array(services, dtype=object), np.array(starts, dtype=np.int64), np.array(z))
+
+
+def test_a_busy_machine_explains_a_moderate_slowness_where_the_crowd_has_some():
+    """A hog taking part of the CPU: a tail of slow visits on a few services (under half of
+    them, so no stall), none slow on half its visits."""
+    busy = crowd({"a": 0.1, "b": 0.2})
+    moderate, strong = BUSY.busy_z - 1, BUSY.busy_z + 1
+    assert explained(busy, trace({"a": moderate, "b": moderate, "d": 1.0}), rule=BUSY) == [True]
+    assert explained(busy, trace({"a": moderate, "b": strong}), rule=BUSY) == [False]  # beyond a busy machine's
+    assert explained(busy, trace({"d": moderate}), rule=BUSY) == [False]  # d has no slow visit in the crowd
+    assert explained(busy, trace({"a": moderate}), rule=RULE) == [False]  # session 11: no stall, no hold
+
+
+def test_a_fault_holding_one_service_keeps_its_alarms_on_a_busy_machine():
+    one_service = crowd({"b": 0.2})  # one service slow: not several
+    assert explained(one_service, trace({"b": BUSY.busy_z - 1}), rule=BUSY) == [False]
+    # a service slow on half its visits or more is a fault's (a delay, a pinned hog), whatever else is slow
+    faulty = crowd({"a": 0.1, "c": BUSY.fault_share})
+    assert explained(faulty, trace({"a": BUSY.busy_z - 1}), rule=BUSY) == [False]
+    assert explained(faulty, trace({"a": BUSY.busy_z - 1}), rule=replace(BUSY, fault_share=0.6)) == [True]
+
+
+@settings(max_examples=60, deadline=None)
+@given(past_nodes, st.lists(st.dictionaries(st.sampled_from(SERVICES), st.floats(-5, 50), min_size=1), min_size=1, max_size=4))
+def test_the_busy_case_only_adds_moderate_traces_to_the_stall(past, traces):
+    """What session 11's rule explains (a stalled machine) the busy rule still explains; what it adds
+    are traces whose every visit is below `busy_z`, with a crowd slow on several services."""
+    history = observation(past)
+    judged = [trace(z, 3 * SECOND) for z in traces]
+    stall, both = explained(history, *judged), explained(history, *judged, rule=BUSY)
+    _, visits, slow_visits = BUSY.crowd_counts(history, np.full(1, 3 * SECOND))
+    slow = (visits >= BUSY.min_visits) & (slow_visits >= BUSY.slow_share * visits)
+    for z, old, new in zip(traces, stall, both):
+        assert new >= old
+        if new and not old:
+            assert max(z.values()) < BUSY.busy_z and slow.sum() >= BUSY.busy_services
+
+
+@pytest.mark.parametrize("kwargs", [{"window_s": 0}, {"slow_share": 0}, {"machine_share": 1.5}, {"min_visits": 0},
+                                    {"fault_share": 0}, {"busy_z": 4.0}, {"busy_z": 12.0, "busy_services": 0}])
+def test_bad_parameters_are_a_clear_error(kwargs):
+    with pytest.raises(ValueError):
+        CrowdRule(**kwargs)
 
 
 @settings(max_examples=60, deadline=None)
@@ -117,9 +154,10 @@ def test_a_verdict_reads_only_its_past_and_never_its_batch(past, later, traces, 
     assert explained(history + after, *judged) == together
 
 
-def stream(slow_everywhere: set[int], slow_one: set[int], n: int = 100) -> dict[str, list]:
+def stream(slow_everywhere: set[int], slow_one: set[int], n: int = 100, busy: set[int] = frozenset()) -> dict[str, list]:
     """`n` star traces 20 ms apart (many_traces' shape); those in `slow_everywhere` are slow on
-    every leaf (a stalled machine), those in `slow_one` on svc1 only (a fault)."""
+    every leaf (a stalled machine), those in `slow_one` on svc1 only (a fault), those in `busy`
+    moderately (1.5 x) on svc0 or svc2, one trace in five each (a busy machine's tail)."""
     merged: dict[str, list] = {}
     for t in range(n):
         leaf = [100 + t % 7, 200 + t % 5, 50]
@@ -127,6 +165,8 @@ def stream(slow_everywhere: set[int], slow_one: set[int], n: int = 100) -> dict[
             leaf = [us * 40 for us in leaf]
         if t in slow_one:
             leaf[1] = 8000
+        if t in busy and t % 5 in (0, 2):
+            leaf[t % 5] = leaf[t % 5] * 3 // 2
         spans = star_trace(f"t{t:04d}", leaf)
         spans["start_ns"] = [start + t * 20_000_000 for start in spans["start_ns"]]
         for key, values in spans.items():
@@ -156,12 +196,18 @@ def test_the_detector_holds_alarms_in_a_stalled_stretch_and_keeps_a_fault():
 
 
 @pytest.mark.parametrize("batch", [1, 7, 100])
-def test_a_served_stream_judges_as_a_replay(batch):
+@pytest.mark.parametrize("machine", ["stalled", "busy"])
+def test_a_served_stream_judges_as_a_replay(batch, machine):
     """Fed in time order, in batches of any size, the served stream gives each trace the crowd
     verdict the replay of the whole recording gives it: its past is the traces begun before
-    it, whether they came in an earlier batch or in its own."""
+    it, whether they came in an earlier batch or in its own. The busy stream is judged by the
+    busy case alone (no stall: all services would have to be slow)."""
     detector = always_flagging()
-    table = span_table(stream(set(range(10, 45)), slow_one={50}))
+    if machine == "stalled":
+        table = span_table(stream(set(range(10, 45)), slow_one={50}))
+    else:
+        detector = replace(detector, crowd=replace(BUSY, machine_share=1.0))
+        table = span_table(stream(set(), slow_one=set(), busy=set(range(10, 100))))
     replayed = {trace.trace_id: trace.anomalous for trace in detector.diagnose(table, replay=True).traces}
     history = StreamHistory(visits=detector.encoder.history)
     served = {}

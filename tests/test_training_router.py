@@ -110,9 +110,10 @@ def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, 
                          scenario=str(scenario))
     fresh = fresh_decision_data(config)
     assert fresh is not None
-    # the stratified parts drawn at imbalance min(MIN_DECISION_BOTTLENECKED / 240, 0.5), above the training's 0.3;
-    # the normal traces of the whole-scenario draw at 0.3 (the simulator's counts are only near the asked)
-    assert 70 <= int(np.sum(fresh.y == 1)) <= 125 and 150 <= int(np.sum(fresh.y == 0)) <= 200
+    # the stratified parts (80 traces each) drawn at DECISION_IMBALANCE 0.3: 18 bottlenecked traces per source; the
+    # normal traces of a whole-scenario draw at the training 0.3 of 240 traces (`decision_normal_draw`; the
+    # simulator's counts are only near the asked)
+    assert 45 <= int(np.sum(fresh.y == 1)) <= 60 and 150 <= int(np.sum(fresh.y == 0)) <= 200
     sources = fresh.traces["fault_source"].to_numpy(zero_copy_only=False)[fresh.y == 1]
     names, counts = np.unique(sources, return_counts=True)
     assert names.tolist() == ["background", "interference", "saturation"]
@@ -137,6 +138,48 @@ def test_fresh_decision_data_holds_every_fault_source_of_the_scenario(tmp_path, 
     assert fresh_decision_data(TrainConfig(dataset=str(training.path), router_fresh=300)) is None
     assert fresh_decision_data(TrainConfig(dataset="hotelreservation", router_fresh=0)) is None
     assert fresh_decision_data(TrainConfig(dataset="hotelreservation", router_fresh=300, svm_max_services=5)) is None
+
+
+def test_the_decision_evidence_is_the_same_at_every_training_imbalance(tmp_path, monkeypatch):
+    """The router's decision data hold the same bottlenecked traces at every training imbalance
+    (the stratified parts at `DECISION_IMBALANCE`; until session 15 they were drawn at the
+    training imbalance, at least 0.1: 91 per source at 0.01 and 0.1, 231 at 0.3), and as many
+    normal traces as put them at the training imbalance: the bottlenecked weight beside the
+    normal traces, which a false alarm is counted against, no longer shrinks with the imbalance
+    (README issue 17, session 15)."""
+    from bmeg.training.config import TrainConfig
+    from bmeg.training.pipeline import fresh_decision_data
+
+    monkeypatch.setenv("BMEG_CACHE", str(tmp_path / "cache"))
+    scenario = tmp_path / "short.yaml"
+    scenario.write_text(SHORT_SCENARIO)
+    draws = {ratio: fresh_decision_data(TrainConfig(dataset="hotelreservation", traces=200, imbalance=ratio, seed=2,
+                                                    router_fresh=240, scenario=str(scenario)))
+             for ratio in (0.3, 0.1)}
+    ids = {ratio: np.asarray(fresh.forest.trace_ids, dtype=object) for ratio, fresh in draws.items() if fresh is not None}
+    bottlenecked = {ratio: set(ids[ratio][draws[ratio].y == 1].tolist()) for ratio in ids}
+    assert bottlenecked[0.3] == bottlenecked[0.1]  # the very same traces
+    for ratio, fresh in draws.items():
+        assert fresh is not None
+        positives, negatives = int(np.sum(fresh.y == 1)), int(np.sum(fresh.y == 0))
+        # the simulator's counts are only near the asked; bad traces dropped
+        assert negatives * ratio == pytest.approx(positives, rel=0.15)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.floats(0.001, 2.0), st.integers(5, 20_000))
+def test_the_normal_draw_puts_the_stratified_bottlenecked_traces_at_the_training_imbalance(ratio, fresh):
+    from bmeg.training.config import TrainConfig
+    from bmeg.training.pipeline import DECISION_IMBALANCE, MAX_DECISION_NORMAL_DRAW, decision_normal_draw
+
+    traces = decision_normal_draw(TrainConfig(imbalance=ratio, router_fresh=fresh))
+    bottlenecked = fresh * DECISION_IMBALANCE / (1 + DECISION_IMBALANCE)  # the stratified parts' (nominal)
+    normal = traces / (1 + ratio)  # the draw's normal traces at the training imbalance (nominal)
+    if traces < MAX_DECISION_NORMAL_DRAW:
+        assert normal * ratio == pytest.approx(bottlenecked, abs=ratio)  # (rounded to whole traces)
+    else:
+        assert normal * ratio <= bottlenecked + ratio
+    assert decision_normal_draw(TrainConfig(imbalance=0.0, router_fresh=fresh)) == MAX_DECISION_NORMAL_DRAW
 
 
 def test_only_source_keeps_one_source_and_refuses_one_the_scenario_lacks():

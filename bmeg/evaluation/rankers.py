@@ -9,6 +9,8 @@ see `bmeg.graphs.rpc.rpc_view`) and statistics of a normal period, and returns
   ranker every door of the product uses (`bmeg.models.window.combined_ranking`).
 - `bmeg-gnn`: the GNN alone: each service's mean node score in the window against its mean
   in the normal period (see `node_score_shift`).
+- `bmeg-wgcn-fusion`: `bmeg` with the window GCN's ranking in place of the GNN's in its rank
+  fusion, where the detector's run directory holds a window GCN.
 - `bmeg-window-gcn`: a GCN over the window's service graph, trained on windows simulated from
   the twin (`bmeg.models.window_gcn`), where the detector's run directory holds one.
 - `firm-svm`: FIRM's SVM scores on the critical path, averaged over the window.
@@ -25,7 +27,6 @@ ranker follows `Ranker`.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -33,8 +34,9 @@ import pandas as pd
 
 from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import combined_ranking, gnn_window_scores, node_score_shift, with_normal_baselines
-from bmeg.models.window_gcn import WINDOW_GCN_FILE, WindowGCN, load_window_gcn, rank_window, service_features
+from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of,
+                                with_normal_baselines)
+from bmeg.models.window_gcn import WindowGCN, rank_window, service_features
 
 
 class Ranker(Protocol):
@@ -176,12 +178,6 @@ class WindowGcnRanker:
         return rank_window(self.model, service_features(normal, window, gnn))
 
 
-def window_gcn_of(detector) -> WindowGCN | None:
-    """The window GCN the detector's run directory holds, or None."""
-    path = None if detector.run_dir is None else Path(detector.run_dir) / WINDOW_GCN_FILE
-    return load_window_gcn(path) if path is not None and path.is_file() else None
-
-
 class BmegRanker:
     """B-MEG on a window: `bmeg.models.window.combined_ranking`, the ranker every door of the
     product uses, with the detector's scores shared with the other detector-based rankers."""
@@ -193,6 +189,20 @@ class BmegRanker:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest))
+
+
+class WindowGcnFusionRanker:
+    """`bmeg` with the window GCN's ranking in place of the per-trace GNN's inside its rank fusion
+    (`combined_ranking` given the window GCN; the gates as `bmeg`'s), where the detector's run
+    directory holds one (issue 12, session 15)."""
+
+    name = "bmeg-wgcn-fusion"
+
+    def __init__(self, scores: _DetectorScores, model: WindowGCN):
+        self.scores, self.model = scores, model
+
+    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
+        return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest), self.model)
 
 
 def default_rankers(detector=None, normal: SpanForest | None = None, published: bool = True) -> list[Ranker]:
@@ -210,5 +220,6 @@ def default_rankers(detector=None, normal: SpanForest | None = None, published: 
         detector = with_normal_baselines(detector, normal)
     scores = _DetectorScores(detector)
     window_gcn = window_gcn_of(detector)
-    learned: list[Ranker] = [] if window_gcn is None else [WindowGcnRanker(scores, window_gcn)]
+    learned: list[Ranker] = [] if window_gcn is None else [WindowGcnFusionRanker(scores, window_gcn),
+                                                           WindowGcnRanker(scores, window_gcn)]
     return [BmegRanker(scores), GnnRanker(scores), *learned, FirmSvmRanker(detector), *baselines]

@@ -16,14 +16,27 @@ judges a trace after its spans went quiet, by then most of its crowd has ended).
   baseline (`bmeg.models.features`: the p90 of a normal visit is at z = 1) is at least `slow_z`.
 - A service is slow in the crowd when at least `slow_share` of its visits there are slow, of at
   least `min_visits` visits (fewer: the service is not counted).
-- The machine is slow when at least `machine_share` of the services counted are slow.
-- A flagged trace is explained by the crowd, and not flagged, when the machine is slow and
-  every service the trace is slow on (a visit at `slow_z` or more) is slow in the crowd too. A
-  trace slow on a service the crowd is not slow on still stands, and so does a trace with no
-  slow visit at all (flagged for its structure, an error, a wait: not slowness).
+- A flagged trace is explained by the crowd, and not flagged, in either of two cases; in both,
+  every service the trace is slow on (a visit at `slow_z` or more) must be slow in the crowd
+  too, so a trace slow on a service the crowd is not slow on still stands, and so does a trace
+  with no slow visit at all (flagged for its structure, an error, a wait: not slowness).
+  - A stalled machine (session 11): at least `machine_share` of the services counted are slow.
+  - A busy machine (session 15; off unless `busy_z` is set): another job takes part of
+    the CPU, and the crowd shows it as a tail spread over services, not as a stall: at least
+    `busy_services` services slow in the crowd, none of them slow on `fault_share` of its
+    visits or more (where one is, a fault holds that service: a network delay or a pinned hog
+    slows nearly every visit of it), and the trace's own slowness moderate: every visit below
+    z = `busy_z` (the hogs and delays of the testbed's faults put their slow visits mostly
+    above it, a busy machine's mostly below). Here a service the trace is slow on only needs
+    a slow visit among the crowd's (of at least `min_visits` visits), not `slow_share` of them:
+    under a one-core hog, 5-25% of a service's visits were slow. Off by default: measured
+    (README, issue 12, session 15), it held the busy machine's false alarms of one
+    bootstrapped model, but on a model bootstrapped from another recording the network
+    faults' slow visits fell below z = 12 and a third of them were held: a z-score's
+    magnitude does not carry from one bootstrapped model to another.
 
 The parameters were chosen on the testbed's fault-free recordings and its single-fault dataset
-(README, issue 12, session 11), never on the dev set. The rule reads only what the stream's
+(README, issue 12, sessions 11 and 15), never on the dev set. The rule reads only what the stream's
 history keeps (`bmeg.models.history.Observation`: per node, its service, its trace's start, its
 self-time z-score), so a replayed recording (`bmeg diagnose`: every earlier trace of the file)
 and a served stream (the Kafka consumer, the REST server: the history's last seconds and the
@@ -46,12 +59,18 @@ class CrowdRule:
     slow_share: float = 0.05
     min_visits: int = 5
     machine_share: float = 0.5
+    busy_services: int = 2
+    fault_share: float = 0.5
+    busy_z: float | None = None  # None: only a stalled machine explains a trace (session 11's rule); measured: 12
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
             raise ValueError(f"the crowd's window must be positive, not {self.window_s} s")
-        if not (0 < self.slow_share <= 1 and 0 < self.machine_share <= 1):
-            raise ValueError("slow_share and machine_share are shares: above 0, at most 1")
+        if not (0 < self.slow_share <= 1 and 0 < self.machine_share <= 1 and 0 < self.fault_share <= 1):
+            raise ValueError("slow_share, machine_share and fault_share are shares: above 0, at most 1")
+        if self.busy_z is not None and not (self.busy_z > self.slow_z and self.busy_services >= 1):
+            raise ValueError(f"busy_z must be above slow_z ({self.slow_z}), not {self.busy_z}, and busy_services "
+                             f"at least 1, not {self.busy_services}")
         if self.min_visits < 1:
             raise ValueError(f"min_visits must be at least 1, not {self.min_visits}")
 
@@ -59,14 +78,6 @@ class CrowdRule:
         """[earliest, latest): the trace starts the crowds of traces beginning at `starts_ns`
         (not empty) read."""
         return int(np.min(starts_ns)) - int(self.window_s * 1e9), int(np.max(starts_ns))
-
-    def slow_services(self, past: Observation | Sequence[Observation],
-                      starts_ns: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
-        """(services of the past, bool [T, S]: slow in each trace's crowd, bool [T, S]: counted),
-        for traces beginning at `starts_ns`; the crowd is `past`'s nodes (`crowd_counts`)."""
-        names, visits, slow = self.crowd_counts(past, starts_ns)
-        counted = visits >= self.min_visits
-        return names, counted & (slow >= self.slow_share * visits), counted
 
     def crowd_counts(self, past: Observation | Sequence[Observation],
                      starts_ns: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -104,17 +115,29 @@ class CrowdRule:
         trace are read)."""
         starts = np.zeros(num_traces, dtype=np.int64)
         starts[trace_index] = traces.trace_start_ns
-        names, slow, counted = self.slow_services(past, starts)
-        machine_slow = slow.sum(axis=1) >= self.machine_share * np.maximum(counted.sum(axis=1), 1)
-        machine_slow &= counted.any(axis=1)
+        names, visits, slow_visits = self.crowd_counts(past, starts)
+        counted = visits >= self.min_visits
+        slow = counted & (slow_visits >= self.slow_share * visits)
         own_slow = traces.z_self >= self.slow_z
         codes, services = traces.numbered
         known_as = {name: i for i, name in enumerate(names)}
         column = np.array([known_as.get(name, -1) for name in services], dtype=np.int64)[codes]
-        # a slow visit of a service the crowd is not slow on (or does not know) stands out
-        in_crowd = np.zeros(len(column), dtype=bool)
-        known = column >= 0
-        in_crowd[known] = slow[trace_index[known], column[known]]
-        stands_out = np.bincount(trace_index, weights=own_slow & ~in_crowd, minlength=num_traces) > 0
         any_slow = np.bincount(trace_index, weights=own_slow, minlength=num_traces) > 0
-        return machine_slow & any_slow & ~stands_out
+
+        def all_seen(in_crowd: np.ndarray) -> np.ndarray:
+            """bool [T]: no slow visit of the trace is on a service the crowd (`in_crowd` [T, S])
+            does not show slow, or does not know."""
+            seen = np.zeros(len(column), dtype=bool)
+            known = column >= 0
+            seen[known] = in_crowd[trace_index[known], column[known]]
+            return np.bincount(trace_index, weights=own_slow & ~seen, minlength=num_traces) == 0
+
+        machine_stalled = slow.sum(axis=1) >= self.machine_share * np.maximum(counted.sum(axis=1), 1)
+        machine_stalled &= counted.any(axis=1)
+        explained = machine_stalled & all_seen(slow)
+        if self.busy_z is not None:
+            share = np.where(counted, slow_visits / np.maximum(visits, 1), 0.0)
+            busy = (slow.sum(axis=1) >= self.busy_services) & ~(share >= self.fault_share).any(axis=1)
+            moderate = np.bincount(trace_index, weights=traces.z_self >= self.busy_z, minlength=num_traces) == 0
+            explained |= busy & moderate & all_seen(counted & (slow_visits > 0))
+        return any_slow & explained

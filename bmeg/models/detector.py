@@ -9,7 +9,7 @@ A `Detector` holds no state between calls: calling it twice on the same traces g
 answer. History features read an explicit `StreamHistory` that a streaming caller owns and
 passes in (`bmeg.models.history`); without one, each trace is judged on its own. So does the
 crowd check of a diagnosis (`bmeg.models.crowd`): a trace that stage 1 flags is not anomalous
-when the stream's traces begun just before it show the whole machine as slow as it is.
+when the stream's traces begun just before it show the machine stalled or busy, slow where it is.
 Training and evaluation (`score` without `crowd`) measure the models' own verdicts.
 """
 
@@ -67,7 +67,8 @@ SVM_SERVICE_Z = 3.0
 TOP_SERVICES = 5
 #: The warning of a trace above stage 1's threshold that the crowd check did not flag.
 CROWD_WARNING = ("not flagged: its score is above stage 1's threshold, but the traces begun just before it "
-                 "were slow on most services too, and so was it only where they were (a busy machine)")
+                 "were slow on most services, or on several a little, and so was it only where they were "
+                 "(a stalled or busy machine)")
 
 
 @dataclass(frozen=True)

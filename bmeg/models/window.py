@@ -52,6 +52,7 @@ from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.normal import NormalStats, Ranking
+from bmeg.models.window_gcn import WINDOW_GCN_FILE, WindowGCN, load_window_gcn, rank_window, service_features
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.traces import TraceInputError
 from bmeg.traces.io import read_spans
@@ -339,20 +340,24 @@ def _traces(spans: pa.Table, trace_ids: np.ndarray) -> SpanForest:
     return rpc_view(spans.filter(pc.is_in(spans["trace_id"], pa.array(list(trace_ids), pa.string()))))
 
 
-def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any) -> Ranking:
+def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
+                     window_gcn: WindowGCN | None = None) -> Ranking:
     """B-MEG on a window: reciprocal-rank fusion (`rank_fusion`) of how far each service's own
-    time moved from the normal period (`NormalStats.service_shift`, call gaps split between
-    caller and callee) and the GNN's own window ranking (`node_score_shift` of the detector's
-    scores of the window and of the normal period): by rank, not by product, so a low GNN
-    score cannot bury the service the time shift ranks first. Services whose structure moved
-    beyond their own normal noise (`structure_changed`: a code fault) come before the others,
-    by how far it moved, and so do services where errors began beyond their own noise
-    (`errors_began`: an exception in a few percent of requests); on simulated latency faults no
-    service's structure moves at all, so there the order is the fusion's. Then a decisive time shift of a call gap (`decisive_shift`
-    of the caller and callee parts) comes before the fusion's order."""
+    time moved from the normal period (`NormalStats.service_shift_parts`, call gaps split between
+    caller and callee) and a learned window ranking: the GNN's own (`node_score_shift` of the
+    detector's scores of the window and of the normal period), or, given `window_gcn`, the window
+    GCN's (`window_gcn_scores`, which reads that GNN shift among its inputs). By rank, not by
+    product, so a low learned score cannot bury the service the time shift ranks first. Services
+    whose structure moved beyond their own normal noise (`structure_changed`: a code fault) come
+    before the others, by how far it moved, and so do services where errors began beyond their
+    own noise (`errors_began`: an exception in a few percent of requests); on simulated latency
+    faults no service's structure moves at all, so there the order is the fusion's. Then a
+    decisive time shift of a call gap (`decisive_shift` of the caller and callee parts) comes
+    before the fusion's order."""
     gnn = node_score_shift(window_scores, normal_scores)
+    learned = gnn if window_gcn is None else window_gcn_scores(window_gcn, normal, window, gnn)
     parts = normal.service_shift_parts(window)
-    fused = rank_fusion(parts.max(axis=1), gnn)
+    fused = rank_fusion(parts.max(axis=1), learned)
     shape = normal.structure_parts(window).reindex(fused.index)
     structure = shape[["calls", "errors"]].sum(axis=1).fillna(0.0)
     changed = structure_changed(structure, normal.structure_noise) | errors_began(shape, normal.error_noise)
@@ -364,6 +369,19 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     if decisive in rest.index:
         rest = pd.concat([pd.Series({decisive: 1.0 + fused.max()}), rest.drop(decisive)])
     return [(str(service), float(score)) for service, score in pd.concat([first, rest]).items()]
+
+
+def window_gcn_scores(model: WindowGCN, normal: NormalStats, window: SpanForest, gnn_shift: pd.Series) -> pd.Series:
+    """The window GCN's logit of each service of the window (`bmeg.models.window_gcn`), given
+    the per-trace GNN's `node_score_shift` of it."""
+    ranked = rank_window(model, service_features(normal, window, gnn_shift))
+    return pd.Series(dict(ranked), dtype=float)
+
+
+def window_gcn_of(detector: Detector) -> WindowGCN | None:
+    """The window GCN the detector's run directory holds (`WINDOW_GCN_FILE`), or None."""
+    path = None if detector.run_dir is None else Path(detector.run_dir) / WINDOW_GCN_FILE
+    return load_window_gcn(path) if path is not None and path.is_file() else None
 
 
 def node_score_shift(window_scores: Any, normal_scores: Any) -> pd.Series:

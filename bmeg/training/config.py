@@ -56,7 +56,7 @@ class TrainConfig:
     svm_max_services: int | None = None  # the router's cuts; None: chosen on validation
     svm_max_paths: int | None = None
     router_holdout: float = 0.34  # share of faulted services held out for the router's decision; 0: none
-    router_fresh: int = 5000  # traces of other simulated fault draws the router decides on; 0: held-out services
+    router_fresh: int = 5000  # traces of other simulated fault draws, stratified by source, the router decides on; 0: held-out services
     router_tolerance: float = 0.01  # culprit F1 (and trace F1) the router may give up for a cheaper model
     pretrained: str | None = None  # a run directory whose GNN weights both stages start from
     fit: FitConfig = field(default_factory=FitConfig)

@@ -210,31 +210,54 @@ FRESH_SEED_OFFSET = 7
 #: The seed of the draw of the whole scenario that gives the router's decision data its normal
 #: traces is the training seed plus this (the stratified parts take FRESH_SEED_OFFSET + 1000 i).
 NATURAL_SEED_OFFSET = FRESH_SEED_OFFSET + 500
-#: The bottlenecked traces the router's decision draw holds at least (a tenth of its 5,000): at
-#: imbalance 0.01 its stratified parts held 50, 10 per fault source, fewer than a source needs
-#: to count (`bmeg.models.router.MIN_SOURCE_TRACES`), and no cut could be shown ahead or tied
-#: (README issue 17, session 12). Drawn at a higher imbalance, weighed back (`decision_weights`).
-MIN_DECISION_BOTTLENECKED = 500
+#: The imbalance the router's stratified decision parts are drawn at, whatever the training's: each
+#: part of 1,000 traces (`router_fresh` 5,000, five fault sources) then holds 231 bottlenecked
+#: traces, as the 0.3 cells' did. Until session 15 they were drawn at the training imbalance, at
+#: least 0.1 (`MIN_DECISION_BOTTLENECKED` 500): 91 per source at 0.1 and 0.01, so the evidence
+#: the router decides on thinned with the training set's ratio (README issue 17, session 15). The
+#: bottlenecked traces are weighed back to the training imbalance (`decision_weights`).
+DECISION_IMBALANCE = 0.3
+#: The largest draw of the whole scenario the decision data takes its normal traces from
+#: (`decision_normal_draw`): 116,538 at imbalance 0.01; below about 0.0097 the normal traces
+#: stop growing and the evidence on false alarms thins as it did for every imbalance before.
+MAX_DECISION_NORMAL_DRAW = 120_000
+
+
+def decision_normal_draw(config: TrainConfig) -> int:
+    """Traces of the whole-scenario draw (at the training imbalance) whose normal traces the
+    router's decision data takes: as many normal traces as put the stratified parts' bottlenecked
+    traces at the training imbalance (bottlenecked / imbalance; `router_fresh` at 0.3). The F1s
+    the router compares weigh the bottlenecked traces to the training imbalance, so a false alarm
+    counts 1 / (imbalance x normal traces) of their weight, and the thresholds (precision 0.8 on
+    validation) let false alarms in at a rate near the imbalance: with a fixed count of normal
+    traces, the noise their false alarms put into a comparison grows as 1 / sqrt(imbalance). At
+    0.01, 4,950 normal traces stood beside a bottlenecked weight of 49: six false alarms of the
+    SVM cost it about 0.01 of trace F1 each (the tolerance), and resampling them alone undid its lead in 7% of draws
+    (README issue 17, session 15). At most `MAX_DECISION_NORMAL_DRAW` (the cost)."""
+    if config.imbalance <= 0:  # no bottlenecked traces to stand beside: as many normal ones as allowed
+        return MAX_DECISION_NORMAL_DRAW
+    bottlenecked = config.router_fresh * DECISION_IMBALANCE / (1 + DECISION_IMBALANCE)
+    return min(MAX_DECISION_NORMAL_DRAW, round(bottlenecked * (1 + config.imbalance) / config.imbalance))
 
 
 def fresh_decision_data(config: TrainConfig, progress: bool = False) -> Labelled | None:
-    """The router's decision data on a simulated application: `router_fresh` traces of the same
-    scenario and imbalance drawn with another seed (other faults, at other times, mostly on
-    other services). The bottlenecked traces are stratified by fault source (`load_by_source`:
-    one draw of the whole scenario held two to four of its five sources, so the router decided
-    on sources it was not judged on and the other way round); the normal traces come from a
-    draw of the whole scenario (`with_normals_of`: a stratified part's normal traces are an
-    episode of one source's faults, and have no source to weigh them back by). The stratified
-    parts are drawn at an imbalance that gives at least `MIN_DECISION_BOTTLENECKED` bottlenecked
-    traces (at most half the draw), weighed back to the training imbalance by `choose_router`.
-    None for a recorded dataset (a folder) or `router_fresh` 0."""
+    """The router's decision data on a simulated application: traces of the same scenario drawn
+    with another seed (other faults, at other times, mostly on other services). The bottlenecked
+    traces are stratified by fault source (`load_by_source`, `router_fresh` traces at
+    `DECISION_IMBALANCE`: one draw of the whole scenario held two to four of its five sources, so
+    the router decided on sources it was not judged on and the other way round), the same count
+    per source at every training imbalance; the normal traces come from a draw of the whole
+    scenario at the training imbalance (`with_normals_of`: a stratified part's normal traces are
+    an episode of one source's faults, and have no source to weigh them back by), as many as
+    stand beside the bottlenecked ones at that imbalance (`decision_normal_draw`). The
+    bottlenecked traces are weighed back to the training imbalance by `choose_router`. None for
+    a recorded dataset (a folder) or `router_fresh` 0."""
     if config.router_fresh <= 0 or Path(config.dataset).is_dir() or config.svm_max_services is not None:
         return None
-    imbalance = max(config.imbalance, min(MIN_DECISION_BOTTLENECKED / config.router_fresh, 0.5))
-    stratified = load_by_source(config.dataset, config.router_fresh, imbalance,
+    stratified = load_by_source(config.dataset, config.router_fresh, DECISION_IMBALANCE,
                                 config.seed + FRESH_SEED_OFFSET, config.scenario, progress=progress)
-    natural = load_dataset(config.dataset, config.router_fresh, config.imbalance, config.seed + NATURAL_SEED_OFFSET,
-                           config.scenario, progress=progress)
+    natural = load_dataset(config.dataset, decision_normal_draw(config), config.imbalance,
+                           config.seed + NATURAL_SEED_OFFSET, config.scenario, progress=progress)
     return label(with_normals_of(stratified, natural), config.seed)
 
 

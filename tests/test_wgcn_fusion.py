@@ -1,0 +1,101 @@
+"""bmeg's rank fusion with the window GCN in place of the per-trace GNN (issue 12, session 15)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bmeg.evaluation.rankers import default_rankers
+from bmeg.graphs.rpc import rpc_view
+from bmeg.models.normal import NormalStats
+from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of,
+                                window_gcn_scores, with_normal_baselines)
+from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, save_window_gcn
+from bmeg.traces import span_table
+from builders import many_traces, star_trace, tiny_detector
+
+LEAVES = ["svc0", "svc1", "svc2"]
+
+
+def _window(slow: int, factor: float, extra_call: bool = False):
+    """30 star traces, leaf `slow` `factor` times its usual time; `extra_call`: the root also
+    calls a fourth leaf (its calls changed: a code fault's structure shift)."""
+    merged: dict[str, list] = {}
+    for t in range(30):
+        leaf = [100 + t % 7, 200 + t % 5, 50] + ([80] if extra_call else [])
+        leaf[slow] = int(leaf[slow] * factor)
+        for key, values in star_trace(f"w{t:04d}", leaf).items():
+            merged.setdefault(key, []).extend(values)
+    return rpc_view(span_table(merged))
+
+
+@pytest.fixture(scope="module")
+def scored():
+    """The tiny detector's normal period and windows (each leaf slowed), scored once."""
+    normal = rpc_view(span_table(many_traces(60)))
+    detector = with_normal_baselines(tiny_detector(), normal)
+    stats = NormalStats.from_forest(normal)
+    windows = [_window(slow, 8.0) for slow in range(3)] + [_window(0, 8.0, extra_call=True)]
+    return stats, gnn_window_scores(detector, normal), [(w, gnn_window_scores(detector, w)) for w in windows]
+
+
+def _reading(feature: str) -> WindowGCN:
+    """A window GCN whose logit is one of its input features, nothing else."""
+    model = WindowGCN()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.linear.weight[0, FEATURES.index(feature)] = 1.0
+    return model.eval()
+
+
+def _random(seed: int) -> WindowGCN:
+    torch.manual_seed(seed)
+    return WindowGCN().eval()
+
+
+def test_a_window_gcn_reading_only_the_gnn_shift_ranks_as_bmeg_does(scored):
+    stats, normal_scores, windows = scored
+    for window, scores in windows:
+        before = [service for service, _ in combined_ranking(stats, window, scores, normal_scores)]
+        after = [service for service, _ in combined_ranking(stats, window, scores, normal_scores, _reading("gnn_shift"))]
+        assert after == before
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(window=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_any_window_gcn_keeps_the_services_the_gates_and_the_agreed_first(scored, window, seed):
+    stats, normal_scores, windows = scored
+    forest, scores = windows[window]
+    model = _random(seed)
+    fused = [service for service, _ in combined_ranking(stats, forest, scores, normal_scores, model)]
+    plain = [service for service, _ in combined_ranking(stats, forest, scores, normal_scores)]
+    assert sorted(fused) == sorted(plain) and len(set(fused)) == len(fused)
+    if window == 3:  # the root's calls changed: the structure gate puts it first whatever the model says
+        assert fused[0] == plain[0] == "front"
+        return
+    learned = window_gcn_scores(model, stats, forest, node_score_shift(scores, normal_scores))
+    shift = stats.service_shift_parts(forest).max(axis=1)
+    if learned.idxmax() == shift.idxmax():  # both rankings put one service first: so does the fusion
+        assert fused[0] == shift.idxmax()
+
+
+def test_a_window_gcn_reading_the_slow_leaf_puts_it_first(scored):
+    stats, normal_scores, windows = scored
+    for slow, (window, scores) in enumerate(windows[:3]):
+        ranking = combined_ranking(stats, window, scores, normal_scores, _reading("self_time"))
+        assert ranking[0][0] == LEAVES[slow]
+
+
+def test_the_harness_fuses_the_window_gcn_only_where_the_run_holds_one(tmp_path):
+    detector = replace(tiny_detector(), run_dir=tmp_path)
+    names = [ranker.name for ranker in default_rankers(detector, published=False)]
+    assert "bmeg" in names and "bmeg-wgcn-fusion" not in names and window_gcn_of(detector) is None
+    save_window_gcn(_reading("self_time"), tmp_path / WINDOW_GCN_FILE)
+    names = [ranker.name for ranker in default_rankers(detector, published=False)]
+    assert {"bmeg", "bmeg-wgcn-fusion", "bmeg-window-gcn"} <= set(names)
+    assert window_gcn_of(detector) is not None
