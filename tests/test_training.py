@@ -115,4 +115,8 @@ def test_the_router_decided_on_other_fault_draws(trained_run):
     routing = json.loads((trained_run / "metrics.json").read_text())["routing"]
     assert ("traces of other fault draws (simulated: bottlenecked, seed 10, stratified by fault source, weighed to "
             "the training mix and imbalance; normal, seed 510, of the whole scenario)") in routing["why"]
-    assert 4000 <= routing["decision_traces"] <= 5000 and routing["held_out_services"] == []
+    bottlenecked, traces = routing["decision_bottlenecked"], routing["decision_traces"]
+    # the same bottlenecked traces per fault source at every training imbalance (231 of each of the
+    # 5 sources), beside as many normal traces as put them at the training imbalance (0.1 here)
+    assert 1_000 <= bottlenecked <= 1_300 and abs(bottlenecked / traces - 0.1 / 1.1) < 0.01
+    assert routing["held_out_services"] == []
