@@ -64,14 +64,14 @@ def test_the_model_learns_to_put_the_slow_service_first(windows):
     train, held = windows[:12], windows[12:]
     untrained = WindowGCN()
     before = float(np.mean([listwise_loss(untrained(w.graph.x, w.graph.edges), w.targets).item() for w in train]))
-    model = fit_window_gcn(train, epochs=30, seed=0)
+    model = fit_window_gcn(train, seed=0, settings=FitSettings(epochs=30))
     after = float(np.mean([listwise_loss(model(w.graph.x, w.graph.edges), w.targets).item() for w in train]))
     assert after < 0.5 * before
     assert top1(model, held) == 1.0
 
 
 def test_saved_and_loaded_without_pickle_it_ranks_the_same(windows, tmp_path):
-    model = fit_window_gcn(windows[:4], epochs=2, seed=0)
+    model = fit_window_gcn(windows[:4], seed=0, settings=FitSettings(epochs=2))
     path = tmp_path / WINDOW_GCN_FILE
     save_window_gcn(model, path, {"windows": 4})
     refuse_pickles(tmp_path)  # a run directory holding it is not refused as a pickle
@@ -94,7 +94,7 @@ def test_a_damaged_or_foreign_window_gcn_file_is_refused_with_its_path(content, 
 
 def test_a_window_gcn_of_another_shape_is_refused(windows, tmp_path):
     path = tmp_path / WINDOW_GCN_FILE
-    save_window_gcn(fit_window_gcn(windows[:2], epochs=1, seed=0), path)
+    save_window_gcn(fit_window_gcn(windows[:2], seed=0, settings=FitSettings(epochs=1)), path)
     state = torch.load(path, weights_only=True)
     torch.save({**state, "config": {"unknown": 1}}, path)
     with pytest.raises(CheckpointError, match="not a bmeg window GCN"):
@@ -117,7 +117,7 @@ def test_a_model_without_some_inputs_ignores_them_and_keeps_them_out_when_loaded
 
 
 def test_a_session_14_file_naming_only_its_input_count_still_loads(windows, tmp_path):
-    model = fit_window_gcn(windows[:2], epochs=1, seed=0)
+    model = fit_window_gcn(windows[:2], seed=0, settings=FitSettings(epochs=1))
     path = tmp_path / WINDOW_GCN_FILE
     save_window_gcn(model, path)
     state = torch.load(path, weights_only=True)
@@ -135,7 +135,7 @@ def test_saved_training_windows_read_back_the_same_and_a_foreign_file_is_refused
     back = load_windows(tmp_path / "windows.pt")
     assert [(w.graph.services, w.targets, w.code_alone) for w in back] == [(w.graph.services, w.targets, w.code_alone) for w in held]
     assert all(torch.equal(a.graph.x, b.graph.x) and torch.equal(a.graph.edges, b.graph.edges) for a, b in zip(back, held))
-    save_window_gcn(fit_window_gcn(windows[:1], epochs=1, seed=0), tmp_path / WINDOW_GCN_FILE)
+    save_window_gcn(fit_window_gcn(windows[:1], seed=0, settings=FitSettings(epochs=1)), tmp_path / WINDOW_GCN_FILE)
     with pytest.raises(CheckpointError, match="training windows"):
         load_windows(tmp_path / WINDOW_GCN_FILE)
 

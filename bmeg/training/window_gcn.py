@@ -15,10 +15,10 @@ The loss is listwise: minus the log of the softmax mass the window's services pu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -143,13 +143,11 @@ class FitSettings:
     features: tuple[str, ...] = FEATURES
 
 
-def fit_window_gcn(windows: list[TrainingWindow], epochs: int = 60, seed: int = 0, lr: float = 3e-3,
-                   settings: FitSettings | None = None,
+def fit_window_gcn(windows: list[TrainingWindow], seed: int = 0, settings: FitSettings = FitSettings(),
                    after_epoch: Callable[[int, WindowGCN], None] | None = None) -> WindowGCN:
-    """A `WindowGCN` trained on `windows`, one window per step, in a fresh order each epoch
-    (`settings`, where given, in place of `epochs` and `lr`); `after_epoch(epoch, model)` is
-    called after each epoch (1, 2, ...), e.g. to follow held-out windows."""
-    settings = settings or FitSettings(epochs=epochs, lr=lr)
+    """A `WindowGCN` trained on `windows` as `settings` say, one window per step, in a fresh order
+    each epoch; `after_epoch(epoch, model)` is called after each epoch (1, 2, ...), e.g. to follow
+    held-out windows."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     model = WindowGCN(features=settings.features)
@@ -201,15 +199,14 @@ def load_windows(path: Path) -> list[TrainingWindow]:
             for w in state["windows"]]
 
 
-def train_window_gcn(run_dir: str | Path, windows: int | list[TrainingWindow] = 300, epochs: int = 60, seed: int = 0,
-                     settings: FitSettings | None = None, file: str = WINDOW_GCN_FILE) -> tuple[WindowGCN, dict]:
+def train_window_gcn(run_dir: str | Path, windows: int | list[TrainingWindow] = 300, seed: int = 0,
+                     settings: FitSettings = FitSettings(), file: str = WINDOW_GCN_FILE) -> tuple[WindowGCN, dict]:
     """Train the window GCN of a run of `bmeg bootstrap` (its `twin.yaml` and detector) into the
     run directory (`file`, the ranker's `WINDOW_GCN_FILE` unless told) on `windows` (or that many
     simulated here); returns (model, metrics)."""
     from bmeg.models.detector import Detector
 
     run_dir = Path(run_dir)
-    settings = settings or FitSettings(epochs=epochs)
     if isinstance(windows, int):
         windows = simulated_windows(load_topology(run_dir / "twin.yaml"), Detector.load(run_dir), windows, seed)
     held = max(len(windows) // 5, 1)
