@@ -94,8 +94,14 @@ def crowd_rule(overrides: str) -> CrowdRule:
         if key not in CrowdRule.__dataclass_fields__:
             raise SystemExit(f"--crowd: no CrowdRule parameter {key!r}")
         kind = int if isinstance(getattr(CrowdRule(), key), int) else float
-        changes[key] = None if value == "None" else kind(float(value))
-    return replace(CrowdRule(), **changes)
+        try:
+            changes[key] = None if value == "None" else kind(float(value))
+        except ValueError:
+            raise SystemExit(f"--crowd: {key} takes a number or None, not {value!r}") from None
+    try:
+        return replace(CrowdRule(), **changes)
+    except ValueError as error:  # CrowdRule's own checks (shares, busy_z above slow_z, ...)
+        raise SystemExit(f"--crowd {overrides}: {error}") from None
 
 
 def served(detector: Detector, spans: pa.Table, batch_s: float) -> dict[str, tuple[bool, bool]]:
