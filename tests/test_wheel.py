@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float) -> 
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A fresh venv with the wheel and its core dependencies (pinned by the lock file)."""
     root = tmp_path_factory.mktemp("wheel")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -41,7 +43,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python = root / "venv" / "bin" / "python"
     constraints = ["-c", str(LOCK)] if LOCK.is_file() else []
     _run([str(python), "-m", "pip", "install", "-q", *constraints, str(wheel)], cwd=root, env=env, timeout=1800)
-    return root / "venv" / "bin"
+    yield root / "venv" / "bin"
+    shutil.rmtree(root, ignore_errors=True)  # ~6 GB; freed now, not when the run ends
 
 
 def test_the_installed_wheel_generates_trains_and_diagnoses_from_another_directory(
