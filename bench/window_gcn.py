@@ -4,7 +4,12 @@ service is a faulty one on held-out simulated windows:
 
     python bench/window_gcn.py RUN_DIR [RUN_DIR ...] [--windows 200] [--epochs 10] [--seed 0] \
         [--code-alone 0.2] [--weight-decay 1e-2] [--without gnn_shift gnn_lead] [--cache DIR] \
-        [--drop-code-alone] [--file window_gcn.pt]
+        [--drop-code-alone] [--file window_gcn.pt] [--members 1] [--fit-seed S] \
+        [--normal-traces 300 1200] [--window-traces 300 1500]
+
+`--members K` fits K window GCNs on the same windows (seeds S, S+1000, ...) and saves them as one
+ensemble (`WindowGCNEnsemble`); `--fit-seed` fits with another seed than the windows' (`--seed`);
+`--normal-traces` / `--window-traces` shape the simulated windows (`WindowShape`).
 
 `--cache DIR` keeps each run's simulated windows (DIR/<run>-<windows>-<code-alone>-s<seed>.pt) and
 reads them back when they are there: simulating them is most of the time. `--compare N` trains
@@ -26,20 +31,22 @@ import torch
 from bmeg.faultinject import load_topology
 from bmeg.models.detector import Detector
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE
-from bmeg.training.window_gcn import (CODE_ALONE_WINDOWS, FitSettings, TrainingWindow, feature_top1, fit_window_gcn, load_windows,
-                                      save_windows, simulated_windows, top1, train_window_gcn)
+from bmeg.training.window_gcn import (CODE_ALONE_WINDOWS, FitSettings, TrainingWindow, WindowShape, feature_top1,
+                                      fit_window_gcn, load_windows, save_windows, simulated_windows, top1, train_window_gcn)
 
 #: held-out seeds are apart from every training seed
 HELD_OUT_SEED = 1000
 GNN_INPUTS = ("gnn_shift", "gnn_lead")
 
 
-def windows_of(run: Path, count: int, seed: int, code_alone: float, cache: Path | None) -> list[TrainingWindow]:
-    path = None if cache is None else cache / f"{run.name}-{count}-{code_alone:g}-s{seed}.pt"
+def windows_of(run: Path, count: int, seed: int, code_alone: float, cache: Path | None,
+               shape: WindowShape = WindowShape()) -> list[TrainingWindow]:
+    shaped = "" if shape == WindowShape() else "-n{:g}-{:g}-w{:g}-{:g}".format(*shape.normal_traces, *shape.window_traces)
+    path = None if cache is None else cache / f"{run.name}-{count}-{code_alone:g}{shaped}-s{seed}.pt"
     if path is not None and path.is_file():
         return load_windows(path)
     began = time.perf_counter()
-    windows = simulated_windows(load_topology(run / "twin.yaml"), Detector.load(run), count, seed, code_alone)
+    windows = simulated_windows(load_topology(run / "twin.yaml"), Detector.load(run), count, seed, code_alone, shape)
     print(f"{run}: simulated {len(windows)} windows (seed {seed}) in {time.perf_counter() - began:.0f} s", flush=True)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +93,11 @@ def main() -> None:
     # the defaults: session 15's round 2 (README, issue 12, session 15)
     parser.add_argument("--windows", type=int, default=200)
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the windows' seed (and the fit's)")
+    parser.add_argument("--fit-seed", type=int, help="the fit's seed when not --seed")
+    parser.add_argument("--members", type=int, default=1, help="window GCNs fitted apart, saved as one ensemble")
+    parser.add_argument("--normal-traces", type=float, nargs=2, default=WindowShape().normal_traces, metavar=("LO", "HI"))
+    parser.add_argument("--window-traces", type=float, nargs=2, default=WindowShape().window_traces, metavar=("LO", "HI"))
     parser.add_argument("--code-alone", type=float, default=CODE_ALONE_WINDOWS, help="share of windows with a code fault alone")
     parser.add_argument("--weight-decay", type=float, default=1e-2)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -98,20 +109,23 @@ def main() -> None:
     parser.add_argument("--simulate-only", action="store_true", help="only simulate the windows into --cache")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small graphs on a shared machine (`fit_window_gcn`)
-    settings = FitSettings(args.epochs, args.lr, args.weight_decay, tuple(f for f in FEATURES if f not in args.without))
+    settings = FitSettings(args.epochs, args.lr, args.weight_decay, tuple(f for f in FEATURES if f not in args.without),
+                           args.members)
+    shape = WindowShape(tuple(args.normal_traces), tuple(args.window_traces))
     for run in args.runs:
         began = time.perf_counter()
-        windows = windows_of(run, args.windows, args.seed, args.code_alone, args.cache)
+        windows = windows_of(run, args.windows, args.seed, args.code_alone, args.cache, shape)
         if args.simulate_only:
             continue
         if args.compare:
-            held = windows_of(run, args.compare, HELD_OUT_SEED + args.seed, args.code_alone, args.cache)
+            held = windows_of(run, args.compare, HELD_OUT_SEED + args.seed, args.code_alone, args.cache, shape)
             compare(run, windows, held, settings, args.seed)
             continue
         if args.drop_code_alone:
             windows = [w for w in windows if not w.code_alone]
-        _, metrics = train_window_gcn(run, windows, seed=args.seed, settings=settings, file=args.file)
-        print(f"{run}: {metrics['windows']} windows ({metrics['code_alone_windows']} code-alone), held-out top-1 "
+        fit_seed = args.seed if args.fit_seed is None else args.fit_seed
+        _, metrics = train_window_gcn(run, windows, seed=fit_seed, settings=settings, file=args.file)
+        print(f"{run}: {metrics['members']} member(s), {metrics['windows']} windows ({metrics['code_alone_windows']} code-alone), held-out top-1 "
               f"{metrics['held_out_top1']:.2f} (train {metrics['train_top1']:.2f}; the self-time rule "
               f"{metrics['held_out_self_time_top1']:.2f}, the GNN's shift {metrics['held_out_gnn_top1']:.2f}), "
               f"{time.perf_counter() - began:.0f} s", flush=True)

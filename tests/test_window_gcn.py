@@ -18,11 +18,13 @@ from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError, refuse_pickles
 from bmeg.models.normal import NormalStats
-from bmeg.models.window_gcn import (FEATURES, WINDOW_GCN_FILE, WindowGCN, load_window_gcn, rank_window,
-                                    save_window_gcn, service_features)
+from bmeg.models.window_gcn import (FEATURES, WINDOW_GCN_FILE, WindowGCN, WindowGCNEnsemble, load_window_gcn,
+                                    rank_window, save_window_gcn, service_features)
 from bmeg.traces.schema import trace_starts
-from bmeg.training.window_gcn import (FitSettings, TrainingWindow, _with_changed_traces, fit_window_gcn, listwise_loss,
-                                      load_windows, save_windows, simulated_windows, top1)
+from bmeg.training import window_gcn as training
+from bmeg.training.window_gcn import (MEMBER_SEED_STEP, FitSettings, TrainingWindow, WindowShape, _with_changed_traces,
+                                      fit_ensemble, fit_window_gcn, listwise_loss, load_windows, save_windows,
+                                      simulated_windows, top1)
 from builders import chain_spec, tiny_detector
 
 SERVICES = ["front", "mid", "leaf"]
@@ -160,3 +162,73 @@ def test_code_alone_windows_hold_one_code_fault_its_service_the_target_and_every
     held = simulated_windows(topology, tiny_detector(), 1, seed=3, code_alone=1.0)
     assert held and all(w.code_alone and len(w.targets) == 1 for w in held)
     assert all({"front", "mid", "leaf"} <= set(w.graph.services) for w in held)  # the window kept every service
+
+
+def _scaled(model: WindowGCN, factor: float) -> WindowGCN:
+    """`model` with its logits `factor` times larger (its two output layers scaled)."""
+    scaled = WindowGCN()
+    scaled.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for layer in (scaled.head[-1], scaled.linear):
+            layer.weight.mul_(factor)
+            layer.bias.mul_(factor)
+    return scaled.eval()
+
+
+def test_an_ensemble_ranks_by_its_members_logits_standardised_within_the_window(windows):
+    first, second = fit_window_gcn(windows[:4], seed=0, settings=FitSettings(epochs=2)), _random_gcn(5)
+    graph = windows[0].graph
+    alone = rank_window(first, graph)
+    assert [s for s, _ in rank_window(WindowGCNEnsemble([first]), graph)] == [s for s, _ in alone]
+    # a member with 100x larger logits counts no more than its copy: the pair ranks as the member
+    assert [s for s, _ in rank_window(WindowGCNEnsemble([first, _scaled(first, 100.0)]), graph)] == [s for s, _ in alone]
+    mean = WindowGCNEnsemble([first, second])(graph.x, graph.edges)
+    both = torch.stack([first(graph.x, graph.edges), second(graph.x, graph.edges)])
+    standardised = (both - both.mean(1, keepdim=True)) / both.std(1, unbiased=False, keepdim=True)
+    assert torch.allclose(mean, standardised.mean(0), atol=1e-4)
+    with pytest.raises(ValueError, match="same inputs"):
+        WindowGCNEnsemble([first, WindowGCN(features=("own", "self_time"))])
+
+
+def _random_gcn(seed: int) -> WindowGCN:
+    torch.manual_seed(seed)
+    return WindowGCN().eval()
+
+
+def test_an_ensemble_is_fitted_member_by_member_and_saved_and_loaded_without_pickle(windows, tmp_path):
+    settings = FitSettings(epochs=2, members=3)
+    ensemble = fit_ensemble(windows[:4], seed=7, settings=settings)
+    assert isinstance(ensemble, WindowGCNEnsemble) and len(ensemble.members) == 3
+    graph = windows[0].graph
+    for index, member in enumerate(ensemble.members):  # member i: the model fitted with seed 7 + i * step
+        alone = fit_window_gcn(windows[:4], seed=7 + MEMBER_SEED_STEP * index, settings=FitSettings(epochs=2))
+        assert torch.equal(member(graph.x, graph.edges), alone(graph.x, graph.edges))
+    one = fit_ensemble(windows[:4], seed=7, settings=FitSettings(epochs=2))
+    assert isinstance(one, WindowGCN)
+    assert torch.equal(one(graph.x, graph.edges), ensemble.members[0](graph.x, graph.edges))
+    path = tmp_path / WINDOW_GCN_FILE
+    save_window_gcn(ensemble, path)
+    refuse_pickles(tmp_path)
+    loaded = load_window_gcn(path)
+    assert isinstance(loaded, WindowGCNEnsemble)
+    assert torch.equal(loaded(graph.x, graph.edges), ensemble(graph.x, graph.edges))
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "members": [{"unknown": torch.zeros(1)}]}, path)
+    with pytest.raises(CheckpointError, match="not a bmeg window GCN"):
+        load_window_gcn(path)
+
+
+def test_simulated_windows_hold_the_traces_their_shape_says(monkeypatch):
+    held: list[tuple[int, int]] = []
+    real = training.training_window
+
+    def counting(detector, normal_spans, window_spans, faulty):  # the real one, its trace counts kept
+        held.append((pc.count_distinct(normal_spans["trace_id"]).as_py(), pc.count_distinct(window_spans["trace_id"]).as_py()))
+        return real(detector, normal_spans, window_spans, faulty)
+
+    monkeypatch.setattr(training, "training_window", counting)
+    shape = WindowShape(normal_traces=(100, 100), window_traces=(150, 200))
+    simulated_windows(parse_topology(chain_spec(rate=200)), tiny_detector(), 3, seed=2, code_alone=0.0, shape=shape)
+    assert len(held) == 3
+    # traces begun in a span of time: the rate's count, give or take the arrivals' noise
+    assert all(70 <= normal <= 130 and 110 <= window <= 250 for normal, window in held)

@@ -36,7 +36,7 @@ from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
 from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of,
                                 with_normal_baselines)
-from bmeg.models.window_gcn import WindowGCN, rank_window, service_features
+from bmeg.models.window_gcn import WindowModel, rank_window, service_features
 
 
 class Ranker(Protocol):
@@ -170,7 +170,7 @@ class WindowGcnRanker:
 
     name = "bmeg-window-gcn"
 
-    def __init__(self, scores: _DetectorScores, model: WindowGCN):
+    def __init__(self, scores: _DetectorScores, model: WindowModel):
         self.scores, self.model = scores, model
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
@@ -198,7 +198,7 @@ class WindowGcnFusionRanker:
 
     name = "bmeg-wgcn-fusion"
 
-    def __init__(self, scores: _DetectorScores, model: WindowGCN):
+    def __init__(self, scores: _DetectorScores, model: WindowModel):
         self.scores, self.model = scores, model
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:

@@ -52,7 +52,7 @@ from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.features import FeatureEncoder
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window_gcn import WINDOW_GCN_FILE, WindowGCN, load_window_gcn, rank_window, service_features
+from bmeg.models.window_gcn import WINDOW_GCN_FILE, WindowModel, load_window_gcn, rank_window, service_features
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.traces import TraceInputError
 from bmeg.traces.io import read_spans
@@ -341,7 +341,7 @@ def _traces(spans: pa.Table, trace_ids: np.ndarray) -> SpanForest:
 
 
 def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
-                     window_gcn: WindowGCN | None = None) -> Ranking:
+                     window_gcn: WindowModel | None = None) -> Ranking:
     """B-MEG on a window: reciprocal-rank fusion (`rank_fusion`) of how far each service's own
     time moved from the normal period (`NormalStats.service_shift_parts`, call gaps split between
     caller and callee) and a learned window ranking: the GNN's own (`node_score_shift` of the
@@ -371,14 +371,14 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     return [(str(service), float(score)) for service, score in pd.concat([first, rest]).items()]
 
 
-def window_gcn_scores(model: WindowGCN, normal: NormalStats, window: SpanForest, gnn_shift: pd.Series) -> pd.Series:
+def window_gcn_scores(model: WindowModel, normal: NormalStats, window: SpanForest, gnn_shift: pd.Series) -> pd.Series:
     """The window GCN's logit of each service of the window (`bmeg.models.window_gcn`), given
     the per-trace GNN's `node_score_shift` of it."""
     ranked = rank_window(model, service_features(normal, window, gnn_shift))
     return pd.Series(dict(ranked), dtype=float)
 
 
-def window_gcn_of(detector: Detector) -> WindowGCN | None:
+def window_gcn_of(detector: Detector) -> WindowModel | None:
     """The window GCN the detector's run directory holds (`WINDOW_GCN_FILE`), or None."""
     path = None if detector.run_dir is None else Path(detector.run_dir) / WINDOW_GCN_FILE
     return load_window_gcn(path) if path is not None and path.is_file() else None

@@ -15,6 +15,11 @@ lifts its callers' times, a starved caller stretches its callees' calls), and th
 past them to the output head, with a linear term of their own, so the network can at least
 reproduce a rule such as the self-time shift.
 
+Fits of the same windows with other seeds rank real windows differently (session 15: whole faults
+apart on the testbed), so a saved model may be an ensemble (`WindowGCNEnsemble`, issue 12,
+session 16): K members fitted apart, each member's logits standardised within the window, the
+mean of those the score.
+
 Saved as a dict of tensors and plain values (`WINDOW_GCN_FILE` in a run directory), loaded with
 `weights_only=True`: never a pickle.
 """
@@ -138,7 +143,29 @@ class WindowGCN(nn.Module):
         return (self.head(torch.cat([h, x], dim=-1)) + self.linear(x)).squeeze(-1)
 
 
-def rank_window(model: WindowGCN, graph: WindowGraph) -> Ranking:
+class WindowGCNEnsemble(nn.Module):
+    """Window GCNs fitted apart (other seeds) on the same windows. A service's score is the mean
+    over members of its logit standardised within the window (minus the window's mean, over its
+    spread), so no member counts more for having larger logits; one member ranks as itself."""
+
+    def __init__(self, members: list[WindowGCN]):
+        super().__init__()
+        if not members or len({tuple(m.columns) for m in members}) != 1:
+            raise ValueError("an ensemble holds one or more window GCNs of the same inputs")
+        self.members = nn.ModuleList(members)
+        self.config = dict(members[0].config)
+
+    def forward(self, x: Tensor, edges: Tensor) -> Tensor:
+        logits = torch.stack([member(x, edges) for member in self.members])
+        centred = logits - logits.mean(dim=1, keepdim=True)
+        return (centred / (centred.std(dim=1, unbiased=False, keepdim=True) + 1e-6)).mean(dim=0)
+
+
+#: What `load_window_gcn` returns and every ranker reads: one window GCN or an ensemble of them.
+WindowModel = WindowGCN | WindowGCNEnsemble
+
+
+def rank_window(model: WindowModel, graph: WindowGraph) -> Ranking:
     """The window's services by the model's logit, most suspicious first."""
     model.eval()
     with torch.no_grad():
@@ -147,21 +174,31 @@ def rank_window(model: WindowGCN, graph: WindowGraph) -> Ranking:
     return [(graph.services[i], float(logits[i])) for i in order]
 
 
-def save_window_gcn(model: WindowGCN, path: Path, metrics: dict | None = None) -> None:
+def save_window_gcn(model: WindowModel, path: Path, metrics: dict | None = None) -> None:
+    """One model's weights as `weights` (as sessions 14-15 saved them), an ensemble's as a list
+    `members`, with the config they share."""
+    weights = ({"members": [member.state_dict() for member in model.members]} if isinstance(model, WindowGCNEnsemble)
+               else {"weights": model.state_dict()})
     state = {"format": WINDOW_GCN_FORMAT, "features": list(FEATURES), "config": dict(model.config),
-             "weights": model.state_dict(), "metrics": metrics or {}}
+             **weights, "metrics": metrics or {}}
     torch.save(state, path)
 
 
-def load_window_gcn(path: Path) -> WindowGCN:
+def load_window_gcn(path: Path) -> WindowModel:
     """The model saved at `path` (`save_window_gcn`); CheckpointError (a ValueError) for a damaged
     or foreign file, another format or another feature list."""
     state = load_tensor_dict(path, WINDOW_GCN_FORMAT, "a bmeg window GCN")
     if state.get("features") != list(FEATURES):
         raise CheckpointError(f"{path} was trained on other features ({state.get('features')}): retrain it")
     try:
-        model = WindowGCN(**state["config"])
-        model.load_state_dict(state["weights"])
+        if "members" in state:
+            return WindowGCNEnsemble([_member(state["config"], weights) for weights in state["members"]]).eval()
+        return _member(state["config"], state["weights"])
     except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a config or weights of another shape
         raise CheckpointError(f"{path} is not a bmeg window GCN ({type(error).__name__}: {error})") from error
+
+
+def _member(config: dict, weights: dict) -> WindowGCN:
+    model = WindowGCN(**config)
+    model.load_state_dict(weights)
     return model.eval()

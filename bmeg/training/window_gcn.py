@@ -32,7 +32,8 @@ from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError, load_tensor_dict
 from bmeg.models.normal import NormalStats
 from bmeg.models.window import gnn_window_scores, node_score_shift, with_normal_baselines
-from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, WindowGraph, save_window_gcn, service_features
+from bmeg.models.window_gcn import (FEATURES, WINDOW_GCN_FILE, WindowGCN, WindowGCNEnsemble, WindowGraph, WindowModel,
+                                    save_window_gcn, service_features)
 from bmeg.traces.schema import trace_starts
 
 #: Latency sources the twin simulates (all of `SOURCE_PARAMETERS`).
@@ -43,11 +44,24 @@ CODE_FAULT_SHARE = 0.5
 #: The share of windows with a code fault alone (no latency fault): the only windows in which
 #: errors and vanished calls, not a time shift, must put the faulty service first.
 CODE_ALONE_WINDOWS = 0.2
-#: Traces of a window's normal period and of the window itself (drawn between the two).
+#: Traces of a window's normal period and of the window itself (drawn between the two): the
+#: default `WindowShape`; the fixed normal period the detector's baselines come from is the longest.
 NORMAL_TRACES = (300, 1200)
 WINDOW_TRACES = (300, 1500)
+#: Member i of an ensemble is fitted with seed `seed + MEMBER_SEED_STEP * i` (member 0: `seed`).
+MEMBER_SEED_STEP = 1000
 EPOCH_NS = 1_700_000_000 * 10**9
 WINDOWS_FORMAT = "bmeg-window-gcn-windows"
+
+
+@dataclass(frozen=True)
+class WindowShape:
+    """How many traces a simulated window's normal period and the window hold (each drawn
+    uniformly between its two bounds): the real windows' (`bmeg evaluate rca --recent-traces 300`
+    on the testbed: 300 before, ~480-600 in the window) or wider."""
+
+    normal_traces: tuple[float, float] = NORMAL_TRACES
+    window_traces: tuple[float, float] = WINDOW_TRACES
 
 
 @dataclass(frozen=True)
@@ -58,10 +72,10 @@ class TrainingWindow:
 
 
 def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int = 0,
-                      code_alone: float = CODE_ALONE_WINDOWS) -> list[TrainingWindow]:
-    """`count` faulted windows simulated from `spec`, with their features read by `detector`
-    (a `bmeg.models.detector.Detector`), a share `code_alone` of them with a code fault alone;
-    windows whose faulty services are never visited are skipped."""
+                      code_alone: float = CODE_ALONE_WINDOWS, shape: WindowShape = WindowShape()) -> list[TrainingWindow]:
+    """`count` faulted windows of `shape` simulated from `spec`, with their features read by
+    `detector` (a `bmeg.models.detector.Detector`), a share `code_alone` of them with a code fault
+    alone; windows whose faulty services are never visited are skipped."""
     rng = np.random.default_rng(seed)
     rate = spec.workload.rate
     baseline = rpc_view(spans_of(simulate(spec, [], NORMAL_TRACES[1] / rate, seed), EPOCH_NS, seed))
@@ -69,17 +83,17 @@ def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int =
     targets = sorted(name for name, service in spec.services.items() if service.storage is None)
     windows = []
     for index in range(count):
-        window = _simulated_window(spec, detector, targets, rng, seed * 100_003 + index + 1, code_alone)
+        window = _simulated_window(spec, detector, targets, rng, seed * 100_003 + index + 1, code_alone, shape)
         if window is not None:
             windows.append(window)
     return windows
 
 
 def _simulated_window(spec: TopologySpec, detector: Any, services: list[str], rng: np.random.Generator,
-                      episode_seed: int, code_alone: float = 0.0) -> TrainingWindow | None:
+                      episode_seed: int, code_alone: float = 0.0, shape: WindowShape = WindowShape()) -> TrainingWindow | None:
     rate = spec.workload.rate
-    before_s = rng.uniform(*NORMAL_TRACES) / rate
-    window_s = rng.uniform(*WINDOW_TRACES) / rate
+    before_s = rng.uniform(*shape.normal_traces) / rate
+    window_s = rng.uniform(*shape.window_traces) / rate
     alone = rng.random() < code_alone
     latency = 0 if alone else min(int(rng.choice([1, 1, 2, 3])), len(services))
     chosen = rng.choice(services, size=latency, replace=False)
@@ -135,12 +149,14 @@ def listwise_loss(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FitSettings:
-    """How a window GCN is fitted: the inputs it reads (an ablation drops some), its steps and decay."""
+    """How a window GCN is fitted: the inputs it reads (an ablation drops some), its steps and
+    decay, and how many members fitted apart it holds (`fit_ensemble`)."""
 
     epochs: int = 60
     lr: float = 3e-3
     weight_decay: float = 1e-4
     features: tuple[str, ...] = FEATURES
+    members: int = 1
 
 
 def fit_window_gcn(windows: list[TrainingWindow], seed: int = 0, settings: FitSettings = FitSettings(),
@@ -169,7 +185,15 @@ def fit_window_gcn(windows: list[TrainingWindow], seed: int = 0, settings: FitSe
     return model.eval()
 
 
-def top1(model: WindowGCN, windows: list[TrainingWindow]) -> float:
+def fit_ensemble(windows: list[TrainingWindow], seed: int = 0, settings: FitSettings = FitSettings()) -> WindowModel:
+    """`settings.members` window GCNs fitted on the same `windows` with seeds `seed`, `seed +
+    MEMBER_SEED_STEP`, ... as one `WindowGCNEnsemble`; one member is returned as itself (the
+    model `fit_window_gcn` fits with `seed`)."""
+    members = [fit_window_gcn(windows, seed + MEMBER_SEED_STEP * i, settings) for i in range(settings.members)]
+    return members[0] if len(members) == 1 else WindowGCNEnsemble(members)
+
+
+def top1(model: WindowModel, windows: list[TrainingWindow]) -> float:
     """The share of windows whose first service is one of its targets."""
     with torch.no_grad():
         hits = [int(model(w.graph.x, w.graph.edges).argmax()) in w.targets for w in windows]
@@ -200,7 +224,7 @@ def load_windows(path: Path) -> list[TrainingWindow]:
 
 
 def train_window_gcn(run_dir: str | Path, windows: int | list[TrainingWindow] = 300, seed: int = 0,
-                     settings: FitSettings = FitSettings(), file: str = WINDOW_GCN_FILE) -> tuple[WindowGCN, dict]:
+                     settings: FitSettings = FitSettings(), file: str = WINDOW_GCN_FILE) -> tuple[WindowModel, dict]:
     """Train the window GCN of a run of `bmeg bootstrap` (its `twin.yaml` and detector) into the
     run directory (`file`, the ranker's `WINDOW_GCN_FILE` unless told) on `windows` (or that many
     simulated here); returns (model, metrics)."""
@@ -210,13 +234,13 @@ def train_window_gcn(run_dir: str | Path, windows: int | list[TrainingWindow] = 
     if isinstance(windows, int):
         windows = simulated_windows(load_topology(run_dir / "twin.yaml"), Detector.load(run_dir), windows, seed)
     held = max(len(windows) // 5, 1)
-    model = fit_window_gcn(windows[held:], seed=seed, settings=settings)
+    model = fit_ensemble(windows[held:], seed=seed, settings=settings)
     metrics = {"windows": len(windows), "held_out": held, "held_out_top1": top1(model, windows[:held]),
                "train_top1": top1(model, windows[held:]),
                "held_out_self_time_top1": feature_top1("self_time", windows[:held]),
                "held_out_gnn_top1": feature_top1("gnn_shift", windows[:held]),
                "code_alone_windows": sum(w.code_alone for w in windows), "epochs": settings.epochs,
-               "lr": settings.lr, "weight_decay": settings.weight_decay}
-    model = fit_window_gcn(windows, seed=seed, settings=settings)  # the saved model sees every window
+               "lr": settings.lr, "weight_decay": settings.weight_decay, "members": settings.members}
+    model = fit_ensemble(windows, seed=seed, settings=settings)  # the saved model sees every window
     save_window_gcn(model, run_dir / file, metrics)
     return model, metrics
