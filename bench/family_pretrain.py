@@ -35,8 +35,8 @@ from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window_gcn import load_window_gcn
-from bmeg.models.window import with_normal_baselines
+from bmeg.models.window import node_score_shift, with_normal_baselines
+from bmeg.models.window_gcn import WindowGraph, WindowModel, load_window_gcn, rank_window, service_features
 from bmeg.traces.io import read_spans
 
 
@@ -50,6 +50,32 @@ class Named:
         return self.ranker.rank(window, normal)
 
 
+class SharedWindowGraph:
+    """A window's `service_features` (on the first model's GNN scores), computed once for every
+    window GCN file given with `--window-gcn`: the harness ranks each window with every ranker in
+    turn, and reading the features is most of a window GCN's time."""
+
+    def __init__(self, scores: _DetectorScores):
+        self.scores = scores
+        self._last: tuple[SpanForest, NormalStats, WindowGraph] | None = None
+
+    def __call__(self, window: SpanForest, normal: NormalStats) -> WindowGraph:
+        if self._last is None or self._last[0] is not window or self._last[1] is not normal:
+            gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
+            self._last = (window, normal, service_features(normal, window, gnn))
+        return self._last[2]
+
+
+class WindowGcnFile:
+    """A window GCN file's ranking (as `WindowGcnRanker`'s) on the shared features."""
+
+    def __init__(self, graph: SharedWindowGraph, model: WindowModel, name: str):
+        self.graph, self.model, self.name = graph, model, name
+
+    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
+        return rank_window(self.model, self.graph(window, normal))
+
+
 def rankers(models: dict[str, Path], normal: SpanForest, window_gcns: dict[str, Path] | None = None) -> list:
     chosen: list = []
     for label, run_dir in models.items():
@@ -61,7 +87,8 @@ def rankers(models: dict[str, Path], normal: SpanForest, window_gcns: dict[str, 
             chosen += [Named(WindowGcnFusionRanker(scores, window_gcn), f"bmeg-wgcn-fusion[{label}]"),
                        Named(WindowGcnRanker(scores, window_gcn), f"bmeg-window-gcn[{label}]")]
         if label == next(iter(models)):  # other window GCN files read the first model's GNN scores
-            chosen += [Named(WindowGcnRanker(scores, load_window_gcn(path)), f"bmeg-window-gcn[{name}]")
+            graph = SharedWindowGraph(scores)
+            chosen += [WindowGcnFile(graph, load_window_gcn(path), f"bmeg-window-gcn[{name}]")
                        for name, path in (window_gcns or {}).items()]
     return [*chosen, SelfTimeRanker(), StructureRanker()]
 
