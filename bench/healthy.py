@@ -25,8 +25,9 @@ replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, 
 `--dataset` the whole dataset (its fault rounds and the gaps between them), of which the
 between-rounds and the anomalous traces are counted. The model as bootstrapped is scored so,
 without and with the check, side by side ("replayed" rows; the rows above them score each
-trace on its own, with no past, as before), and with session 15's busy-machine case beside
-(`busy_z=12`, off by default); `--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check
+trace on its own, with no past, as before), and with the busy-machine case beside (`busy_z=12`,
+off by default; gated by the stream's recent alarm share, session 16, and without the gate, as
+session 15 measured it: `busy_z=12,busy_ceiling=None`); `--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check
 with those parameters of `bmeg.models.crowd.CrowdRule` changed (e.g. `--crowd busy_z=11`);
 `--served-batch-s S` also serves each stream as the Kafka consumer does (`served`), so that
 the verdicts of a served stream, whose past lacks its batch, can be set beside the replay's
@@ -54,8 +55,10 @@ from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
 RULES = {"quantile": None, "bound95": 0.95}
-#: The crowd check with session 15's busy-machine case (off by default): the measured `busy_z`.
+#: The crowd check with the busy-machine case (off by default): session 15's `busy_z`, gated by the
+#: stream's recent alarm share (session 16's `busy_ceiling`, its default), and without the gate (session 15's).
 BUSY = "busy_z=12"
+BUSY_UNGATED = "busy_z=12,busy_ceiling=None"
 #: A fault's effects (queues draining) may outlast its window by this much.
 MARGIN_S = 0.5
 
@@ -152,9 +155,11 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, over
         scores = detector.score(forest, replay=True, crowd=True)
         ids = pa.array(forest.trace_ids)
         rules = {"default": scores.crowd_explained}
-        for change in [BUSY, *overrides]:
+        above = replace(detector, crowd=None).route(scores).anomalous
+        for change in [BUSY, BUSY_UNGATED, *overrides]:
             other = replace(detector, crowd=crowd_rule(change))
-            rules[change] = other.crowd_explained(forest, scores.observation, scores.observation, None, replay=True)
+            rules[change] = other.crowd_explained(forest, scores.observation, scores.observation, None, replay=True,
+                                                  above=above)
         for part, chosen in parts.items():
             mask = np.ones(forest.num_traces, bool) if chosen is None else pc.is_in(ids, chosen).to_numpy(
                 zero_copy_only=False)
