@@ -132,10 +132,23 @@ def held_by_source(dataset: Path | None, held: np.ndarray) -> dict[str, int]:
     """How many of the `held` trace ids come from each fault source of the dataset ({} without one)."""
     if dataset is None or len(held) == 0:
         return {}
-    traces = pq.read_table(dataset / "traces.parquet", columns=["trace_id", "fault_source"])
-    sources = traces.filter(pc.is_in(traces["trace_id"], pa.array(held)))["fault_source"].to_numpy(zero_copy_only=False)
-    names, counts = np.unique(sources, return_counts=True)
+    names, counts = np.unique(fault_sources(dataset, held), return_counts=True)
     return {str(name): int(count) for name, count in zip(names, counts)}
+
+
+def fault_sources(dataset: Path, trace_ids: np.ndarray) -> np.ndarray:
+    """The fault source of each of `trace_ids` (traces of the dataset), in their order."""
+    traces = pq.read_table(dataset / "traces.parquet", columns=["trace_id", "fault_source"])
+    source = dict(zip(traces["trace_id"].to_pylist(), traces["fault_source"].to_pylist()))
+    return np.array([source.get(trace_id, "unknown") for trace_id in np.asarray(trace_ids).tolist()], dtype=object)
+
+
+def recall_by_source(dataset: Path | None, trace_ids: np.ndarray, flagged: np.ndarray, part: str) -> dict[str, float]:
+    """The share of the anomalous traces (`trace_ids`) flagged, per fault source ({} but for the dataset's anomalous)."""
+    if dataset is None or part != "anomalous":
+        return {}
+    sources = fault_sources(dataset, trace_ids)
+    return {str(name): float(flagged[sources == name].mean()) for name in np.unique(sources)}
 
 
 def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, overrides: list[str],
@@ -166,10 +179,13 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, over
             without = replace(detector, crowd=None).route(scores).anomalous[mask]
             for rule, explained in rules.items():
                 held = explained[mask] & without
+                kept_ids = np.asarray(forest.trace_ids)[mask]
                 rows.append({"set": part, "rule": rule, "traces": int(mask.sum()),
                              "flagged_without_crowd": float(without.mean()),
                              "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum()),
-                             "held_by_source": held_by_source(dataset, np.asarray(forest.trace_ids)[mask][held])})
+                             "held_by_source": held_by_source(dataset, kept_ids[held]),
+                             "recall_by_source": recall_by_source(dataset, kept_ids, without & ~held, part),
+                             "recall_by_source_without_crowd": recall_by_source(dataset, kept_ids, without, part)})
         for rule in ["default", BUSY] if batch_s is not None else []:
             verdicts = served(replace(detector, crowd=crowd_rule(rule) if rule != "default" else detector.crowd),
                               spans, batch_s)
@@ -202,6 +218,10 @@ def blamed(detector: Detector, scores) -> dict[str, int]:
     first = np.where(routed.present, routed.service, -np.inf)[flagged].argmax(axis=1)
     names, counts = np.unique(np.asarray(routed.services)[first], return_counts=True)
     return {str(n): int(c) for n, c in sorted(zip(names, counts), key=lambda item: (-item[1], item[0]))}
+
+
+def percent(shares: dict[str, float]) -> str:
+    return " / ".join(f"{name} {100 * share:.1f}" for name, share in shares.items())
 
 
 def main() -> None:
@@ -263,7 +283,9 @@ def main() -> None:
     for row in streams:
         print(f"as bootstrapped, replayed, {row['set']} ({row['traces']} traces), crowd check {row['rule']}: flagged "
               f"{row['flagged_without_crowd']:.4f} without the crowd check, {row['flagged_with_crowd']:.4f} with it "
-              f"({row['held_by_crowd']} held{', by fault source ' + str(row['held_by_source']) if row.get('held_by_source') else ''})")
+              f"({row['held_by_crowd']} held{', by fault source ' + str(row['held_by_source']) if row.get('held_by_source') else ''})"
+              + (f"; recall by source {percent(row['recall_by_source'])} (without the check "
+                 f"{percent(row['recall_by_source_without_crowd'])})" if row.get("recall_by_source") else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 
