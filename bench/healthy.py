@@ -25,13 +25,13 @@ replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, 
 `--dataset` the whole dataset (its fault rounds and the gaps between them), of which the
 between-rounds and the anomalous traces are counted. The model as bootstrapped is scored so,
 without and with the check, side by side ("replayed" rows; the rows above them score each
-trace on its own, with no past, as before), and with the busy-machine case beside (`busy_z=12`,
-off by default; gated by the stream's recent alarm share, session 16, and without the gate, as
-session 15 measured it: `busy_z=12,busy_ceiling=None`); `--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check
-with those parameters of `bmeg.models.crowd.CrowdRule` changed (e.g. `--crowd busy_z=11`);
+trace on its own, with no past, as before): the default check (a stalled machine, and a busy
+one while the stream's recent alarm share is low: session 16), session 11's (a stalled machine
+only: `busy_z=None`) and session 15's (the busy case without the gate: `busy_ceiling=None`);
+`--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check with those parameters of `bmeg.models.crowd.CrowdRule` changed (e.g. `--crowd busy_z=11`);
 `--served-batch-s S` also serves each stream as the Kafka consumer does (`served`), so that
 the verdicts of a served stream, whose past lacks its batch, can be set beside the replay's
-(with the default check, and with the busy case).
+(with the default check, and with session 11's).
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
 RULES = {"quantile": None, "bound95": 0.95}
-#: The crowd check with the busy-machine case (off by default): session 15's `busy_z`, gated by the
-#: stream's recent alarm share (session 16's `busy_ceiling`, its default), and without the gate (session 15's).
-BUSY = "busy_z=12"
-BUSY_UNGATED = "busy_z=12,busy_ceiling=None"
+#: The crowd check as session 11 made it (a stalled machine only), and as session 15 (the busy
+#: case without the stream's gate); the default is session 16's.
+STALL_ONLY = "busy_z=None"
+UNGATED = "busy_ceiling=None"
 #: A fault's effects (queues draining) may outlast its window by this much.
 MARGIN_S = 0.5
 
@@ -154,8 +154,8 @@ def recall_by_source(dataset: Path | None, trace_ids: np.ndarray, flagged: np.nd
 def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, overrides: list[str],
              batch_s: float | None) -> list[dict]:
     """The model as bootstrapped on streams replayed in time order, without and with the crowd
-    check (its default, the busy case's, and each of `overrides`: `crowd_rule`), and with `batch_s`
-    also served (`served`, the default check and the busy case's): per set, the share flagged
+    check (its default, session 11's, session 15's, and each of `overrides`: `crowd_rule`), and with `batch_s`
+    also served (`served`, the default check and session 11's): per set, the share flagged
     (healthy sets) or the recall (the dataset's anomalous)."""
     streams: list[tuple[str, pa.Table, dict[str, pa.Array | None]]] = [
         (path.stem, read_spans(path), {path.stem: None}) for path in healthy]
@@ -169,7 +169,7 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, over
         ids = pa.array(forest.trace_ids)
         rules = {"default": scores.crowd_explained}
         above = replace(detector, crowd=None).route(scores).anomalous
-        for change in [BUSY, BUSY_UNGATED, *overrides]:
+        for change in [STALL_ONLY, UNGATED, *overrides]:
             other = replace(detector, crowd=crowd_rule(change))
             rules[change] = other.crowd_explained(forest, scores.observation, scores.observation, None, replay=True,
                                                   above=above)
@@ -186,7 +186,7 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, over
                              "held_by_source": held_by_source(dataset, kept_ids[held]),
                              "recall_by_source": recall_by_source(dataset, kept_ids, without & ~held, part),
                              "recall_by_source_without_crowd": recall_by_source(dataset, kept_ids, without, part)})
-        for rule in ["default", BUSY] if batch_s is not None else []:
+        for rule in ["default", STALL_ONLY] if batch_s is not None else []:
             verdicts = served(replace(detector, crowd=crowd_rule(rule) if rule != "default" else detector.crowd),
                               spans, batch_s)
             for part, chosen in parts.items():

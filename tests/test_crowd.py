@@ -19,8 +19,8 @@ from bmeg.traces import span_table
 
 SERVICES = ["a", "b", "c", "d", "e", "f"]
 SECOND = 10**9
-RULE = CrowdRule()  # a stalled machine only (session 11's; the default)
-BUSY = CrowdRule(busy_z=12.0)  # and a busy machine (session 15's, gated by the alarm share in session 16; off by default)
+RULE = CrowdRule(busy_z=None)  # a stalled machine only (session 11's)
+BUSY = CrowdRule()  # and a busy machine (session 15's, gated by the alarm share in session 16: the default)
 past_nodes = st.lists(st.tuples(st.sampled_from(SERVICES), st.integers(0, 3 * SECOND), st.floats(-5, 50)),
                       max_size=150)
 

@@ -21,7 +21,8 @@ judges a trace after its spans went quiet, by then most of its crowd has ended).
   too, so a trace slow on a service the crowd is not slow on still stands, and so does a trace
   with no slow visit at all (flagged for its structure, an error, a wait: not slowness).
   - A stalled machine (session 11): at least `machine_share` of the services counted are slow.
-  - A busy machine (session 15, gated by the stream in session 16; off unless `busy_z` is set): another job takes part of
+  - A busy machine (session 15, gated by the stream and on by default since session 16;
+    `busy_z` None turns it off): another job takes part of
     the CPU, and the crowd shows it as a tail spread over services, not as a stall: at least
     `busy_services` services slow in the crowd, none of them slow on `fault_share` of its
     visits or more (where one is, a fault holds that service: a network delay or a pinned hog
@@ -66,7 +67,7 @@ class CrowdRule:
     machine_share: float = 0.5
     busy_services: int = 2
     fault_share: float = 0.5
-    busy_z: float | None = None  # None: only a stalled machine explains a trace (session 11's rule); measured: 12
+    busy_z: float | None = 12.0  # None: only a stalled machine explains a trace (session 11's rule)
     busy_ceiling: float | None = 0.25  # None: the busy case reads no alarm share (session 15's rule)
 
     def __post_init__(self) -> None:
