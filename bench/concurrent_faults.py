@@ -9,7 +9,9 @@ can put only one of the two services first. A rule blind to code faults (the sel
 spends every first place on the latency fault; a ranker that puts a changed structure first
 (bmeg) spends it on the exception. This prints, per method, AC@1 on the latency faults whose
 window holds a code fault and on those whose window does not, and AC@1 on the code faults,
-so the two can be told apart. Nothing here is re-ranked: the figures are the harness's.
+so the two can be told apart, and beside each the harness's AC@1 with the window's other faulty
+services out of the ranking (`ac1_others_removed`, in harness output since session 16). Nothing
+here is re-ranked: the figures are the harness's.
 """
 
 from __future__ import annotations
@@ -43,8 +45,18 @@ def main() -> None:
             groups["latency, a code fault in the window" if shared else "latency, no code fault in the window"].append(fault)
     methods = next(iter(groups["code faults"] or groups["latency, a code fault in the window"]), {"rank": {}})["rank"]
     for name, faults in groups.items():
-        cells = ", ".join(f"{m} {sum(f['rank'][m] == 1 for f in faults) / max(len(faults), 1):.2f}" for m in methods)
+        cells = ", ".join(f"{m} {_ac1(faults, m, 'rank')}{_others_removed(faults, m)}" for m in methods)
         print(f"{name} ({len(faults)}): {cells}")
+
+
+def _ac1(faults: list[dict], method: str, key: str) -> str:
+    return f"{sum(f[key][method] == 1 for f in faults) / max(len(faults), 1):.2f}"
+
+
+def _others_removed(faults: list[dict], method: str) -> str:
+    if not faults or "rank_others_removed" not in faults[0]:
+        return ""
+    return f" ({_ac1(faults, method, 'rank_others_removed')} others removed)"
 
 
 if __name__ == "__main__":

@@ -109,7 +109,8 @@ def test_harness_scores_each_ranker_and_skips_empty_windows(shop):
     rankers = default_rankers()
     results = run_rca(TraceFiles(folder), faults, assemble(normal), rankers, window_minutes=0.5)
     summary = report(results, [r.name for r in rankers])
-    assert summary["latency_faults"]["self-time"] == {"n": 1, "ac1": 1.0, "ac3": 1.0, "ac5": 1.0, "avg5": 1.0}
+    assert summary["latency_faults"]["self-time"] == {"n": 1, "ac1": 1.0, "ac3": 1.0, "ac5": 1.0, "avg5": 1.0,
+                                                      "ac1_others_removed": 1.0}
     assert summary["overall"]["ochiai-spectrum (internal)"]["n"] == 1
     assert set(summary["by_type"]) == {"cpu_contention"}
     assert summary["faults"][0]["rank"]["self-time"] == 1
@@ -141,6 +142,25 @@ def test_baselines_on_online_boutique_faults(shared_dir):
     if published:  # the eval extra is installed: the published methods ran on every window
         assert [r.errors for r in published] == [[], []]
         assert all(latency[r.name]["n"] == 22 for r in published)
+
+
+def test_concurrent_faults_are_also_scored_with_each_others_services_out_of_the_ranking(shop):
+    normal, folder = shop
+    from bmeg.graphs import assemble
+
+    # pay is the slowed service; a fault on cart starting with it and one far away share nothing
+    faults = [InjectedFault("pay", "cpu_contention", EPOCH + 60 * 10**9, "pay-x-y"),
+              InjectedFault("cart", "cpu_contention", EPOCH + 60 * 10**9 + 10**9, "cart-x-y"),
+              InjectedFault("stock", "exception", EPOCH + 3600 * 10**9, "stock-x-y")]
+    rankers = [SelfTimeRanker()]
+    results = run_rca(TraceFiles(folder), faults, assemble(normal), rankers, window_minutes=0.5)
+    assert [sorted(r.others) for r in results] == [["cart"], ["pay"], []]
+    summary = report(results, ["self-time"])
+    pay, cart = summary["faults"]
+    assert pay["rank"]["self-time"] == pay["rank_others_removed"]["self-time"] == 1
+    # cart's own rank counts pay above it, the view without the other fault does not
+    assert cart["rank_others_removed"]["self-time"] == cart["rank"]["self-time"] - 1
+    assert summary["latency_faults"]["self-time"]["ac1_others_removed"] >= summary["latency_faults"]["self-time"]["ac1"]
 
 
 def test_empty_window_names_the_traces_time_range_and_a_whole_hour_slip_is_found(shop):
