@@ -19,11 +19,18 @@ normal period, seed 0) and counts the services on which the fixed bar and the de
 decide differently: the gate is the only part of the ranker that changed, so where no decision
 differs, `rca-sim`'s bmeg figures are the same under both (the GNN is not needed).
 
+`--recent-traces N` compares each window with the latest N traces before its fault, as `bmeg
+evaluate rca --recent-traces N` does (`recent_normal`); `--parameters D/faults.json` splits the
+code faults by what they did (`return`/`exception`, from their `error` parameter) and the share
+of requests they hit (`share`, 1 when absent): `return share=0.05`, ...
+
 Gates: `fixed` (the bar before, a shift of 0.05), `FLOOR+FACTORxnoise`
 (`bmeg.models.window.structure_changed`, noise from `NormalStats.structure_noise`), `no gate`
 (the rank fusion alone), and `0.1+2xnoise|errors>E`: the default structure gate or the
 errors' own gate with the floor E (`bmeg.models.window.errors_began`; the default's E is
-`ERROR_FLOOR`; `0.1+2xnoise` alone is the rule before session 12).
+`ERROR_FLOOR`; `0.1+2xnoise` alone is the rule before session 12); `counts<A` the test of counts
+alone (`structure_significant` at alpha A, session 16) and `0.1+2xnoise|errors>0.02|counts<A`
+session 12's gate or it.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bmeg.evaluation.faults import read_fault_list
+from bmeg.evaluation.faults import code_fault_kinds, fault_key, read_fault_list
 from bmeg.models.normal import NormalStats
-from bmeg.models.window import (NOISE_FACTOR, STRUCTURE_FLOOR, decisive_shift, errors_began, rank_fusion,
-                                structure_changed)
+from bmeg.models.window import (ERROR_FLOOR, NOISE_FACTOR, STRUCTURE_FLOOR, decisive_shift, errors_began, rank_fusion,
+                                structure_changed, structure_significant)
+from bmeg.evaluation.rca import recent_normal
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.graphs.rpc import rpc_view
 from bmeg.traces.io import read_spans
@@ -48,6 +56,8 @@ FIXED_BAR = 0.05
 GATES = [(0.05, 2.0), (0.1, 1.0), (0.1, 2.0), (0.1, 3.0), (0.2, 2.0), (np.inf, 0.0)]
 #: Floors of the errors' own gate (`errors_began`, session 12) beside the 0.1 + 2 x noise gate.
 ERROR_FLOORS = [0.0, 0.01, 0.02, 0.05]
+#: Family-wise alphas of the test of counts (`structure_significant`, session 16).
+ALPHAS = [1e-2, 1e-3, 1e-4, 1e-6]
 
 
 def gate_name(floor: float | None, factor: float | None) -> str:
@@ -78,20 +88,28 @@ def simulated(topology: Path) -> None:
         stats = NormalStats.from_forest(rpc_view(sim.normal))
         files = TraceFiles(sim.traces)
         decisions = differ = gated_right = code = 0
+        counted_differ = counted_right = counted_wrong = wrong = 0
         for fault in read_fault_list(sim.fault_list, 0):
             window = rpc_view(files.window(fault.start_ns, fault.start_ns + int(sim.window_minutes * 60e9)))
             shape = stats.structure_parts(window)
             structure = shape[["calls", "errors"]].sum(axis=1)
             new = structure_changed(structure, stats.structure_noise) | errors_began(shape, stats.error_noise)
+            counted = new | structure_significant(stats.structure_tests(window)).reindex(new.index, fill_value=False)
             decisions += len(structure)
             differ += int(((structure >= FIXED_BAR) != new).sum())
+            counted_differ += int((counted != new).sum())
+            counted_wrong += int(counted.drop(fault.service, errors="ignore").sum())
+            wrong += int(new.drop(fault.service, errors="ignore").sum())
             if fault.kind in ("return", "exception"):
                 code += 1
                 gated_right += int(bool(new.get(fault.service, False)))
+                counted_right += int(bool(counted.get(fault.service, False)))
     noisy = stats.structure_noise[stats.structure_noise > 0]
     print(f"{topology.stem}: services with normal structure noise > 0: {len(noisy)}; "
           f"gate decisions that differ from the fixed bar: {differ} of {decisions}; "
-          f"code faults whose service the gate lets through: {gated_right} of {code}")
+          f"code faults whose service the gate lets through: {gated_right} of {code}, other services let through: {wrong}; "
+          f"with the test of counts (session 16): {counted_differ} decisions differ, code faults let through "
+          f"{counted_right} of {code}, services let through that are not the fault's: {counted_wrong}")
 
 
 def main() -> None:
@@ -103,6 +121,8 @@ def main() -> None:
     parser.add_argument("--harness", type=Path, help="bmeg evaluate rca --json output")
     parser.add_argument("--window-minutes", type=float, default=0.1)
     parser.add_argument("--pod-suffix-parts", type=int, default=2)
+    parser.add_argument("--recent-traces", type=int, default=None, help="as bmeg evaluate rca --recent-traces")
+    parser.add_argument("--parameters", type=Path, default=None, help="the campaign's faults.json: code faults by mode and share")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.simulated:
@@ -111,7 +131,8 @@ def main() -> None:
     if not (args.traces and args.faults and args.normal and args.harness):
         parser.error("--traces, --faults, --normal and --harness are required (or --simulated TOPOLOGY)")
 
-    stats = NormalStats.from_forest(rpc_view(read_spans(args.normal)))
+    fixed = NormalStats.from_forest(rpc_view(read_spans(args.normal)))
+    kinds = code_fault_kinds(args.parameters) if args.parameters else {}
     harness = {(f["start_ns"], f["service"]): f for f in json.loads(args.harness.read_text())["faults"]}
     files = TraceFiles(args.traces)
     gates = [(None, None), *GATES]
@@ -121,6 +142,8 @@ def main() -> None:
         ran = harness.get((fault.start_ns, fault.service))
         if not window.num_traces or ran is None:
             continue
+        stats = recent_normal(files, fault.start_ns, fixed, None, args.recent_traces)
+        kind = kinds.get(fault_key(fault.start_ns, fault.service), fault.kind)
         gnn_top = ran["top"]["bmeg-gnn"]
         gnn = pd.Series(np.arange(len(gnn_top), 0, -1, dtype=float), index=gnn_top)
         parts = stats.service_shift_parts(window)
@@ -133,10 +156,16 @@ def main() -> None:
                      for floor, factor in gates}
         decisions.update({f"{gate_name(STRUCTURE_FLOOR, NOISE_FACTOR)}|errors>{floor:g}":
                           chosen | errors_began(shape, stats.error_noise, floor) for floor in ERROR_FLOORS})
+        session12 = chosen | errors_began(shape, stats.error_noise, ERROR_FLOOR)
+        tests = stats.structure_tests(window)
+        for alpha in ALPHAS:
+            counted = structure_significant(tests, alpha).reindex(structure.index, fill_value=False)
+            decisions[f"counts<{alpha:g}"] = counted
+            decisions[f"0.1+2xnoise|errors>{ERROR_FLOOR:g}|counts<{alpha:g}"] = session12 | counted
         for name, changed in decisions.items():
             order = ranked_first(structure, fused, changed, decisive_shift(parts[["caller", "callee"]].max(axis=1)))
             rank = order.index(fault.service) + 1 if fault.service in order else None
-            rows.append({"gate": name, "type": fault.kind, "start_ns": fault.start_ns,
+            rows.append({"gate": name, "type": kind, "start_ns": fault.start_ns,
                          "rank": rank, "harness_bmeg_rank": ran["rank"]["bmeg"]})
     frame = pd.DataFrame(rows)
     frame["ac1"] = frame["rank"] == 1

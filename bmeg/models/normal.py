@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 from scipy.special import erf
+from scipy.stats import binom, hypergeom
 
 from bmeg.graphs import SpanForest, operation_keys
 from bmeg.graphs.features import self_time_ns
@@ -59,6 +60,7 @@ class NormalStats:
     errors: pd.Series  # by span key: share of spans where an error begins
     structure_noise: pd.Series  # by service: the largest structure shift of a slice of the normal period
     error_noise: pd.Series  # by service: the largest rise of its error origins in such a slice (`structure_parts`)
+    key_counts: pd.DataFrame  # by span key: spans, error origins, fewest children, odd spans (`structure_tests`)
 
     @classmethod
     def from_forest(cls, forest: SpanForest) -> NormalStats:
@@ -81,6 +83,7 @@ class NormalStats:
             errors=errors,
             structure_noise=noise,
             error_noise=error_noise,
+            key_counts=_normal_key_counts(structure),
         )
 
     def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
@@ -155,6 +158,50 @@ class NormalStats:
         its operations' child counts) and `errors` (the rise of the share of its spans where an
         error begins), and `error_spans`, the number of its spans in `forest` where one begins."""
         return _structure_parts(_structure_frame(forest), self.children, self.errors)
+
+
+    def structure_tests(self, forest: SpanForest) -> pd.DataFrame:
+        """Per service of `forest` (rows): how unlikely its structure is under the normal period,
+        by counts of spans, so that the evidence grows with how many spans a change is seen on.
+
+        Per span key, two one-sided tests: `errors_p`, that errors began in more of its spans
+        than in the normal period (hypergeometric: the window's and the period's spans pooled,
+        as Fisher's exact test); `odd_p`, that more of its spans are *odd* than the period makes
+        likely: a span is odd when it begins an error or has fewer children than any span of
+        its key in the period (an early return, an exception that skips calls; more children
+        than ever is left out: a cache that misses more under a slow store makes them with no
+        code fault). The chance of an odd span is the period's own share of them, its error
+        origins plus one if its fewest children were seen once (Good-Turing's estimate of the
+        unseen, for the low tail), counted with one more (Laplace), so that a short period is a
+        weak witness. A service's p-values are its keys' smallest; `tests` counts its keys, so
+        that a caller can correct for how many were looked at
+        (`bmeg.models.window.structure_significant`). Keys the period never saw are not tested."""
+        frame = _structure_frame(forest)
+        normal = self.key_counts.reindex(frame["key"])
+        frame["odd"] = np.maximum(frame["errors"], (frame["children"].to_numpy() < normal["least"].to_numpy()))
+        frame = frame[normal["spans"].notna().to_numpy()]
+        window = frame.groupby("key").agg(spans=("errors", "size"), errors=("errors", "sum"), odd=("odd", "sum"),
+                                          service=("service", "first"))
+        normal = self.key_counts.loc[window.index]
+        errors_p = hypergeom.sf(window["errors"] - 1, window["spans"] + normal["spans"],
+                                window["errors"] + normal["errors"], window["spans"])
+        odd_p = binom.sf(window["odd"] - 1, window["spans"], (normal["odd"] + 1.0) / (normal["spans"] + 2.0))
+        tests = pd.DataFrame({"errors_p": np.where(window["errors"] > 0, errors_p, 1.0),
+                              "odd_p": np.where(window["odd"] > 0, odd_p, 1.0), "service": window["service"]},
+                             index=window.index)
+        by_service = tests.groupby("service")
+        return pd.DataFrame({"errors_p": by_service["errors_p"].min(), "odd_p": by_service["odd_p"].min(),
+                             "tests": by_service.size()})
+
+
+def _normal_key_counts(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per span key of a normal period's `_structure_frame`: its spans, error origins, fewest
+    children (`least`) and odd spans as `structure_tests` estimates them: its error origins,
+    plus one if its fewest children were seen on one span only."""
+    by_key = frame.groupby("key").agg(spans=("errors", "size"), errors=("errors", "sum"), least=("children", "min"))
+    at_least = frame[frame["children"].to_numpy() == by_key["least"].reindex(frame["key"]).to_numpy()]
+    once = at_least.groupby("key").size().reindex(by_key.index) == 1
+    return by_key.assign(odd=by_key["errors"] + once.astype(float))
 
 
 def _structure_frame(forest: SpanForest) -> pd.DataFrame:

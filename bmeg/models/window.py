@@ -79,6 +79,9 @@ NOISE_FACTOR = 2.0
 ERROR_FLOOR = 0.02
 #: ... in at least this many spans, changed too, whatever its calls did (`errors_began`).
 ERROR_MIN_SPANS = 5
+#: A service whose structure is this unlikely under the normal period (`structure_significant`:
+#: the smallest p-value of `NormalStats.structure_tests`, times the tests made in the window) changed.
+STRUCTURE_ALPHA = 1e-3
 #: A service whose time shift (log2) exceeds every other service's by this much is decisive.
 DECISIVE_LEAD = 2.0
 #: The share of a normal period (its latest traces) held back to calibrate `HealthBound` ...
@@ -463,6 +466,18 @@ def errors_began(parts: pd.DataFrame, noise: pd.Series, floor: float = ERROR_FLO
     session 12). `min_spans`: a rarely visited service with one failed request is no change.
     """
     return _errors_beyond_gate(parts, noise, floor, min_spans, factor) > 0
+
+
+def structure_significant(tests: pd.DataFrame, alpha: float = STRUCTURE_ALPHA) -> pd.Series:
+    """bool per service of `tests` (`NormalStats.structure_tests` of a window): the smaller of its
+    two p-values, times the number of tests made on the window (Bonferroni: both tests on every
+    span key of every service), is below `alpha`.
+
+    Counts, not shares: `structure_changed`'s floor asks a tenth of a service's spans to change,
+    which a code fault on a rarely used operation, or on a few percent of the requests, never
+    does; a test of the counts fires on a few odd spans where the normal period makes them
+    unlikely, and needs many where it does not (a key whose number of children varies)."""
+    return tests[["errors_p", "odd_p"]].min(axis=1) * 2 * tests["tests"].sum() < alpha
 
 
 def structure_changed(shift: pd.Series, noise: pd.Series, floor: float = STRUCTURE_FLOOR,
