@@ -13,6 +13,11 @@ keeps the GNN's top 5 only: services below its 5th count as unranked by it, so t
 row's AC@1 is the harness's (it says in how many windows), its Avg@5 may differ.
 
     python bench/structure_gate.py --simulated bmeg/faultinject/topologies/trainticket.yaml
+    python bench/structure_gate.py --healthy H.parquet --recent-traces 300 --window-minutes 0.08
+
+`--healthy` cuts fault-free traffic (`bmeg testbed record`) into consecutive windows, each
+compared with the latest `--recent-traces` traces before it, and prints per gate the share of
+windows in which it lets some service through (a false alarm of the gate: nothing changed).
 
 simulates the faults `bmeg evaluate rca-sim --window-seconds 10` does (`simulated_faults`, a 20-s
 normal period, seed 0) and counts the services on which the fixed bar and the default gate
@@ -112,9 +117,36 @@ def simulated(topology: Path) -> None:
           f"{counted_right} of {code}, services let through that are not the fault's: {counted_wrong}")
 
 
+def healthy(path: Path, window_minutes: float, recent_traces: int) -> None:
+    """Per gate, the share of fault-free windows in which it lets some service through."""
+    spans = read_spans(path)
+    files = TraceFiles(path)
+    starts = spans["start_ns"].to_numpy()
+    length = int(window_minutes * 60e9)
+    fired: dict[str, list[bool]] = {}
+    first = int(starts.min()) + int(5e9)  # the first 5 s: the fallback normal period, never a window
+    fallback = NormalStats.from_forest(rpc_view(files.window(int(starts.min()), first)))
+    for start in range(first, int(starts.max()) - length, length):
+        stats = recent_normal(files, start, fallback, None, recent_traces)
+        window = rpc_view(files.window(start, start + length))
+        shape = stats.structure_parts(window)
+        structure = shape[["calls", "errors"]].sum(axis=1)
+        session12 = structure_changed(structure, stats.structure_noise) | errors_began(shape, stats.error_noise)
+        tests = stats.structure_tests(window)
+        fired.setdefault("0.1+2xnoise|errors>0.02", []).append(bool(session12.any()))
+        for alpha in ALPHAS:
+            counted = structure_significant(tests, alpha)
+            fired.setdefault(f"counts<{alpha:g}", []).append(bool(counted.any()))
+            if counted.any():
+                print(f"  counts<{alpha:g} fired at {start}: {list(counted[counted].index)}")
+    for gate, flags in fired.items():
+        print(f"{gate}: fired in {sum(flags)} of {len(flags)} healthy windows")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulated", type=Path, default=None, help="a topology: the simulated check instead")
+    parser.add_argument("--healthy", type=Path, default=None, help="fault-free spans: the gates' false alarms instead")
     parser.add_argument("--traces", type=Path)
     parser.add_argument("--faults", type=Path)
     parser.add_argument("--normal", type=Path)
@@ -127,6 +159,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.simulated:
         simulated(args.simulated)
+        return
+    if args.healthy:
+        healthy(args.healthy, args.window_minutes, args.recent_traces or 300)
         return
     if not (args.traces and args.faults and args.normal and args.harness):
         parser.error("--traces, --faults, --normal and --harness are required (or --simulated TOPOLOGY)")

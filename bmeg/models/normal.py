@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 from scipy.special import erf
-from scipy.stats import binom, hypergeom
+from scipy.stats import binom
 
 from bmeg.graphs import SpanForest, operation_keys
 from bmeg.graphs.features import self_time_ns
@@ -164,34 +164,26 @@ class NormalStats:
         """Per service of `forest` (rows): how unlikely its structure is under the normal period,
         by counts of spans, so that the evidence grows with how many spans a change is seen on.
 
-        Per span key, two one-sided tests: `errors_p`, that errors began in more of its spans
-        than in the normal period (hypergeometric: the window's and the period's spans pooled,
-        as Fisher's exact test); `odd_p`, that more of its spans are *odd* than the period makes
-        likely: a span is odd when it begins an error or has fewer children than any span of
-        its key in the period (an early return, an exception that skips calls; more children
+        A span is *odd* when an error begins in it or it has fewer children than any span of its
+        key had in the period (an early return, an exception that skips calls; more children
         than ever is left out: a cache that misses more under a slow store makes them with no
-        code fault). The chance of an odd span is the period's own share of them, its error
-        origins plus one if its fewest children were seen once (Good-Turing's estimate of the
+        code fault). Per span key, `p` is the binomial chance of at least as many odd spans in
+        the window as it holds, each odd with the period's own share of them: its error origins,
+        plus one if its fewest children were seen on one span only (Good-Turing's estimate of the
         unseen, for the low tail), counted with one more (Laplace), so that a short period is a
-        weak witness. A service's p-values are its keys' smallest; `tests` counts its keys, so
-        that a caller can correct for how many were looked at
-        (`bmeg.models.window.structure_significant`). Keys the period never saw are not tested."""
+        weak witness. A service's `p` is its keys' smallest; `tests` counts its keys, so that a
+        caller can correct for how many were looked at (`bmeg.models.window.structure_significant`).
+        Keys the period never saw are not tested."""
         frame = _structure_frame(forest)
         normal = self.key_counts.reindex(frame["key"])
         frame["odd"] = np.maximum(frame["errors"], (frame["children"].to_numpy() < normal["least"].to_numpy()))
         frame = frame[normal["spans"].notna().to_numpy()]
-        window = frame.groupby("key").agg(spans=("errors", "size"), errors=("errors", "sum"), odd=("odd", "sum"),
-                                          service=("service", "first"))
+        window = frame.groupby("key").agg(spans=("odd", "size"), odd=("odd", "sum"), service=("service", "first"))
         normal = self.key_counts.loc[window.index]
-        errors_p = hypergeom.sf(window["errors"] - 1, window["spans"] + normal["spans"],
-                                window["errors"] + normal["errors"], window["spans"])
-        odd_p = binom.sf(window["odd"] - 1, window["spans"], (normal["odd"] + 1.0) / (normal["spans"] + 2.0))
-        tests = pd.DataFrame({"errors_p": np.where(window["errors"] > 0, errors_p, 1.0),
-                              "odd_p": np.where(window["odd"] > 0, odd_p, 1.0), "service": window["service"]},
-                             index=window.index)
-        by_service = tests.groupby("service")
-        return pd.DataFrame({"errors_p": by_service["errors_p"].min(), "odd_p": by_service["odd_p"].min(),
-                             "tests": by_service.size()})
+        p = binom.sf(window["odd"] - 1, window["spans"], (normal["odd"] + 1.0) / (normal["spans"] + 2.0))
+        tests = pd.DataFrame({"p": np.where(window["odd"] > 0, p, 1.0), "service": window["service"]})
+        by_service = tests.groupby("service")["p"]
+        return pd.DataFrame({"p": by_service.min(), "tests": by_service.size()})
 
 
 def _normal_key_counts(frame: pd.DataFrame) -> pd.DataFrame:
