@@ -19,8 +19,8 @@
 | misconfiguration  | `pool_size`: workers (and db_pool where the service has a database) set  | the normal config, SIGHUP  |
 |                   | to it; `hit_ratio`: cache_items cut to a few entries; config + SIGHUP     |                            |
 | background        | SIGSTOP/SIGCONT pauses of `pause_ms` every ~`every_ms` (a pauser process) | pauser stopped, SIGCONT    |
-| code              | `POST /_admin/fault` {"operation", "mode": return or error, "share"}:    | mode none                  |
-|                   | `share` (0-1], default 1) of the operation's requests fail or return     |                            |
+| code              | `POST /_admin/fault` {"operation", "mode": return or error, "share"}:     | mode none                  |
+|                   | `share` (0-1], default 1) of the operation's requests fail or return      |                            |
 |                   | early, every 1/share-th by a counter                                      |                            |
 
 Every fault writes its undo record into the state file *before* it changes anything
