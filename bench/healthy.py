@@ -25,12 +25,13 @@ replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, 
 `--dataset` the whole dataset (its fault rounds and the gaps between them), of which the
 between-rounds and the anomalous traces are counted. The model as bootstrapped is scored so,
 without and with the check, side by side ("replayed" rows; the rows above them score each
-trace on its own, with no past, as before), and with session 15's busy-machine case beside
-(`busy_z=12`, off by default); `--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check
-with those parameters of `bmeg.models.crowd.CrowdRule` changed (e.g. `--crowd busy_z=11`);
+trace on its own, with no past, as before): the default check (a stalled machine, and a busy
+one while the stream's recent alarm share is low: session 16), session 11's (a stalled machine
+only: `busy_z=None`) and session 15's (the busy case without the gate: `busy_ceiling=None`);
+`--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check with those parameters of `bmeg.models.crowd.CrowdRule` changed (e.g. `--crowd busy_z=11`);
 `--served-batch-s S` also serves each stream as the Kafka consumer does (`served`), so that
 the verdicts of a served stream, whose past lacks its batch, can be set beside the replay's
-(with the default check, and with the busy case).
+(with the default check, and with session 11's).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
 RULES = {"quantile": None, "bound95": 0.95}
-#: The crowd check with session 15's busy-machine case (off by default): the measured `busy_z`.
-BUSY = "busy_z=12"
+#: The crowd check as session 11 made it (a stalled machine only), and as session 15 (the busy
+#: case without the stream's gate); the default is session 16's.
+STALL_ONLY = "busy_z=None"
+UNGATED = "busy_ceiling=None"
 #: A fault's effects (queues draining) may outlast its window by this much.
 MARGIN_S = 0.5
 
@@ -129,17 +132,30 @@ def held_by_source(dataset: Path | None, held: np.ndarray) -> dict[str, int]:
     """How many of the `held` trace ids come from each fault source of the dataset ({} without one)."""
     if dataset is None or len(held) == 0:
         return {}
-    traces = pq.read_table(dataset / "traces.parquet", columns=["trace_id", "fault_source"])
-    sources = traces.filter(pc.is_in(traces["trace_id"], pa.array(held)))["fault_source"].to_numpy(zero_copy_only=False)
-    names, counts = np.unique(sources, return_counts=True)
+    names, counts = np.unique(fault_sources(dataset, held), return_counts=True)
     return {str(name): int(count) for name, count in zip(names, counts)}
+
+
+def fault_sources(dataset: Path, trace_ids: np.ndarray) -> np.ndarray:
+    """The fault source of each of `trace_ids` (traces of the dataset), in their order."""
+    traces = pq.read_table(dataset / "traces.parquet", columns=["trace_id", "fault_source"])
+    source = dict(zip(traces["trace_id"].to_pylist(), traces["fault_source"].to_pylist()))
+    return np.array([source.get(trace_id, "unknown") for trace_id in np.asarray(trace_ids).tolist()], dtype=object)
+
+
+def recall_by_source(dataset: Path | None, trace_ids: np.ndarray, flagged: np.ndarray, part: str) -> dict[str, float]:
+    """The share of the anomalous traces (`trace_ids`) flagged, per fault source ({} but for the dataset's anomalous)."""
+    if dataset is None or part != "anomalous":
+        return {}
+    sources = fault_sources(dataset, trace_ids)
+    return {str(name): float(flagged[sources == name].mean()) for name in np.unique(sources)}
 
 
 def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, overrides: list[str],
              batch_s: float | None) -> list[dict]:
     """The model as bootstrapped on streams replayed in time order, without and with the crowd
-    check (its default, the busy case's, and each of `overrides`: `crowd_rule`), and with `batch_s`
-    also served (`served`, the default check and the busy case's): per set, the share flagged
+    check (its default, session 11's, session 15's, and each of `overrides`: `crowd_rule`), and with `batch_s`
+    also served (`served`, the default check and session 11's): per set, the share flagged
     (healthy sets) or the recall (the dataset's anomalous)."""
     streams: list[tuple[str, pa.Table, dict[str, pa.Array | None]]] = [
         (path.stem, read_spans(path), {path.stem: None}) for path in healthy]
@@ -152,20 +168,25 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, over
         scores = detector.score(forest, replay=True, crowd=True)
         ids = pa.array(forest.trace_ids)
         rules = {"default": scores.crowd_explained}
-        for change in [BUSY, *overrides]:
+        above = replace(detector, crowd=None).route(scores).anomalous
+        for change in [STALL_ONLY, UNGATED, *overrides]:
             other = replace(detector, crowd=crowd_rule(change))
-            rules[change] = other.crowd_explained(forest, scores.observation, scores.observation, None, replay=True)
+            rules[change] = other.crowd_explained(forest, scores.observation, scores.observation, None, replay=True,
+                                                  above=above)
         for part, chosen in parts.items():
             mask = np.ones(forest.num_traces, bool) if chosen is None else pc.is_in(ids, chosen).to_numpy(
                 zero_copy_only=False)
             without = replace(detector, crowd=None).route(scores).anomalous[mask]
             for rule, explained in rules.items():
                 held = explained[mask] & without
+                kept_ids = np.asarray(forest.trace_ids)[mask]
                 rows.append({"set": part, "rule": rule, "traces": int(mask.sum()),
                              "flagged_without_crowd": float(without.mean()),
                              "flagged_with_crowd": float((without & ~held).mean()), "held_by_crowd": int(held.sum()),
-                             "held_by_source": held_by_source(dataset, np.asarray(forest.trace_ids)[mask][held])})
-        for rule in ["default", BUSY] if batch_s is not None else []:
+                             "held_by_source": held_by_source(dataset, kept_ids[held]),
+                             "recall_by_source": recall_by_source(dataset, kept_ids, without & ~held, part),
+                             "recall_by_source_without_crowd": recall_by_source(dataset, kept_ids, without, part)})
+        for rule in ["default", STALL_ONLY] if batch_s is not None else []:
             verdicts = served(replace(detector, crowd=crowd_rule(rule) if rule != "default" else detector.crowd),
                               spans, batch_s)
             for part, chosen in parts.items():
@@ -197,6 +218,10 @@ def blamed(detector: Detector, scores) -> dict[str, int]:
     first = np.where(routed.present, routed.service, -np.inf)[flagged].argmax(axis=1)
     names, counts = np.unique(np.asarray(routed.services)[first], return_counts=True)
     return {str(n): int(c) for n, c in sorted(zip(names, counts), key=lambda item: (-item[1], item[0]))}
+
+
+def percent(shares: dict[str, float]) -> str:
+    return " / ".join(f"{name} {100 * share:.1f}" for name, share in shares.items())
 
 
 def main() -> None:
@@ -258,7 +283,9 @@ def main() -> None:
     for row in streams:
         print(f"as bootstrapped, replayed, {row['set']} ({row['traces']} traces), crowd check {row['rule']}: flagged "
               f"{row['flagged_without_crowd']:.4f} without the crowd check, {row['flagged_with_crowd']:.4f} with it "
-              f"({row['held_by_crowd']} held{', by fault source ' + str(row['held_by_source']) if row.get('held_by_source') else ''})")
+              f"({row['held_by_crowd']} held{', by fault source ' + str(row['held_by_source']) if row.get('held_by_source') else ''})"
+              + (f"; recall by source {percent(row['recall_by_source'])} (without the check "
+                 f"{percent(row['recall_by_source_without_crowd'])})" if row.get("recall_by_source") else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

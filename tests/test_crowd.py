@@ -1,6 +1,7 @@
 """Stage 1 against the crowd (`bmeg.models.crowd`): machine-wide slowness holds an alarm, and so
-does a busy machine's moderate tail spread over several services; a slowness of one service,
-or one that fills half a service's visits, does not; only the stream's past is read."""
+does a busy machine's moderate tail spread over several services while few recent traces are
+alarms; a slowness of one service, one that fills half a service's visits, or a stream with a
+fault's share of alarms does not; only the stream's past is read."""
 
 from dataclasses import replace
 
@@ -18,8 +19,8 @@ from bmeg.traces import span_table
 
 SERVICES = ["a", "b", "c", "d", "e", "f"]
 SECOND = 10**9
-RULE = CrowdRule()  # a stalled machine only (session 11's; the default)
-BUSY = CrowdRule(busy_z=12.0)  # and a busy machine (session 15's, off by default)
+RULE = CrowdRule(busy_z=None)  # a stalled machine only (session 11's)
+BUSY = CrowdRule()  # and a busy machine (session 15's, gated by the alarm share in session 16: the default)
 past_nodes = st.lists(st.tuples(st.sampled_from(SERVICES), st.integers(0, 3 * SECOND), st.floats(-5, 50)),
                       max_size=150)
 
@@ -41,13 +42,15 @@ def trace(z: dict[str, float], start_ns: int = SECOND) -> Observation:
                        np.array(list(z.values()), dtype=np.float64))
 
 
-def explained(past: Observation, *traces: Observation, rule: CrowdRule = RULE) -> list[bool]:
+def explained(past: Observation, *traces: Observation, rule: CrowdRule = RULE, alarm_share: float = 0.0) -> list[bool]:
+    """`rule`'s verdicts, the stream's recent alarm share `alarm_share` for every trace (0: a quiet stream)."""
     nodes = Observation.empty()
     index = []
     for i, one in enumerate(traces):
         nodes = nodes + one
         index += [i] * len(one.services)
-    return rule.explained(past, nodes, np.array(index, dtype=np.int64), len(traces)).tolist()
+    return rule.explained(past, nodes, np.array(index, dtype=np.int64), len(traces),
+                          np.full(len(traces), alarm_share)).tolist()
 
 
 def test_machine_wide_slowness_explains_a_trace_slow_where_the_crowd_is():
@@ -116,6 +119,40 @@ def test_a_fault_holding_one_service_keeps_its_alarms_on_a_busy_machine():
     assert explained(faulty, trace({"a": BUSY.busy_z - 1}), rule=replace(BUSY, fault_share=0.6)) == [True]
 
 
+def test_a_stream_with_a_faults_share_of_alarms_keeps_them_on_a_busy_machine():
+    """Many recent traces above stage 1's threshold at once is a fault's mark (one that holds a
+    service much of the traffic goes through), not a busy machine's: the busy case holds nothing."""
+    busy, moderate = crowd({"a": 0.1, "b": 0.2}), trace({"a": BUSY.busy_z - 1})
+    assert explained(busy, moderate, rule=BUSY, alarm_share=BUSY.busy_ceiling) == [True]
+    assert explained(busy, moderate, rule=BUSY, alarm_share=0.5) == [False]
+    assert explained(busy, moderate, rule=replace(BUSY, busy_ceiling=None), alarm_share=0.5) == [True]  # session 15's
+    stalled = crowd({name: 0.9 for name in SERVICES})  # the stalled machine's case reads no alarm share
+    assert explained(stalled, moderate, alarm_share=1.0) == [True]
+    with pytest.raises(ValueError, match="alarm share"):
+        BUSY.explained(busy, moderate, np.zeros(1, dtype=np.int64), 1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3 * SECOND), st.booleans()), max_size=150),
+       st.lists(st.tuples(st.integers(0, 3 * SECOND), st.booleans()), max_size=50),
+       st.lists(st.integers(0, 3 * SECOND), min_size=1, max_size=5))
+def test_the_alarm_share_reads_only_the_past(past, later, starts):
+    """The share of the traces begun in the window before each trace that were alarms: traces
+    begun at or after it (later traffic, its batch's later traces) change nothing, and judged
+    together or one by one each trace gets the same share."""
+    times = np.array([t for t, _ in past], dtype=np.int64)
+    above = np.array([a for _, a in past], dtype=bool)
+    starts_ns = np.array(starts, dtype=np.int64)
+    together = RULE.alarm_share(times, above, starts_ns)
+    assert ((together >= 0) & (together <= 1)).all()
+    for start, share in zip(starts_ns, together):
+        window = (times >= start - RULE.window_s * SECOND) & (times < start)
+        assert share == (above[window].mean() if window.any() else 0.0)
+        after = np.array([max(t, start) for t, _ in later], dtype=np.int64)
+        more = RULE.alarm_share(np.r_[times, after], np.r_[above, [a for _, a in later]], np.array([start]))
+        assert more[0] == share
+
+
 @settings(max_examples=60, deadline=None)
 @given(past_nodes, st.lists(st.dictionaries(st.sampled_from(SERVICES), st.floats(-5, 50), min_size=1), min_size=1, max_size=4))
 def test_the_busy_case_only_adds_moderate_traces_to_the_stall(past, traces):
@@ -133,7 +170,8 @@ def test_the_busy_case_only_adds_moderate_traces_to_the_stall(past, traces):
 
 
 @pytest.mark.parametrize("kwargs", [{"window_s": 0}, {"slow_share": 0}, {"machine_share": 1.5}, {"min_visits": 0},
-                                    {"fault_share": 0}, {"busy_z": 4.0}, {"busy_z": 12.0, "busy_services": 0}])
+                                    {"fault_share": 0}, {"busy_z": 4.0}, {"busy_z": 12.0, "busy_services": 0},
+                                    {"busy_ceiling": 1.5}, {"busy_ceiling": -0.1}])
 def test_bad_parameters_are_a_clear_error(kwargs):
     with pytest.raises(ValueError):
         CrowdRule(**kwargs)
@@ -196,17 +234,20 @@ def test_the_detector_holds_alarms_in_a_stalled_stretch_and_keeps_a_fault():
 
 
 @pytest.mark.parametrize("batch", [1, 7, 100])
-@pytest.mark.parametrize("machine", ["stalled", "busy"])
+@pytest.mark.parametrize("machine", ["stalled", "busy", "busy, every trace an alarm"])
 def test_a_served_stream_judges_as_a_replay(batch, machine):
     """Fed in time order, in batches of any size, the served stream gives each trace the crowd
     verdict the replay of the whole recording gives it: its past is the traces begun before
     it, whether they came in an earlier batch or in its own. The busy stream is judged by the
-    busy case alone (no stall: all services would have to be slow)."""
+    busy case alone (no stall: all services would have to be slow), without the alarm share's
+    gate; with it, the stream's every trace an alarm (this detector flags all) is a fault's
+    share, so the busy case holds none, served (the history's alarms read) as replayed."""
     detector = always_flagging()
     if machine == "stalled":
         table = span_table(stream(set(range(10, 45)), slow_one={50}))
     else:
-        detector = replace(detector, crowd=replace(BUSY, machine_share=1.0))
+        gate = None if machine == "busy" else BUSY.busy_ceiling
+        detector = replace(detector, crowd=replace(BUSY, machine_share=1.0, busy_ceiling=gate))
         table = span_table(stream(set(), slow_one=set(), busy=set(range(10, 100))))
     replayed = {trace.trace_id: trace.anomalous for trace in detector.diagnose(table, replay=True).traces}
     history = StreamHistory(visits=detector.encoder.history)
@@ -215,7 +256,7 @@ def test_a_served_stream_judges_as_a_replay(batch, machine):
     for first in range(0, len(ids), batch):
         chosen = table.filter(np.isin(table["trace_id"].to_numpy(zero_copy_only=False), ids[first:first + batch]))
         served.update({trace.trace_id: trace.anomalous for trace in detector.diagnose(chosen, history=history).traces})
-    assert served == replayed and not all(served.values())
+    assert served == replayed and all(served.values()) == (machine == "busy, every trace an alarm")
 
 
 @settings(max_examples=15, deadline=None)
@@ -241,6 +282,15 @@ def test_the_history_keeps_only_recent_nodes():
     history.record(crowd({}, start_ns=4 * SECOND, end_ns=5 * SECOND))
     assert history.recent.trace_start_ns.min() >= 4 * SECOND
     assert len(history.recent.services) == len(SERVICES) * 20
+
+
+def test_the_history_keeps_only_recent_alarms():
+    history = StreamHistory(retain_s=2.0)
+    history.record_alarms(np.arange(10, dtype=np.int64) * SECOND // 10, np.ones(10, dtype=bool))
+    history.record_alarms(4 * SECOND + np.arange(10, dtype=np.int64) * SECOND // 10, np.arange(10) < 3)
+    starts, above = history.alarms_between(-10 * SECOND, 10 * SECOND)
+    assert (starts >= 4 * SECOND).all() and above.tolist() == [True] * 3 + [False] * 7
+    assert len(history.alarms_between(4 * SECOND, 4 * SECOND + 1)[0]) == 1
 
 
 def test_a_trace_stamped_far_off_does_not_empty_the_history_for_good():

@@ -523,3 +523,58 @@ def test_an_empty_normal_period_is_refused_clearly(shop, trained_run, tmp_path):
                                        "--normal", str(tmp_path / "empty.parquet")])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
     assert "the normal period holds no complete trace" in result.output, result.output
+
+
+@settings(max_examples=40, deadline=None)
+@given(failed=st.integers(0, 30), normal_errors=st.integers(0, 5), spans=st.integers(40, 200))
+def test_the_test_of_counts_is_a_binomial_tail_at_the_normal_share_of_odd_spans(failed, normal_errors, spans):
+    """api's requests fail in `failed` of `spans` window requests and in `normal_errors` of 300
+    normal ones: its `p` is the chance of at least `failed` failures in `spans` draws at the
+    normal share counted with one more (Laplace), summed by hand; it falls as failures rise,
+    and it fires only above the normal share. Services with no odd span have p 1."""
+    from math import comb
+
+    from bmeg.models.window import structure_significant
+
+    failed = min(failed, spans)
+    normal = NormalStats.from_forest(_cache_and_api([False] * 300, [i < normal_errors for i in range(300)]))
+    tests = normal.structure_tests(_cache_and_api([False] * spans, [i < failed for i in range(spans)]))
+    share = (normal_errors + 1) / 302
+    by_hand = sum(comb(spans, k) * share**k * (1 - share) ** (spans - k) for k in range(failed, spans + 1))
+    assert tests.loc["api", "p"] == pytest.approx(by_hand if failed else 1.0, rel=1e-6, abs=1e-12)
+    assert tests.loc["cache", "p"] == 1.0 and tests.loc["db", "p"] == 1.0
+    fired = structure_significant(tests)
+    assert not fired[["cache", "db"]].any()
+    if fired["api"]:
+        assert failed / spans > share
+    more = normal.structure_tests(_cache_and_api([False] * spans, [i <= failed for i in range(spans)]))
+    assert more.loc["api", "p"] <= tests.loc["api", "p"]
+
+
+def test_the_test_of_counts_scales_with_how_many_spans_a_change_is_seen_on():
+    """2% of api's requests fail in a window: under the errors' floor (0.02) and a tenth of the
+    structure floor; the test of counts fires where the window holds enough requests for 2% to be
+    unlikely under a normal period that never failed, and not on a few dozen."""
+    from bmeg.models.window import ERROR_FLOOR, errors_began, structure_significant
+
+    normal = NormalStats.from_forest(_cache_and_api([False] * 2000, [False] * 2000))
+    for spans, expected in ((50, False), (1000, True)):
+        window = _cache_and_api([False] * spans, [i % 50 == 0 for i in range(spans)])
+        assert not errors_began(normal.structure_parts(window), normal.error_noise)["api"]
+        assert normal.structure_parts(window).loc["api", "errors"] <= ERROR_FLOOR
+        assert structure_significant(normal.structure_tests(window))["api"] == expected
+
+
+def test_fewer_calls_than_ever_are_odd_more_are_not():
+    """A cache that misses more (more calls to its store than in most normal requests) is no
+    odd span: a slow store does that with no code fault; front returning early without calling
+    rare (fewer calls than any normal request made) is, and a few dozen such spans fire."""
+    from bmeg.models.window import structure_significant
+
+    normal = NormalStats.from_forest(_front_and_rare([i % 3 == 0 for i in range(600)]))
+    assert normal.key_counts.loc[normal.key_counts.index.str.startswith("rare"), "least"].tolist() == [0.0]
+    more = normal.structure_tests(_front_and_rare([True] * 300))
+    assert (more["p"] == 1.0).all() and not structure_significant(more).any()
+    early = normal.structure_tests(_front_and_rare([None if i % 10 == 0 else i % 3 == 0 for i in range(300)]))
+    assert early.loc["front", "p"] < 1e-9 and structure_significant(early)["front"]
+    assert not structure_significant(early)["rare"]

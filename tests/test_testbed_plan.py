@@ -21,7 +21,8 @@ from bmeg.faultinject.testbed.faults import code_operation
 
 
 def test_dataset_campaign_draws_every_source_thirty_times_in_seventeen_episodes():
-    plan, share = load_testbed_scenario(scenario_path("testbed-dataset"))
+    plan, share, request_shares = load_testbed_scenario(scenario_path("testbed-dataset"))
+    assert request_shares == (1.0,)
     topology, rng = load_topology("socialnet"), np.random.default_rng(0)
     counts: Counter[str] = Counter()
     for _ in range(17):
@@ -36,10 +37,23 @@ def test_code_faults_keep_service_and_times_and_name_an_operation():
     assert {(f.service, f.source, f.start_s, f.end_s) for f in drawn} == {("post-storage-service", "code", 2.0, 8.0)}
     assert {code_operation(f.service, f.parameters["operation"]) for f in drawn} == set(CODE_OPERATIONS["post-storage-service"])
     assert {f.parameters["error"] for f in drawn} == {0.0, 1.0}
+    assert {f.parameters["share"] for f in drawn} == {1.0}
     assert with_code_faults(faults, 0.0, np.random.default_rng(1)) == faults
 
 
-@pytest.mark.parametrize("extra", [{"code_share": 2}, {"code_share": "half"}, {"share": 0.1}, ["code_share"]])
+def test_partial_code_campaign_draws_every_request_share_on_every_service():
+    plan, share, request_shares = load_testbed_scenario(scenario_path("testbed-partial-code"))
+    assert share == 1.0 and request_shares == (0.05, 0.1, 0.25, 0.5, 1.0)
+    topology, rng = load_topology("socialnet"), np.random.default_rng(0)
+    drawn = [f for _ in range(14) for f in with_code_faults(plan_faults(plan, topology, rng), share, rng, request_shares)]
+    assert {f.source for f in drawn} == {"code"}
+    assert Counter(f.parameters["share"] for f in drawn).keys() == set(request_shares)
+    assert {f.service for f in drawn} == set(CODE_OPERATIONS)
+
+
+@pytest.mark.parametrize("extra", [{"code_share": 2}, {"code_share": "half"}, {"share": 0.1}, ["code_share"],
+                                   {"code_request_shares": [0]}, {"code_request_shares": []},
+                                   {"code_request_shares": 0.5}, {"code_request_shares": [1.5]}])
 def test_bad_testbed_section_is_a_clear_error(tmp_path, extra):
     document = yaml.safe_load(scenario_path("testbed-single").read_text())
     path = tmp_path / "bad.yaml"

@@ -64,3 +64,22 @@ def read_fault_list(path: str | Path, pod_suffix_parts: int = DEFAULT_POD_SUFFIX
                 raise ValueError(f"{path}: entry {key}[{index}] is malformed ({error!r}); it needs "
                                  "inject_timestamp, inject_pod and inject_type") from None
     return sorted(faults, key=lambda fault: fault.start_ns)
+
+
+def code_fault_kinds(faults_json: str | Path) -> dict[tuple[int, str], str]:
+    """What each code fault of a testbed campaign did, from its `faults.json`, keyed by (start
+    in whole ms, service): `return share=S` or `exception share=S` (its `error` parameter, and
+    the share of its operation's requests it hit, 1 when absent). The fault list names every
+    code fault `exception`."""
+    kinds = {}
+    for fault in json.loads(Path(faults_json).read_text()):
+        if fault["source"] == "code":
+            parameters = fault["parameters"]
+            mode = "exception" if float(parameters.get("error", 1.0)) >= 0.5 else "return"
+            kinds[fault_key(fault["start_ns"], fault["service"])] = f"{mode} share={float(parameters.get('share', 1.0)):g}"
+    return kinds
+
+
+def fault_key(start_ns: int, service: str) -> tuple[int, str]:
+    """A fault's key across a fault list and a campaign's faults.json (the list keeps ms)."""
+    return round(start_ns / 1e6), service

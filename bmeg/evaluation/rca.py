@@ -128,7 +128,7 @@ def run_rca(files: TraceFiles, faults: Sequence[InjectedFault], normal: SpanFore
         window = rpc_view(files.window(fault.start_ns, fault.start_ns + length_ns))
         result = FaultResult(fault, window.num_traces)
         if window.num_traces:
-            stats = _recent_normal(files, fault.start_ns, fixed, recent_minutes, recent_traces)
+            stats = recent_normal(files, fault.start_ns, fixed, recent_minutes, recent_traces)
             result.rankings = {ranker.name: [s for s, _ in ranker.rank(window, stats)] for ranker in rankers}
         results.append(result)
     return [replace(r, others=_overlapping_services(r.fault, results, length_ns)) for r in results]
@@ -140,7 +140,7 @@ def _overlapping_services(fault: InjectedFault, results: Sequence[FaultResult], 
                      if abs(r.fault.start_ns - fault.start_ns) < length_ns and r.fault.service != fault.service)
 
 
-def _recent_normal(files: TraceFiles, start_ns: int, fixed: NormalStats, minutes: float | None,
+def recent_normal(files: TraceFiles, start_ns: int, fixed: NormalStats, minutes: float | None,
                    traces: int | None) -> NormalStats:
     """The normal period of the `minutes` before `start_ns`, or of the latest `traces` before it,
     or `fixed` where neither is asked for or it is too thin."""

@@ -136,7 +136,7 @@ class Detector:
         With `crowd` (a verdict given to a user: `diagnose`; not training and evaluation, whose
         metrics stay the models' own) the crowd check reads the traces begun before each trace:
         `history`'s recent nodes and the forest's traces, or with `replay` the forest's
-        (`crowd_explained`)."""
+        (`crowd_explained`), with whether each of those traces was above stage 1's threshold."""
         paths = paths or critical_paths(forest)
         service_array = node_services(forest, storage_nodes=True)
         services = service_array.to_numpy(zero_copy_only=False)
@@ -162,25 +162,34 @@ class Detector:
             services=list(names), node_services=services, node_codes=codes, gnn_anomaly=gnn_anomaly, gnn_node=gnn_node,
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
-            service=gnn_service, observation=recorded,
-            crowd_explained=(self.crowd_explained(forest, observation, recorded, history, replay) if crowd
-                             else np.zeros(forest.num_traces, dtype=bool)),
+            service=gnn_service, observation=recorded, crowd_explained=np.zeros(forest.num_traces, dtype=bool),
         )
-        return self.route(raw)
+        routed = self.route(raw)
+        if not crowd:
+            return routed
+        above = self._above_threshold(routed.anomaly, routed.to_svm)
+        return self.route(replace(raw, crowd_explained=self.crowd_explained(forest, observation, recorded, history,
+                                                                             replay, above)))
 
     def crowd_explained(self, forest: SpanForest, observation: Observation | None, recorded: Observation | None,
-                        history: StreamHistory | None, replay: bool) -> np.ndarray:
+                        history: StreamHistory | None, replay: bool, above: np.ndarray) -> np.ndarray:
         """`CrowdRule.explained` against the stream's past: the traces begun before each trace
         among those the stream has brought so far, the history's recent nodes (served) and the
-        forest's own traces as the history records them (`recorded`; served or replayed). Which
-        batch an earlier trace came in does not matter; a trace begun at the same time or later is
-        never read (`CrowdRule.explained`)."""
+        forest's own traces as the history records them (`recorded`; served or replayed), and
+        whether each was above stage 1's threshold (the history's, and `above` [T] for the
+        forest's: the alarm share). Which batch an earlier trace came in does not matter; a trace
+        begun at the same time or later is never read (`CrowdRule.explained`)."""
         if self.crowd is None or observation is None or recorded is None or not len(observation.services):
             return np.zeros(forest.num_traces, dtype=bool)
-        past = [recorded]
+        starts = forest.start_ns[forest.root]
+        past, past_starts, past_above = [recorded], starts, above
         if history is not None and not replay:  # only the history's batches some trace's crowd reads
-            past = [*history.overlapping(*self.crowd.reads(observation.trace_start_ns)), recorded]
-        return self.crowd.explained(past, observation, forest.trace_index, forest.num_traces)
+            lower, upper = self.crowd.reads(observation.trace_start_ns)
+            past = [*history.overlapping(lower, upper), recorded]
+            earlier_starts, earlier_above = history.alarms_between(lower, upper)
+            past_starts, past_above = np.r_[earlier_starts, starts], np.r_[earlier_above, above]
+        share = self.crowd.alarm_share(past_starts, past_above, starts)
+        return self.crowd.explained(past, observation, forest.trace_index, forest.num_traces, share)
 
     def route(self, scores: Scores, router: Router | None = None) -> Scores:
         """Apply the router (this detector's unless given), the thresholds and the crowd check
@@ -326,6 +335,7 @@ class Detector:
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
             history.record(scores.observation)
+            history.record_alarms(forest.start_ns[forest.root], self._above_threshold(scores.anomaly, scores.to_svm))
         ranking, method, health = None, None, None
         if window and ranker is not None:
             ranking, health = self._ranked_against_normal(ranker, forest, scores, replay)

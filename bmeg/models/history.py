@@ -11,7 +11,8 @@ time or later is never read.
 
 Today the history holds each service's latest self-time z-scores (the temporal-context
 feature, `bmeg.models.features`), at most `visits` per service, and the nodes of the traces
-begun in the latest `retain_s` seconds (the crowd a trace is set against, `bmeg.models.crowd`).
+begun in the latest `retain_s` seconds (the crowd a trace is set against, `bmeg.models.crowd`)
+with, per trace, whether stage 1 put it above its threshold (the crowd's alarm share).
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ class StreamHistory:
     z_self: dict[str, np.ndarray] = field(default_factory=dict)
     retain_s: float = RETAIN_S
     _chunks: list[tuple[int, int, Observation]] = field(default_factory=list)  # (earliest, latest start, nodes)
+    # (trace starts, above stage 1's threshold) of the traces recorded, kept as long as their nodes
+    _alarms: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)))
 
     @property
     def recent(self) -> Observation:
@@ -178,6 +182,23 @@ class StreamHistory:
             new = times.z_self[start:end].astype(np.float64)
             old = self.z_self.get(name)
             self.z_self[name] = (new if old is None else np.concatenate([old, new]))[-self.visits:]
+
+    def record_alarms(self, trace_start_ns: np.ndarray, above: np.ndarray) -> None:
+        """Append a batch's traces' starts and whether each was above stage 1's threshold, keeping
+        those begun within `retain_s` of the batch's median start (as `record` keeps nodes)."""
+        if len(trace_start_ns) == 0:
+            return
+        now = int(np.median(trace_start_ns))
+        starts = np.concatenate([self._alarms[0], np.asarray(trace_start_ns, dtype=np.int64)])
+        flags = np.concatenate([self._alarms[1], np.asarray(above, dtype=bool)])
+        kept = np.abs(starts - now) <= int(self.retain_s * 1e9)
+        self._alarms = starts[kept], flags[kept]
+
+    def alarms_between(self, lower_ns: int, upper_ns: int) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, above the threshold) of the recorded traces begun in [lower_ns, upper_ns)."""
+        starts, flags = self._alarms
+        inside = (starts >= lower_ns) & (starts < upper_ns)
+        return starts[inside], flags[inside]
 
     def copy(self) -> StreamHistory:
         return copy.deepcopy(self)

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 from scipy.special import erf
+from scipy.stats import binom
 
 from bmeg.graphs import SpanForest, operation_keys
 from bmeg.graphs.features import self_time_ns
@@ -59,6 +60,7 @@ class NormalStats:
     errors: pd.Series  # by span key: share of spans where an error begins
     structure_noise: pd.Series  # by service: the largest structure shift of a slice of the normal period
     error_noise: pd.Series  # by service: the largest rise of its error origins in such a slice (`structure_parts`)
+    key_counts: pd.DataFrame  # by span key: spans, error origins, fewest children, odd spans (`structure_tests`)
 
     @classmethod
     def from_forest(cls, forest: SpanForest) -> NormalStats:
@@ -81,6 +83,7 @@ class NormalStats:
             errors=errors,
             structure_noise=noise,
             error_noise=error_noise,
+            key_counts=_normal_key_counts(structure),
         )
 
     def anomalous_spans(self, forest: SpanForest) -> np.ndarray:
@@ -155,6 +158,42 @@ class NormalStats:
         its operations' child counts) and `errors` (the rise of the share of its spans where an
         error begins), and `error_spans`, the number of its spans in `forest` where one begins."""
         return _structure_parts(_structure_frame(forest), self.children, self.errors)
+
+
+    def structure_tests(self, forest: SpanForest) -> pd.DataFrame:
+        """Per service of `forest` (rows): how unlikely its structure is under the normal period,
+        by counts of spans, so that the evidence grows with how many spans a change is seen on.
+
+        A span is *odd* when an error begins in it or it has fewer children than any span of its
+        key had in the period (an early return, an exception that skips calls; more children
+        than ever is left out: a cache that misses more under a slow store makes them with no
+        code fault). Per span key, `p` is the binomial chance of at least as many odd spans in
+        the window as it holds, each odd with the period's own share of them: its error origins,
+        plus one if its fewest children were seen on one span only (Good-Turing's estimate of the
+        unseen, for the low tail), counted with one more (Laplace), so that a short period is a
+        weak witness. A service's `p` is its keys' smallest; `tests` counts its keys, so that a
+        caller can correct for how many were looked at (`bmeg.models.window.structure_significant`).
+        Keys the period never saw are not tested."""
+        frame = _structure_frame(forest)
+        normal = self.key_counts.reindex(frame["key"])
+        frame["odd"] = np.maximum(frame["errors"], (frame["children"].to_numpy() < normal["least"].to_numpy()))
+        frame = frame[normal["spans"].notna().to_numpy()]
+        window = frame.groupby("key").agg(spans=("odd", "size"), odd=("odd", "sum"), service=("service", "first"))
+        normal = self.key_counts.loc[window.index]
+        p = binom.sf(window["odd"] - 1, window["spans"], (normal["odd"] + 1.0) / (normal["spans"] + 2.0))
+        tests = pd.DataFrame({"p": np.where(window["odd"] > 0, p, 1.0), "service": window["service"]})
+        by_service = tests.groupby("service")["p"]
+        return pd.DataFrame({"p": by_service.min(), "tests": by_service.size()})
+
+
+def _normal_key_counts(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per span key of a normal period's `_structure_frame`: its spans, error origins, fewest
+    children (`least`) and odd spans as `structure_tests` estimates them: its error origins,
+    plus one if its fewest children were seen on one span only."""
+    by_key = frame.groupby("key").agg(spans=("errors", "size"), errors=("errors", "sum"), least=("children", "min"))
+    at_least = frame[frame["children"].to_numpy() == by_key["least"].reindex(frame["key"]).to_numpy()]
+    once = at_least.groupby("key").size().reindex(by_key.index) == 1
+    return by_key.assign(odd=by_key["errors"] + once.astype(float))
 
 
 def _structure_frame(forest: SpanForest) -> pd.DataFrame:

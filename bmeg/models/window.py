@@ -79,6 +79,9 @@ NOISE_FACTOR = 2.0
 ERROR_FLOOR = 0.02
 #: ... in at least this many spans, changed too, whatever its calls did (`errors_began`).
 ERROR_MIN_SPANS = 5
+#: A service whose structure is this unlikely under the normal period (`structure_significant`:
+#: its p-value of `NormalStats.structure_tests`, times the tests made on the window) changed.
+STRUCTURE_ALPHA = 1e-3
 #: A service whose time shift (log2) exceeds every other service's by this much is decisive.
 DECISIVE_LEAD = 2.0
 #: The share of a normal period (its latest traces) held back to calibrate `HealthBound` ...
@@ -236,7 +239,9 @@ class WindowShift:
 
     time: float  # the largest time shift (log2) of a service's part (`NormalStats.service_shift_parts`)
     gap_lead: float  # how far (log2) the largest call-gap shift leads the second (`decisive_shift`'s test)
-    structure: float  # the largest structure shift beyond `structure_changed`'s gate (> 0: the gate fires)
+    structure: float  # the largest excess over a structure gate (> 0: one fires): the shift beyond
+    # `structure_changed`'s or `errors_began`'s (shares), or how far below `STRUCTURE_ALPHA` the test of
+    # counts' corrected p-value is (log10, `structure_significant`)
     service: str | None  # whose time shift is the largest
 
 
@@ -247,7 +252,8 @@ def window_shift(normal: NormalStats, window: SpanForest) -> WindowShift:
     gaps = parts[["caller", "callee"]].max(axis=1).dropna().nlargest(2)
     structure = normal.structure_parts(window)
     beyond = pd.concat([_beyond_gate(structure[["calls", "errors"]].sum(axis=1), normal.structure_noise),
-                        _errors_beyond_gate(structure, normal.error_noise)]).dropna()
+                        _errors_beyond_gate(structure, normal.error_noise),
+                        _counts_beyond_gate(normal.structure_tests(window))]).dropna()
     return WindowShift(time=float(time.max()) if len(time) else 0.0,
                        gap_lead=float(gaps.iloc[0] - gaps.iloc[1]) if len(gaps) == 2 else 0.0,
                        structure=float(beyond.max()) if len(beyond) else 0.0,
@@ -266,6 +272,13 @@ def _errors_beyond_gate(parts: pd.DataFrame, noise: pd.Series, floor: float = ER
     """How far each service's `errors` part is above its own gate (`errors_began`); NaN where
     errors began in fewer than `min_spans` spans."""
     return _beyond_gate(parts["errors"].where(parts["error_spans"] >= min_spans), noise, floor, factor)
+
+
+def _counts_beyond_gate(tests: pd.DataFrame, alpha: float = STRUCTURE_ALPHA) -> pd.Series:
+    """How far each service's corrected p-value is below `alpha` (`structure_significant`), in
+    log10: > 0 where the test of counts fires."""
+    corrected = tests["p"] * tests["tests"].sum()
+    return np.log10(alpha) - np.log10(np.maximum(corrected, 1e-300))
 
 
 class HealthBound:
@@ -351,7 +364,10 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     whose structure moved beyond their own normal noise (`structure_changed`: a code fault) come
     before the others, by how far it moved, and so do services where errors began beyond their
     own noise (`errors_began`: an exception in a few percent of requests); on simulated latency
-    faults no service's structure moves at all, so there the order is the fusion's. Then a
+    faults no service's structure moves at all, so there the order is the fusion's; and so do
+    services whose odd spans are too many for the normal period (`structure_significant`: an
+    exception or an early return on a few percent of the requests, or on a rarely used
+    operation, which moves the service's shares less than the floors). Then a
     decisive time shift of a call gap (`decisive_shift` of the caller and callee parts) comes
     before the fusion's order."""
     gnn = node_score_shift(window_scores, normal_scores)
@@ -360,7 +376,8 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     fused = rank_fusion(parts.max(axis=1), learned)
     shape = normal.structure_parts(window).reindex(fused.index)
     structure = shape[["calls", "errors"]].sum(axis=1).fillna(0.0)
-    changed = structure_changed(structure, normal.structure_noise) | errors_began(shape, normal.error_noise)
+    counted = structure_significant(normal.structure_tests(window)).reindex(fused.index, fill_value=False)
+    changed = structure_changed(structure, normal.structure_noise) | errors_began(shape, normal.error_noise) | counted
     # services whose structure changed come first, by how much; then a decisive time shift;
     # then the rest, by rank fusion
     first = structure[changed].sort_values(ascending=False, kind="stable") + 2.0 + fused.max()
@@ -463,6 +480,20 @@ def errors_began(parts: pd.DataFrame, noise: pd.Series, floor: float = ERROR_FLO
     session 12). `min_spans`: a rarely visited service with one failed request is no change.
     """
     return _errors_beyond_gate(parts, noise, floor, min_spans, factor) > 0
+
+
+def structure_significant(tests: pd.DataFrame, alpha: float = STRUCTURE_ALPHA) -> pd.Series:
+    """bool per service of `tests` (`NormalStats.structure_tests` of a window): its p-value,
+    times the number of tests made on the window (Bonferroni: one per span key of every
+    service), is below `alpha`.
+
+    Counts, not shares: `structure_changed`'s floor asks a tenth of a service's spans to change,
+    which a code fault on a rarely used operation, or on a few percent of the requests, never
+    does; a test of the counts fires on a few odd spans where the normal period makes them
+    unlikely, and needs many where it does not (a key whose fewest children are common, one
+    that fails now and then, a short period). Chosen on the testbed's partial code faults and
+    its single-fault dataset (README, issue 12, session 16)."""
+    return _counts_beyond_gate(tests, alpha) > 0
 
 
 def structure_changed(shift: pd.Series, noise: pd.Series, floor: float = STRUCTURE_FLOOR,

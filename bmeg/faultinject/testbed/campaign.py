@@ -5,7 +5,8 @@
 2. A fault-free calibration period (`calibration_s`) gives each operation's normal times.
 3. Episodes of the scenario run one after another in real time, each with its faults drawn
    by `plan_faults` (the simulator's campaign files and rules; the testbed scenarios list
-   which services may be hit; `testbed: {code_share}` turns that share into code faults),
+   which services may be hit; `testbed: {code_share}` turns that share into code faults,
+   `code_request_shares` the shares of their operation's requests they hit),
    applied and undone by `faults` at their wall-clock times,
    until the requested traces have been served (rate x episode length per episode).
 4. The Collector's file exporter is read back through bmeg's OTLP reader; traces are
@@ -60,31 +61,41 @@ FLUSH_S = 3.0  # the SDK's batch delay (5 s max) is cut by the services' shutdow
 RECORD_FLUSH_S = 7.0
 
 
-def load_testbed_scenario(path: Path) -> tuple[Scenario, float]:
-    """A campaign file, and the share of its drawn faults that become code faults.
+def load_testbed_scenario(path: Path) -> tuple[Scenario, float, tuple[float, ...]]:
+    """A campaign file, the share of its drawn faults that become code faults, and the shares
+    of an operation's requests those code faults may hit.
 
-    A testbed campaign may add `testbed: {code_share: S}` to the simulator's format: code
-    faults (an operation returns early or fails) are a source only real processes have."""
+    A testbed campaign may add `testbed: {code_share: S, code_request_shares: [s1, ...]}` to
+    the simulator's format: code faults (an operation returns early or fails) are a source only
+    real processes have; each hits one of `code_request_shares` (default [1]: every request) of
+    its operation's requests, drawn evenly."""
     data = read_yaml(path)
     extra = data.pop("testbed", None) if isinstance(data, dict) else None
     extra = extra or {}
-    if not isinstance(extra, dict) or set(extra) - {"code_share"}:
-        raise SpecError(f"{path}: testbed: takes only code_share, not {extra!r}")
+    if not isinstance(extra, dict) or set(extra) - {"code_share", "code_request_shares"}:
+        raise SpecError(f"{path}: testbed: takes only code_share and code_request_shares, not {extra!r}")
     share = extra.get("code_share", 0.0)
     if not isinstance(share, int | float) or not 0 <= share <= 1:
         raise SpecError(f"{path}: testbed.code_share must be a number in [0, 1], not {share!r}")
-    return parse_scenario(data, str(path)), float(share)
+    request_shares = extra.get("code_request_shares", [1.0])
+    if (not isinstance(request_shares, list) or not request_shares
+            or not all(isinstance(s, int | float) and 0 < s <= 1 for s in request_shares)):
+        raise SpecError(f"{path}: testbed.code_request_shares must be a list of numbers in (0, 1], not {request_shares!r}")
+    return parse_scenario(data, str(path)), float(share), tuple(float(s) for s in request_shares)
 
 
-def with_code_faults(faults: list[Fault], share: float, rng: np.random.Generator) -> list[Fault]:
+def with_code_faults(faults: list[Fault], share: float, rng: np.random.Generator,
+                     request_shares: tuple[float, ...] = (1.0,)) -> list[Fault]:
     """Each fault becomes, with probability `share`, a code fault on the same service and
-    times: one of its operations (`CODE_OPERATIONS`) fails (error) or returns early, even odds."""
+    times: one of its operations (`CODE_OPERATIONS`) fails (error) or returns early, even odds,
+    on one of `request_shares` of its requests (parameter `share`)."""
     drawn = []
     for fault in faults:
         operations = CODE_OPERATIONS.get(fault.service, ())
         if operations and rng.random() < share:
             fault = Fault(fault.service, "code", fault.kind, fault.start_s, fault.end_s,
-                          {"operation": float(rng.integers(len(operations))), "error": float(rng.integers(2))})
+                          {"operation": float(rng.integers(len(operations))), "error": float(rng.integers(2)),
+                           "share": float(rng.choice(request_shares))})
         drawn.append(fault)
     return drawn
 
@@ -99,7 +110,7 @@ def run_campaign(out: str | Path, scenario: str | Path, traces: int, seed: int =
         raise ValueError(f"traces must be at least 1, not {traces}")
     bed = testbed or Testbed.default()
     plan_file = scenario_path(scenario)
-    plan, code_share = load_testbed_scenario(plan_file)
+    plan, code_share, request_shares = load_testbed_scenario(plan_file)
     topology = load_topology("socialnet")
     unknown = set(plan.campaign.services or []) - set(SERVICES) if plan.campaign else set()
     unknown |= {f.service for f in plan.faults} - set(SERVICES)
@@ -133,7 +144,7 @@ def run_campaign(out: str | Path, scenario: str | Path, traces: int, seed: int =
         time.sleep(calibration_s)
         calibration_end = time.time_ns()
         for episode in range(episodes):
-            faults = with_code_faults(plan_faults(plan, topology, rng), code_share, rng)
+            faults = with_code_faults(plan_faults(plan, topology, rng), code_share, rng, request_shares)
             progress(f"episode {episode + 1}/{episodes}: {len(faults)} faults")
             applied += _run_episode(bed, state, faults, plan.duration_s, episode, seed, len(applied), progress)
         ended = time.time_ns()

@@ -19,7 +19,9 @@
 | misconfiguration  | `pool_size`: workers (and db_pool where the service has a database) set  | the normal config, SIGHUP  |
 |                   | to it; `hit_ratio`: cache_items cut to a few entries; config + SIGHUP     |                            |
 | background        | SIGSTOP/SIGCONT pauses of `pause_ms` every ~`every_ms` (a pauser process) | pauser stopped, SIGCONT    |
-| code              | `POST /_admin/fault` {"operation", "mode": return or error}              | mode none                  |
+| code              | `POST /_admin/fault` {"operation", "mode": return or error, "share"}:     | mode none                  |
+|                   | `share` (0-1], default 1) of the operation's requests fail or return      |                            |
+|                   | early, every 1/share-th by a counter                                      |                            |
 
 Every fault writes its undo record into the state file *before* it changes anything
 (write-ahead), so `undo_all` (run by `up`, `down` and every campaign start) can undo a fault
@@ -372,7 +374,8 @@ def _code(testbed, state, fault_id, record, parameters, until_s, seed, undo) -> 
     undo["operation"] = operation
     state.save()
     mode = "error" if float(parameters.get("error", 1.0)) >= 0.5 else "return"
-    admin_post(f"127.0.0.1:{testbed.ports.service(service)}", "/_admin/fault", {"operation": operation, "mode": mode})
+    admin_post(f"127.0.0.1:{testbed.ports.service(service)}", "/_admin/fault",
+               {"operation": operation, "mode": mode, "share": float(parameters.get("share", 1.0))})
 
 
 def _undo_code(testbed, state, fault_id, undo) -> None:

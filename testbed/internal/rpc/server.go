@@ -166,18 +166,27 @@ func (s *Server) healthz(w http.ResponseWriter, r *http.Request) {
 }
 
 type faultRequest struct {
-	Operation string `json:"operation"`
-	Mode      string `json:"mode"`
+	Operation string   `json:"operation"`
+	Mode      string   `json:"mode"`
+	Share     *float64 `json:"share"` // the share of the operation's requests hit; 1 when left out
 }
 
 func (s *Server) setFault(w http.ResponseWriter, r *http.Request) {
 	var req faultRequest
 	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
-		writeError(w, http.StatusBadRequest, fmt.Errorf(`body must be {"operation": ..., "mode": ...}: %w`, err))
+		writeError(w, http.StatusBadRequest, fmt.Errorf(`body must be {"operation": ..., "mode": ..., "share": ...}: %w`, err))
 		return
 	}
 	mode, err := ParseFaultMode(req.Mode)
 	if err != nil {
+		writeError(w, http.StatusBadRequest, err)
+		return
+	}
+	share := 1.0
+	if req.Share != nil {
+		share = *req.Share
+	}
+	if err := ParseFaultShare(share); err != nil {
 		writeError(w, http.StatusBadRequest, err)
 		return
 	}
@@ -190,7 +199,7 @@ func (s *Server) setFault(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, fmt.Errorf("unknown operation %q; this service has %v", req.Operation, known))
 		return
 	}
-	s.Faults.Set(req.Operation, mode)
+	s.Faults.Set(req.Operation, mode, share)
 	writeJSON(w, http.StatusOK, map[string]any{"faults": s.Faults.Active()})
 }
 

@@ -167,6 +167,38 @@ func TestFaultSwitch(t *testing.T) {
 	if code, _ := post(t, ts.URL+"/_admin/fault", `not json`); code != 400 {
 		t.Fatalf("bad body: %d", code)
 	}
+	for _, share := range []string{"0", "1.5", "-1"} {
+		if code, _ := post(t, ts.URL+"/_admin/fault", `{"operation": "/double", "mode": "error", "share": `+share+`}`); code != 400 {
+			t.Fatalf("share %s: HTTP %d, want 400", share, code)
+		}
+	}
+}
+
+func TestFaultShareOverHTTP(t *testing.T) {
+	ts, rec, calls := newTestServer(t, 4, 0)
+	if code, body := post(t, ts.URL+"/_admin/fault", `{"operation": "double_server", "mode": "error", "share": 0.25}`); code != 200 ||
+		!strings.Contains(body, `"share":0.25`) {
+		t.Fatalf("set: %d %s", code, body)
+	}
+	rec.Reset()
+	failed := 0
+	for i := 0; i < 40; i++ {
+		if code, _ := post(t, ts.URL+"/double", `{"n": 1}`); code == 500 {
+			failed++
+		}
+	}
+	if failed != 10 || calls.Load() != 30 {
+		t.Fatalf("share 0.25 of 40 requests: %d failed, handler ran %d times; want 10 and 30", failed, calls.Load())
+	}
+	errored := 0
+	for _, s := range serverSpans(rec) {
+		if s.Status().Code == codes.Error {
+			errored++
+		}
+	}
+	if errored != 10 {
+		t.Fatalf("%d error server spans, want 10", errored)
+	}
 }
 
 func TestAdminIsNotTracedAndHealthz(t *testing.T) {
