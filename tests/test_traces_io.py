@@ -3,7 +3,7 @@ import json
 
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from builders import in_order, span_tables
@@ -137,6 +137,8 @@ def test_random_bytes_never_crash(data, format):
 
 @settings(max_examples=150, deadline=None)
 @given(document=json_values | otlp_like | jaeger_like, format=st.sampled_from([None, "otlp-json", "jaeger-json"]))
+@example(document={"resourceSpans": [{"scopeSpans": [{"spans": [{"kind": float("inf")}]}]}]}, format=None)  # CI's find
+@example(document={"data": [{"spans": [{"duration": float("-inf")}]}]}, format="jaeger-json")
 def test_random_json_never_crashes(document, format):
     read_or_reject(json.dumps(document).encode(), format)
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+#: What protobuf's `json_format.ParseDict` raises on a hostile document besides its ParseError:
+#: a wrong type, a nesting too deep, and a number it cannot convert (`"kind": Infinity` is an
+#: OverflowError, found by hypothesis in CI).
+PROTOBUF_JSON_ERRORS = (TypeError, ValueError, AttributeError, RecursionError, OverflowError)
+
 
 class TraceInputError(ValueError):
     """Input that cannot be read as spans, or a trace that cannot be repaired.

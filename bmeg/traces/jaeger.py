@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from bmeg.traces.build import RAW_COLUMNS, table_from_columns
 from bmeg.traces.descriptors import F, message_classes
-from bmeg.traces.errors import TraceInputError
+from bmeg.traces.errors import PROTOBUF_JSON_ERRORS, TraceInputError
 from bmeg.traces.schema import SPAN_KINDS
 from bmeg.traces.semconv import DB_SYSTEM, INSTANCE_KEYS, PEER_SERVICE, peer_and_db_system, status_of_code
 
@@ -276,7 +276,7 @@ def read_jaeger_model_json(documents: list, source: str = "<json>") -> pa.Table:
             raise TraceInputError(f"a Jaeger JSON span must be an object (in {where})")
         try:
             spans.append(json_format.ParseDict(document, JaegerSpan(), ignore_unknown_fields=True))
-        except (json_format.ParseError, TypeError, ValueError, AttributeError, RecursionError) as error:
+        except (json_format.ParseError, *PROTOBUF_JSON_ERRORS) as error:
             raise TraceInputError(f"malformed Jaeger JSON span: {error} (in {where})") from None
     return jaeger_model_to_table(spans, source)
 

@@ -35,7 +35,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from bmeg.traces.build import table_from_arrays
-from bmeg.traces.errors import TraceInputError
+from bmeg.traces.errors import PROTOBUF_JSON_ERRORS, TraceInputError
 from bmeg.traces.otlp_view import SpansView
 from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
 from bmeg.traces.semconv import (
@@ -309,7 +309,7 @@ def otlp_json_to_table(documents: list, source: str = "<json>") -> pa.Table:
         try:
             # Receivers must ignore unknown fields (OTLP specification, "JSON Protobuf Encoding").
             part = json_format.ParseDict(document, ExportTraceServiceRequest(), ignore_unknown_fields=True)
-        except (json_format.ParseError, TypeError, ValueError, AttributeError, RecursionError) as error:
+        except (json_format.ParseError, *PROTOBUF_JSON_ERRORS) as error:
             raise TraceInputError(f"malformed OTLP/JSON: {error} (in {where})") from None
         request.MergeFrom(part)
     return read_otlp_proto(request.SerializeToString(), source)
