@@ -34,25 +34,31 @@ only: `busy_z=None`) and session 15's (the busy case without the gate: `busy_cei
 `--crowd KEY=VALUE[,KEY=VALUE]` (repeatable) adds the check with those parameters of `bmeg.models.crowd.CrowdRule` changed (e.g. `--crowd busy_z=11`);
 `--served-batch-s S` also serves each stream as the Kafka consumer does (`served`), so that
 the verdicts of a served stream, whose past lacks its batch, can be set beside the replay's
-(with the default check, and with session 11's).
+(with the default check, and with session 11's). `--follow KEY=VALUE[,KEY=VALUE]` (repeatable;
+`Follow`: window_s, quantile, columns, absorbed) adds the default check on a stage-1 baseline that
+follows the machine: each visit's self-time z-score less its service's recent quantile over the
+stream's previous minutes, replayed only (session 17: "a baseline that follows the machine").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from bmeg.evaluation.bootstrap import HELD_BACK
+from bmeg.graphs import node_services
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.crowd import CrowdRule
 from bmeg.models.detector import CROWD_WARNING, Detector
+from bmeg.models.features import FeatureEncoder
 from bmeg.models.history import StreamHistory
 from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
@@ -102,6 +108,125 @@ def between_rounds(dataset: Path, onset_s: float = 0.0) -> pa.Array:
 
 
 RATES = (0.01, 0.005)
+
+
+#: A following baseline's shift is read once per this many seconds (on a grid of absolute time,
+#: so that how a stream is cut into batches cannot change it), from the window before the step.
+FOLLOW_STEP_S = 1.0
+#: Fewer visits of a service than this in its window: no shift (the stream's start).
+FOLLOW_MIN_VISITS = 200
+
+
+@dataclass(frozen=True)
+class Follow:
+    """A stage-1 baseline that follows the machine (bench only, session 17): each visit's
+    self-time z-score (and with `columns` 3 its duration's and wait's) less the `quantile` of its
+    service's z-scores over the traces begun in the `window_s` seconds before the visit's
+    `FOLLOW_STEP_S` step began (never its own step's), where that is positive (a busier machine is
+    forgiven; a quieter one is not read as more sensitive). `absorbed`: the worst case of a fault
+    lasting longer than the window, the visits begun inside a dataset's fault window shifted by
+    the quantile of their service's visits in that same window. `refit`: the spread re-fitted too,
+    the shifted z-score divided by the window's 90th percentile less its median where that is above 1
+    (the baseline's own spread, in its z-scores). `unflagged`: fitted on the visits of the traces
+    the model as bootstrapped did not put above its threshold only (a fault's flagged traces do not
+    move the baseline)."""
+
+    window_s: float = 300.0
+    quantile: float = 0.5
+    columns: int = 1
+    absorbed: bool = False
+    refit: bool = False
+    unflagged: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Follow:
+        changes: dict[str, float | int | bool] = {}
+        for item in text.split(","):
+            key, _, value = (part.strip() for part in item.partition("="))
+            if key not in cls.__dataclass_fields__:
+                raise SystemExit(f"--follow: no parameter {key!r}")
+            kind = type(getattr(cls(), key))
+            changes[key] = value in ("1", "True", "true") if kind is bool else kind(float(value))
+        return cls(**changes)  # type: ignore[arg-type]
+
+    @property
+    def name(self) -> str:
+        return (f"following W={self.window_s:g}s q={self.quantile:g}{' refit' if self.refit else ''}{' unflagged' if self.unflagged else ''} "
+                f"{'self' if self.columns == 1 else 'self+duration+wait'}{', fault absorbed' if self.absorbed else ''}")
+
+
+def following_shift(follow: Follow, services: np.ndarray, starts: np.ndarray, z: np.ndarray,
+                    windows: np.ndarray | None = None,
+                    flagged: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """float [nodes, follow.columns] twice: each node's shift and scale (see `Follow`); `windows`
+    [F, 2]: the dataset's fault windows (start, end ns), read with `follow.absorbed`; `flagged`
+    [nodes]: the node's trace was above the threshold, read with `follow.unflagged`."""
+    codes, names = pd.factorize(services)
+    step = int(FOLLOW_STEP_S * 1e9)
+    shift = np.zeros((len(z), follow.columns))
+    scale = np.ones((len(z), follow.columns))
+
+    def fit(rows: np.ndarray, values: np.ndarray) -> None:
+        if not len(values):
+            return
+        center = np.quantile(values, follow.quantile, axis=0)
+        shift[rows] = np.maximum(center, 0.0)
+        if follow.refit:
+            scale[rows] = np.maximum(np.quantile(values, 0.9, axis=0) - np.quantile(values, 0.5, axis=0), 1.0)
+    for code in range(len(names)):
+        rows = np.flatnonzero(codes == code)
+        rows = rows[np.argsort(starts[rows], kind="stable")]
+        times, values = starts[rows], z[rows, : follow.columns]
+        used = np.ones(len(rows), bool) if flagged is None or not follow.unflagged else ~flagged[rows]
+        steps, first = np.unique(times // step, return_index=True)
+        lower = np.searchsorted(times, steps * step - int(follow.window_s * 1e9))
+        for lo, hi, end in zip(lower, first, np.r_[first[1:], len(rows)]):
+            if hi - lo >= FOLLOW_MIN_VISITS:
+                fit(rows[hi:end], values[lo:hi][used[lo:hi]])
+        if follow.absorbed and windows is not None:
+            for start, stop in windows:
+                inside = (times >= start) & (times < stop)
+                if inside.any():
+                    fit(rows[inside], values[inside & used])
+    return shift, scale
+
+
+@dataclass
+class FollowingEncoder(FeatureEncoder):
+    """The model's encoder with a `Follow` baseline, on a replayed stream (`transform` with `past` None)."""
+
+    follow: Follow = field(default_factory=Follow)
+    windows: np.ndarray | None = None
+    flagged: np.ndarray | None = None  # [nodes of the forest transformed]
+    _nodes: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+
+    def transform(self, forest, paths=None, services=None, past=None, context=None):  # type: ignore[no-untyped-def]
+        if services is None:
+            services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+        self._nodes = services, forest.start_ns[forest.root][forest.trace_index]
+        try:
+            return super().transform(forest, paths, services, past, context)
+        finally:
+            self._nodes = None
+
+    def _z_scores(self, position, columns, count=None):  # type: ignore[no-untyped-def]
+        z, known = super()._z_scores(position, columns, count)
+        if self._nodes is not None and len(z) == len(self._nodes[0]) and z.shape[1] >= self.follow.columns:
+            shift, scale = following_shift(self.follow, *self._nodes, z, self.windows, self.flagged)
+            z[:, : self.follow.columns] = (z[:, : self.follow.columns] - shift) / scale
+        return z, known
+
+
+def following(detector: Detector, follow: Follow, dataset: Path | None, flagged: np.ndarray) -> Detector:
+    """`detector` with its encoder's self-time baseline following the stream (`Follow`); `flagged`
+    [nodes]: whether each node's trace was above the threshold as bootstrapped."""
+    state = detector.encoder.to_state()
+    state.pop("names")
+    windows = None
+    if dataset is not None:
+        faults = json.loads((dataset / "faults.json").read_text())
+        windows = np.array([(f["start_ns"], f["end_ns"]) for f in faults], dtype=np.int64)
+    return replace(detector, encoder=FollowingEncoder(**state, follow=follow, windows=windows, flagged=flagged))
 
 
 def crowd_rule(overrides: str) -> CrowdRule:
@@ -167,7 +292,7 @@ def recall_by_source(dataset: Path | None, trace_ids: np.ndarray, flagged: np.nd
 
 
 def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, overrides: list[str],
-             batch_s: float | None) -> list[dict]:
+             batch_s: float | None, follows: tuple[Follow, ...] = ()) -> list[dict]:
     """The model as bootstrapped on streams replayed in time order, without and with the crowd
     check (its default, session 11's, session 15's, and each of `overrides`: `crowd_rule`), and with `batch_s`
     also served (`served`, the default check and session 11's): per set, the share flagged
@@ -184,17 +309,22 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, over
         forest = rpc_view(spans)
         scores = detector.score(forest, replay=True, crowd=True)
         ids = pa.array(forest.trace_ids)
-        rules = {"default": scores.crowd_explained}
-        above = replace(detector, crowd=None).route(scores).anomalous
+        above = scores.above_threshold
+        rules = {"default": (above, scores.crowd_explained)}
         for change in [STALL_ONLY, UNGATED, *overrides]:
             other = replace(detector, crowd=crowd_rule(change))
-            rules[change] = other.crowd_explained(forest, scores.observation, scores.observation, None, replay=True,
-                                                  above=above)
+            rules[change] = above, other.crowd_explained(forest, scores.observation, scores.observation, None,
+                                                         replay=True, above=above)
+        for follow in follows:
+            if follow.absorbed and dataset is None:
+                continue
+            moved = following(detector, follow, dataset, above[forest.trace_index]).score(forest, replay=True, crowd=True)
+            rules[f"default, {follow.name}"] = moved.above_threshold, moved.crowd_explained
         for part, chosen in parts.items():
             mask = np.ones(forest.num_traces, bool) if chosen is None else pc.is_in(ids, chosen).to_numpy(
                 zero_copy_only=False)
-            without = replace(detector, crowd=None).route(scores).anomalous[mask]
-            for rule, explained in rules.items():
+            for rule, (rule_above, explained) in rules.items():
+                without = rule_above[mask]
                 held = explained[mask] & without
                 kept_ids = np.asarray(forest.trace_ids)[mask]
                 rows.append({"set": part, "rule": rule, "traces": int(mask.sum()),
@@ -251,6 +381,9 @@ def main() -> None:
     parser.add_argument("--dataset", type=Path, default=None, help="a testbed dataset: both sets from it")
     parser.add_argument("--crowd", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                         help="also the crowd check with these CrowdRule parameters changed (repeatable), replayed")
+    parser.add_argument("--follow", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="also the default check with a baseline that follows the machine (Follow: window_s, "
+                             "quantile, columns, absorbed), replayed (repeatable)")
     parser.add_argument("--served-batch-s", type=float, default=None,
                         help="also serve the streams as the Kafka consumer does, in batches of this many seconds")
     parser.add_argument("--json", type=Path, default=None)
@@ -287,7 +420,8 @@ def main() -> None:
                          "fresh_flagged": flagged(calibrated), "recall": recall(calibrated)})
     traces = {name: len(s.anomalous) for name, s in scores.items()}
     blame = {name: blamed(loaded, s) for name, s in scores.items()}
-    streams = replayed(loaded, args.healthy, args.dataset, args.crowd, args.served_batch_s)
+    streams = replayed(loaded, args.healthy, args.dataset, args.crowd, args.served_batch_s,
+                       tuple(Follow.parse(text) for text in args.follow))
     result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": traces, "rows": rows,
               "as_bootstrapped_blamed": blame, "replayed": streams}
     for row in rows:
