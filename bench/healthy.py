@@ -129,7 +129,10 @@ class Follow:
     the shifted z-score divided by the window's 90th percentile less its median where that is above 1
     (the baseline's own spread, in its z-scores). `unflagged`: fitted on the visits of the traces
     the model as bootstrapped did not put above its threshold only (a fault's flagged traces do not
-    move the baseline)."""
+    move the baseline). `fault_s`: a dataset's faults read as if each had lasted that long (a time
+    into a long fault): a fault's visits shifted by the quantile of its service's visits in the
+    `window_s - fault_s` seconds before the fault's start and the fault's own visits standing for
+    `fault_s` seconds of them (repeated, its window's length to `fault_s`)."""
 
     window_s: float = 300.0
     quantile: float = 0.5
@@ -137,6 +140,7 @@ class Follow:
     absorbed: bool = False
     refit: bool = False
     unflagged: bool = False
+    fault_s: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> Follow:
@@ -147,12 +151,14 @@ class Follow:
                 raise SystemExit(f"--follow: no parameter {key!r}")
             kind = type(getattr(cls(), key))
             changes[key] = value in ("1", "True", "true") if kind is bool else kind(float(value))
-        return cls(**changes)  # type: ignore[arg-type]
+        return cls(**changes)  # type: ignore[arg-type]  # each value has its field's type (above)
 
     @property
     def name(self) -> str:
-        return (f"following W={self.window_s:g}s q={self.quantile:g}{' refit' if self.refit else ''}{' unflagged' if self.unflagged else ''} "
-                f"{'self' if self.columns == 1 else 'self+duration+wait'}{', fault absorbed' if self.absorbed else ''}")
+        forms = "".join(f" {name}" for name in ("refit", "unflagged") if getattr(self, name))
+        return (f"following W={self.window_s:g}s q={self.quantile:g}{forms} "
+                f"{'self' if self.columns == 1 else 'self+duration+wait'}{', fault absorbed' if self.absorbed else ''}"
+                f"{f', {self.fault_s:g} s into a fault' if self.fault_s else ''}")
 
 
 def following_shift(follow: Follow, services: np.ndarray, starts: np.ndarray, z: np.ndarray,
@@ -173,6 +179,7 @@ def following_shift(follow: Follow, services: np.ndarray, starts: np.ndarray, z:
         shift[rows] = np.maximum(center, 0.0)
         if follow.refit:
             scale[rows] = np.maximum(np.quantile(values, 0.9, axis=0) - np.quantile(values, 0.5, axis=0), 1.0)
+
     for code in range(len(names)):
         rows = np.flatnonzero(codes == code)
         rows = rows[np.argsort(starts[rows], kind="stable")]
@@ -183,11 +190,17 @@ def following_shift(follow: Follow, services: np.ndarray, starts: np.ndarray, z:
         for lo, hi, end in zip(lower, first, np.r_[first[1:], len(rows)]):
             if hi - lo >= FOLLOW_MIN_VISITS:
                 fit(rows[hi:end], values[lo:hi][used[lo:hi]])
-        if follow.absorbed and windows is not None:
+        if (follow.absorbed or follow.fault_s) and windows is not None:
             for start, stop in windows:
                 inside = (times >= start) & (times < stop)
-                if inside.any():
+                if not inside.any():
+                    continue
+                if follow.absorbed:
                     fit(rows[inside], values[inside & used])
+                    continue
+                before = (times >= start - int((follow.window_s - follow.fault_s) * 1e9)) & (times < start) & used
+                repeats = max(1, round(follow.fault_s * 1e9 / (stop - start)))
+                fit(rows[inside], np.concatenate([values[before], np.repeat(values[inside & used], repeats, axis=0)]))
     return shift, scale
 
 
