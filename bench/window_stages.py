@@ -14,8 +14,9 @@ harness's), and for each latency fault the rule names first and bmeg does not (b
 window's other faulty services removed, the harness's `rank_others_removed`) says which stage put
 bmeg's first there: a structure gate (`structure_changed`, `errors_began` or
 `structure_significant`), the decisive call gap (`decisive_shift`), or the rank fusion (and
-there, whether the time shift alone or the GNN alone had the fault first). Counts by stage and by
-fault source, per file.
+there, whether the time shift alone or the GNN alone had the fault first), and which part of the
+first's time shift lifted it (its own self time, or a call gap as the caller or the callee).
+Counts by stage and by fault source, per file.
 """
 
 from __future__ import annotations
@@ -118,16 +119,21 @@ def stage_of(fault: dict) -> tuple[str, str]:
     top = next(s for s in order if s not in others)
     if top in gate:
         return f"gate {gate[top]}", top
+    table = inputs(fault["stages"])["parts"]
+    # the time shift's part that lifted the first: its own self time, or a call gap it got as the
+    # caller (the smallest shift of its calls) or as the callee
+    lifted = f"its {table.loc[top].idxmax()} part" if top in table.index and table.loc[top].notna().any() else "no time shift"
     if top == decisive:
-        return "decisive call gap", top
-    parts = inputs(fault["stages"])["parts"].max(axis=1).drop(list(others), errors="ignore")
+        return f"decisive call gap ({lifted})", top
+    parts = table.max(axis=1).drop(list(others), errors="ignore")
     gnn = inputs(fault["stages"])["gnn"].drop(list(others), errors="ignore")
-    time_first, gnn_first = parts.idxmax(), gnn.idxmax()
-    if time_first == fault["service"]:
-        return "fusion (time shift had it first, the GNN outvoted)", top
-    if gnn_first == fault["service"]:
-        return "fusion (the GNN had it first, time shift outvoted)", top
-    return "fusion (neither had it first)", top
+    if fault["service"] == top:
+        return "fusion", top
+    if parts.idxmax() == fault["service"]:
+        return "fusion: the GNN outvoted the time shift", top
+    if gnn.idxmax() == fault["service"]:
+        return f"fusion: the time shift ({lifted}) outvoted the GNN", top
+    return f"fusion: neither had it first (the first by {lifted})", top
 
 
 def analyse(paths: list[Path]) -> None:
