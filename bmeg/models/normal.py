@@ -169,11 +169,11 @@ class NormalStats:
         code fault), unless one of its calls failed: a caller that stops calling after a callee's
         exception changed nothing of its own, and the callee's span, where the error begins, is
         odd already (with 2-3 concurrent faults the caller of an excepting service was put first
-        for another fault's window, README, issue 12, session 17). Per span key, `p` is the binomial chance of at least as many odd spans in
-        the window as it holds, each odd with the period's own share of them: its error origins,
-        plus one if its fewest children were seen on one span only (Good-Turing's estimate of the
-        unseen, for the low tail), counted with one more (Laplace), so that a short period is a
-        weak witness. A service's `p` is its keys' smallest; `tests` counts its keys, so that a
+        for another fault's window, README, issue 12, session 17). Per span key, `p` is the
+        binomial chance of at least as many odd spans in the window as it holds, each odd with
+        the period's own share of them: its error origins, plus one if its fewest children were
+        seen on one span only (Good-Turing's estimate of the unseen, for the low tail), counted
+        with one more (Laplace), so that a short period is a weak witness. A service's `p` is its keys' smallest; `tests` counts its keys, so that a
         caller can correct for how many were looked at (`bmeg.models.window.structure_significant`).
         Keys the period never saw are not tested."""
         frame = _structure_frame(forest)
