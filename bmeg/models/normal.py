@@ -166,16 +166,20 @@ class NormalStats:
         A span is *odd* when an error begins in it or it has fewer children than any span of its
         key had in the period (an early return, an exception that skips calls; more children
         than ever is left out: a cache that misses more under a slow store makes them with no
-        code fault). Per span key, `p` is the binomial chance of at least as many odd spans in
-        the window as it holds, each odd with the period's own share of them: its error origins,
-        plus one if its fewest children were seen on one span only (Good-Turing's estimate of the
-        unseen, for the low tail), counted with one more (Laplace), so that a short period is a
-        weak witness. A service's `p` is its keys' smallest; `tests` counts its keys, so that a
+        code fault), unless one of its calls failed: a caller that stops calling after a callee's
+        exception changed nothing of its own, and the callee's span, where the error begins, is
+        odd already (with 2-3 concurrent faults the caller of an excepting service was put first
+        for another fault's window, README, issue 12, session 17). Per span key, `p` is the
+        binomial chance of at least as many odd spans in the window as it holds, each odd with
+        the period's own share of them: its error origins, plus one if its fewest children were
+        seen on one span only (Good-Turing's estimate of the unseen, for the low tail), counted
+        with one more (Laplace), so that a short period is a weak witness. A service's `p` is its keys' smallest; `tests` counts its keys, so that a
         caller can correct for how many were looked at (`bmeg.models.window.structure_significant`).
         Keys the period never saw are not tested."""
         frame = _structure_frame(forest)
         normal = self.key_counts.reindex(frame["key"])
-        frame["odd"] = np.maximum(frame["errors"], (frame["children"].to_numpy() < normal["least"].to_numpy()))
+        fewer = (frame["children"].to_numpy() < normal["least"].to_numpy()) & ~frame["failed_call"].to_numpy()
+        frame["odd"] = np.maximum(frame["errors"], fewer)
         frame = frame[normal["spans"].notna().to_numpy()]
         window = frame.groupby("key").agg(spans=("odd", "size"), odd=("odd", "sum"), service=("service", "first"))
         normal = self.key_counts.loc[window.index]
@@ -196,9 +200,11 @@ def _normal_key_counts(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _structure_frame(forest: SpanForest) -> pd.DataFrame:
-    """Per span: key, service, number of children, 1.0 where an error begins."""
+    """Per span: key, service, number of children, 1.0 where an error begins, whether a child of it
+    (a call it made) has an error status."""
     return pd.DataFrame({"key": operation_keys(forest), "service": forest.spans["service"].to_numpy(zero_copy_only=False),
-                         "children": _child_counts(forest), "errors": _error_origins(forest)})
+                         "children": _child_counts(forest), "errors": _error_origins(forest),
+                         "failed_call": _child_errors(forest) > 0})
 
 
 def _structure_parts(frame: pd.DataFrame, children: pd.Series, errors: pd.Series) -> pd.DataFrame:
@@ -294,9 +300,14 @@ def _child_counts(forest: SpanForest) -> np.ndarray:
 def _error_origins(forest: SpanForest) -> np.ndarray:
     """1.0 where a span has an error status and none of its children has."""
     error = pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False)
+    return (error & (_child_errors(forest) == 0)).astype(np.float64)
+
+
+def _child_errors(forest: SpanForest) -> np.ndarray:
+    """Per span: how many of its children have an error status."""
+    error = pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False)
     has_parent = forest.parent >= 0
-    child_errors = np.bincount(forest.parent[has_parent], weights=error[has_parent], minlength=forest.num_spans)
-    return (error & (child_errors == 0)).astype(np.float64)
+    return np.bincount(forest.parent[has_parent], weights=error[has_parent], minlength=forest.num_spans)
 
 
 def _own_times(forest: SpanForest) -> pd.DataFrame:
