@@ -3,6 +3,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# hypothesis's 200-ms deadline per example fails tests on a loaded 2-core machine (CI shares it):
+# no deadline unless a test sets one
+settings.register_profile("bmeg", deadline=None)
+settings.load_profile("bmeg")
 
 # fixtures for Kafka and the Kubernetes API server; a small trained model for the serving tests
 pytest_plugins = ["conftest_infra", "serving_fixtures"]
