@@ -89,7 +89,8 @@ class Scores:
     to_svm: np.ndarray  # bool [T]: routed to the SVM
     route: list[str]  # [T] why
     anomaly: np.ndarray  # [T] routed anomaly score
-    anomalous: np.ndarray  # bool [T]
+    anomalous: np.ndarray  # bool [T]: above its model's threshold and not held by the crowd check
+    above_threshold: np.ndarray  # bool [T]: above its model's threshold (stage 1's verdict before the crowd check)
     service: np.ndarray  # [T, S] routed service scores
     observation: Observation | None  # what a stream history records of these traces (the model's services)
     crowd_explained: np.ndarray  # bool [T]: the crowd explains the trace's slowness (`bmeg.models.crowd`)
@@ -162,14 +163,14 @@ class Detector:
             services=list(names), node_services=services, node_codes=codes, gnn_anomaly=gnn_anomaly, gnn_node=gnn_node,
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
-            service=gnn_service, observation=recorded, crowd_explained=np.zeros(forest.num_traces, dtype=bool),
+            above_threshold=np.zeros(forest.num_traces, bool), service=gnn_service, observation=recorded, crowd_explained=np.zeros(forest.num_traces, dtype=bool),
         )
         routed = self.route(raw)
         if not crowd:
             return routed
-        above = self._above_threshold(routed.anomaly, routed.to_svm)
-        return self.route(replace(raw, crowd_explained=self.crowd_explained(forest, observation, recorded, history,
-                                                                             replay, above)))
+        # the crowd check changes only which traces above their threshold are held: route once
+        explained = self.crowd_explained(forest, observation, recorded, history, replay, routed.above_threshold)
+        return replace(routed, crowd_explained=explained, anomalous=routed.above_threshold & ~explained)
 
     def crowd_explained(self, forest: SpanForest, observation: Observation | None, recorded: Observation | None,
                         history: StreamHistory | None, replay: bool, above: np.ndarray) -> np.ndarray:
@@ -199,13 +200,9 @@ class Detector:
         anomaly = np.where(to_svm, scores.svm_anomaly, scores.gnn_anomaly)
         service = np.where(to_svm[:, None], scores.svm_service, scores.gnn_service)
         held = scores.crowd_explained & (self.crowd is not None)  # a detector without the rule holds nothing
+        above = anomaly >= np.where(to_svm, self.thresholds["svm"], self.thresholds["graph"])
         return replace(scores, to_svm=to_svm, route=router.reasons(scores.num_services, scores.num_paths),
-                       anomaly=anomaly, anomalous=self._above_threshold(anomaly, to_svm) & ~held,
-                       service=service)
-
-    def _above_threshold(self, anomaly: np.ndarray, to_svm: np.ndarray) -> np.ndarray:
-        """bool [T]: stage 1's verdict before the crowd check (each trace against its model's threshold)."""
-        return anomaly >= np.where(to_svm, self.thresholds["svm"], self.thresholds["graph"])
+                       anomaly=anomaly, anomalous=above & ~held, above_threshold=above, service=service)
 
     def _gnn_scores(self, forest: SpanForest, x: np.ndarray, codes: np.ndarray, width: int,
                     traces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -335,7 +332,7 @@ class Detector:
         if history is not None and scores.observation is not None:
             # only the model's own services: invented names in spans must not grow the history
             history.record(scores.observation)
-            history.record_alarms(forest.start_ns[forest.root], self._above_threshold(scores.anomaly, scores.to_svm))
+            history.record_alarms(forest.start_ns[forest.root], scores.above_threshold)
         ranking, method, health = None, None, None
         if window and ranker is not None:
             ranking, health = self._ranked_against_normal(ranker, forest, scores, replay)
@@ -409,7 +406,7 @@ class Detector:
         unknown = (scores.present & ~np.isin(scores.services, self.services))[:, alphabetical]
         names = [scores.services[i] for i in alphabetical]
         warnings = []
-        crowd_held = self._above_threshold(scores.anomaly, scores.to_svm) & ~scores.anomalous
+        crowd_held = scores.above_threshold & ~scores.anomalous
         for trace_id, unknown_t, held in zip(forest.trace_ids, unknown.tolist(), crowd_held.tolist()):
             trace_warnings = list(repairs.get(trace_id, []))
             if any(unknown_t):

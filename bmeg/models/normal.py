@@ -159,7 +159,6 @@ class NormalStats:
         error begins), and `error_spans`, the number of its spans in `forest` where one begins."""
         return _structure_parts(_structure_frame(forest), self.children, self.errors)
 
-
     def structure_tests(self, forest: SpanForest) -> pd.DataFrame:
         """Per service of `forest` (rows): how unlikely its structure is under the normal period,
         by counts of spans, so that the evidence grows with how many spans a change is seen on.

@@ -205,12 +205,15 @@ def _run_episode(bed, state, faults, duration_s: float, episode: int, seed: int,
         fault, fault_id = faults[index], f"e{episode}-{index}"
         if is_start:
             until = time.time() + (fault.end_s - fault.start_s)
+            # stamped before the call: a fault shows while it is being applied (a hog from ~0.5 s
+            # before the call returned, README "between the rounds"), so its window starts here
+            calling = time.time_ns()
             try:
                 apply_fault(bed, state, fault_id, fault.service, fault.source, fault.parameters, until, seed + first + index)
             except TestbedError as error:
                 progress(f"fault {fault_id} ({fault.source} on {fault.service}) not applied: {error}")
                 continue
-            started[index] = time.time_ns()
+            started[index] = calling
         elif index in started:
             end = undo_fault(bed, state, fault_id) or time.time_ns()
             done.append(labelling.AppliedFault(0, fault.service, fault.source, fault.kind,
