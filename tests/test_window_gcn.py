@@ -119,7 +119,7 @@ def test_a_model_without_some_inputs_ignores_them_and_keeps_them_out_when_loaded
 
 
 def test_a_session_14_file_naming_only_its_input_count_still_loads(windows, tmp_path):
-    model = fit_window_gcn(windows[:2], seed=0, settings=FitSettings(epochs=1))
+    model = fit_window_gcn(windows[:2], seed=0, settings=FitSettings(epochs=1, features=FEATURES))
     path = tmp_path / WINDOW_GCN_FILE
     save_window_gcn(model, path)
     state = torch.load(path, weights_only=True)
@@ -176,7 +176,7 @@ def _scaled(model: WindowGCN, factor: float) -> WindowGCN:
 
 
 def test_an_ensemble_ranks_by_its_members_logits_standardised_within_the_window(windows):
-    first, second = fit_window_gcn(windows[:4], seed=0, settings=FitSettings(epochs=2)), _random_gcn(5)
+    first, second = fit_window_gcn(windows[:4], seed=0, settings=FitSettings(epochs=2, features=FEATURES)), _random_gcn(5)
     graph = windows[0].graph
     alone = rank_window(first, graph)
     assert [s for s, _ in rank_window(WindowGCNEnsemble([first]), graph)] == [s for s, _ in alone]
