@@ -1,11 +1,14 @@
 """Train the window GCN (`bmeg.models.window_gcn`) of runs of `bmeg bootstrap`, on windows simulated
 from each run's twin (no real label), into each run directory, and print how often its first
-service is a faulty one on held-out simulated windows:
+service is a faulty one on its training windows (`--held-out 0.2`: also on a fifth of them held
+out of a second fit):
 
     python bench/window_gcn.py RUN_DIR [RUN_DIR ...] [--windows 200] [--epochs 10] [--seed 0] \
         [--code-alone 0.2] [--weight-decay 1e-2] [--without gnn_shift gnn_lead] [--cache DIR] \
         [--drop-code-alone] [--file window_gcn.pt] [--members 1] [--fit-seed S] \
-        [--normal-traces 300 1200] [--window-traces 300 1500]
+        [--normal-traces 300 1200] [--window-traces 300 1500] [--held-out 0.2]
+
+The defaults are the library's (`FitSettings()`, `TRAINING_WINDOWS`, `CODE_ALONE_WINDOWS`).
 
 `--members K` fits K window GCNs on the same windows (seeds S, S+1000, ...) and saves them as one
 ensemble (`WindowGCNEnsemble`); `--fit-seed` fits with another seed than the windows' (`--seed`);
@@ -31,7 +34,7 @@ import torch
 from bmeg.faultinject import load_topology
 from bmeg.models.detector import Detector
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE
-from bmeg.training.window_gcn import (CODE_ALONE_WINDOWS, FitSettings, TrainingWindow, WindowShape, feature_top1,
+from bmeg.training.window_gcn import (CODE_ALONE_WINDOWS, TRAINING_WINDOWS, FitSettings, TrainingWindow, WindowShape, feature_top1,
                                       fit_window_gcn, load_windows, save_windows, simulated_windows, top1, train_window_gcn)
 
 #: held-out seeds are apart from every training seed
@@ -87,30 +90,42 @@ def compare(run: Path, pool: list[TrainingWindow], held: list[TrainingWindow], s
               f"fit {time.perf_counter() - began:.0f} s", flush=True)
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
-    # the defaults: session 15's round 2 (README, issue 12, session 15)
-    parser.add_argument("--windows", type=int, default=200)
-    parser.add_argument("--epochs", type=int, default=10)
+    # the defaults are the library's (`FitSettings`, `TRAINING_WINDOWS`, `CODE_ALONE_WINDOWS`)
+    fit = FitSettings()
+    parser.add_argument("--windows", type=int, default=TRAINING_WINDOWS)
+    parser.add_argument("--epochs", type=int, default=fit.epochs)
     parser.add_argument("--seed", type=int, default=0, help="the windows' seed (and the fit's)")
     parser.add_argument("--fit-seed", type=int, help="the fit's seed when not --seed")
-    parser.add_argument("--members", type=int, default=1, help="window GCNs fitted apart, saved as one ensemble")
+    parser.add_argument("--members", type=int, default=fit.members, help="window GCNs fitted apart, saved as one ensemble")
     parser.add_argument("--normal-traces", type=float, nargs=2, default=WindowShape().normal_traces, metavar=("LO", "HI"))
     parser.add_argument("--window-traces", type=float, nargs=2, default=WindowShape().window_traces, metavar=("LO", "HI"))
     parser.add_argument("--code-alone", type=float, default=CODE_ALONE_WINDOWS, help="share of windows with a code fault alone")
-    parser.add_argument("--weight-decay", type=float, default=1e-2)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--without", nargs="*", default=[], choices=FEATURES, help="inputs left out (an ablation)")
+    parser.add_argument("--weight-decay", type=float, default=fit.weight_decay)
+    parser.add_argument("--lr", type=float, default=fit.lr)
+    parser.add_argument("--without", nargs="*", default=[f for f in FEATURES if f not in fit.features], choices=FEATURES,
+                        help="inputs left out (an ablation; none leaves out nothing)")
     parser.add_argument("--cache", type=Path, help="a folder for the simulated windows")
     parser.add_argument("--drop-code-alone", action="store_true", help="train on the latency windows only")
     parser.add_argument("--file", default=WINDOW_GCN_FILE, help="the model's file in each run directory")
     parser.add_argument("--compare", type=int, metavar="N", help="compare settings on N held-out windows")
     parser.add_argument("--simulate-only", action="store_true", help="only simulate the windows into --cache")
-    args = parser.parse_args()
+    parser.add_argument("--held-out", type=float, default=0.0, metavar="SHARE",
+                        help="also fit on all but SHARE of the windows and print the top-1 on them (a second fit)")
+    return parser
+
+
+def fit_settings(args: argparse.Namespace) -> FitSettings:
+    return FitSettings(args.epochs, args.lr, args.weight_decay, tuple(f for f in FEATURES if f not in args.without),
+                       args.members)
+
+
+def main() -> None:
+    args = argument_parser().parse_args()
     torch.set_num_threads(1)  # small graphs on a shared machine (`fit_window_gcn`)
-    settings = FitSettings(args.epochs, args.lr, args.weight_decay, tuple(f for f in FEATURES if f not in args.without),
-                           args.members)
+    settings = fit_settings(args)
     shape = WindowShape(tuple(args.normal_traces), tuple(args.window_traces))
     for run in args.runs:
         began = time.perf_counter()
@@ -124,11 +139,12 @@ def main() -> None:
         if args.drop_code_alone:
             windows = [w for w in windows if not w.code_alone]
         fit_seed = args.seed if args.fit_seed is None else args.fit_seed
-        _, metrics = train_window_gcn(run, windows, seed=fit_seed, settings=settings, file=args.file)
-        print(f"{run}: {metrics['members']} member(s), {metrics['windows']} windows ({metrics['code_alone_windows']} code-alone), held-out top-1 "
-              f"{metrics['held_out_top1']:.2f} (train {metrics['train_top1']:.2f}; the self-time rule "
-              f"{metrics['held_out_self_time_top1']:.2f}, the GNN's shift {metrics['held_out_gnn_top1']:.2f}), "
-              f"{time.perf_counter() - began:.0f} s", flush=True)
+        _, metrics = train_window_gcn(run, windows, seed=fit_seed, settings=settings, file=args.file, held_out=args.held_out)
+        held = "" if not args.held_out else (
+            f"; held-out top-1 {metrics['held_out_top1']:.2f} (the self-time rule {metrics['held_out_self_time_top1']:.2f}, "
+            f"the GNN's shift {metrics['held_out_gnn_top1']:.2f})")
+        print(f"{run}: {metrics['members']} member(s), {metrics['windows']} windows ({metrics['code_alone_windows']} "
+              f"code-alone), train top-1 {metrics['train_top1']:.2f}{held}, {time.perf_counter() - began:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

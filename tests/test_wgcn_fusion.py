@@ -9,12 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bmeg.evaluation.rankers import default_rankers
+from bmeg.evaluation.rankers import WindowGcnRanker, _DetectorScores, default_rankers
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.normal import NormalStats
 from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of,
                                 window_gcn_scores, with_normal_baselines)
-from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, save_window_gcn
+from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, rank_window, save_window_gcn, service_features
 from bmeg.traces import span_table
 from builders import many_traces, star_trace, tiny_detector
 
@@ -99,3 +99,17 @@ def test_the_harness_fuses_the_window_gcn_only_where_the_run_holds_one(tmp_path)
     names = [ranker.name for ranker in default_rankers(detector, published=False)]
     assert {"bmeg", "bmeg-wgcn-fusion", "bmeg-window-gcn"} <= set(names)
     assert window_gcn_of(detector) is not None
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_the_window_gcn_ranker_ranks_by_the_scores_the_fusion_reads(seed):
+    normal = rpc_view(span_table(many_traces(60)))
+    detector = with_normal_baselines(tiny_detector(), normal)
+    stats, model = NormalStats.from_forest(normal), _random(seed)
+    ranker = WindowGcnRanker(_DetectorScores(detector), model)
+    for window in (_window(1, 8.0), _window(0, 8.0, extra_call=True)):
+        gnn = node_score_shift(gnn_window_scores(detector, window), gnn_window_scores(detector, normal))
+        ranked = ranker.rank(window, stats)
+        assert ranked == rank_window(model, service_features(stats, window, gnn))
+        assert dict(ranked) == window_gcn_scores(model, stats, window, gnn).to_dict()

@@ -119,7 +119,7 @@ def test_a_model_without_some_inputs_ignores_them_and_keeps_them_out_when_loaded
 
 
 def test_a_session_14_file_naming_only_its_input_count_still_loads(windows, tmp_path):
-    model = fit_window_gcn(windows[:2], seed=0, settings=FitSettings(epochs=1))
+    model = fit_window_gcn(windows[:2], seed=0, settings=FitSettings(epochs=1, features=FEATURES))
     path = tmp_path / WINDOW_GCN_FILE
     save_window_gcn(model, path)
     state = torch.load(path, weights_only=True)
@@ -176,7 +176,7 @@ def _scaled(model: WindowGCN, factor: float) -> WindowGCN:
 
 
 def test_an_ensemble_ranks_by_its_members_logits_standardised_within_the_window(windows):
-    first, second = fit_window_gcn(windows[:4], seed=0, settings=FitSettings(epochs=2)), _random_gcn(5)
+    first, second = fit_window_gcn(windows[:4], seed=0, settings=FitSettings(epochs=2, features=FEATURES)), _random_gcn(5)
     graph = windows[0].graph
     alone = rank_window(first, graph)
     assert [s for s, _ in rank_window(WindowGCNEnsemble([first]), graph)] == [s for s, _ in alone]
@@ -232,3 +232,43 @@ def test_simulated_windows_hold_the_traces_their_shape_says(monkeypatch):
     assert len(held) == 3
     # traces begun in a span of time: the rate's count, give or take the arrivals' noise
     assert all(70 <= normal <= 130 and 110 <= window <= 250 for normal, window in held)
+
+
+@pytest.mark.parametrize("held_out", [0.0, 0.25])
+def test_a_run_is_trained_by_one_fit_on_every_window_and_a_second_only_for_the_held_out_check(
+        windows, tmp_path, monkeypatch, held_out):
+    fits = []
+
+    def counted(train, *args, **kwargs):
+        fits.append(len(train))
+        return fit_window_gcn(train, *args, **kwargs)
+
+    monkeypatch.setattr(training, "fit_window_gcn", counted)
+    settings = FitSettings(epochs=2)
+    model, metrics = training.train_window_gcn(tmp_path, windows[:8], seed=3, settings=settings, held_out=held_out)
+    assert fits == ([8] if held_out == 0 else [8, 6])  # the saved model first, on all 8; the check's on 6
+    graph = windows[0].graph
+    alone = fit_window_gcn(windows[:8], seed=3, settings=settings)
+    assert torch.equal(load_window_gcn(tmp_path / WINDOW_GCN_FILE)(graph.x, graph.edges), alone(graph.x, graph.edges))
+    assert metrics["train_top1"] == top1(alone, windows[:8])
+    if held_out:
+        checked = fit_window_gcn(windows[2:8], seed=3, settings=settings)
+        assert metrics["held_out"] == 2 and metrics["held_out_top1"] == top1(checked, windows[:2])
+    else:
+        assert "held_out_top1" not in metrics
+
+
+def test_the_bench_trains_with_the_library_defaults():
+    """One source of truth: `bench/window_gcn.py`'s defaults are `FitSettings()`'s and the
+    library's window counts."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "window_gcn.py"
+    spec = importlib.util.spec_from_file_location("bench_window_gcn", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.argument_parser().parse_args(["RUN"])
+    fit = FitSettings()
+    assert bench.fit_settings(args) == fit
+    assert (args.windows, args.code_alone) == (training.TRAINING_WINDOWS, training.CODE_ALONE_WINDOWS)

@@ -34,9 +34,9 @@ import pandas as pd
 
 from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of,
+from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of, window_gcn_scores,
                                 with_normal_baselines)
-from bmeg.models.window_gcn import WindowModel, rank_window, service_features
+from bmeg.models.window_gcn import WindowModel
 
 
 class Ranker(Protocol):
@@ -175,7 +175,7 @@ class WindowGcnRanker:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
-        return rank_window(self.model, service_features(normal, window, gnn))
+        return _ranking(window_gcn_scores(self.model, normal, window, gnn))  # as bmeg-wgcn-fusion reads it
 
 
 class BmegRanker:
