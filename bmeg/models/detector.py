@@ -163,7 +163,8 @@ class Detector:
             services=list(names), node_services=services, node_codes=codes, gnn_anomaly=gnn_anomaly, gnn_node=gnn_node,
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
-            above_threshold=np.zeros(forest.num_traces, bool), service=gnn_service, observation=recorded, crowd_explained=np.zeros(forest.num_traces, dtype=bool),
+            above_threshold=np.zeros(forest.num_traces, bool), service=gnn_service, observation=recorded,
+            crowd_explained=np.zeros(forest.num_traces, dtype=bool),
         )
         routed = self.route(raw)
         if not crowd:

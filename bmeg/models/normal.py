@@ -173,9 +173,10 @@ class NormalStats:
         binomial chance of at least as many odd spans in the window as it holds, each odd with
         the period's own share of them: its error origins, plus one if its fewest children were
         seen on one span only (Good-Turing's estimate of the unseen, for the low tail), counted
-        with one more (Laplace), so that a short period is a weak witness. A service's `p` is its keys' smallest; `tests` counts its keys, so that a
-        caller can correct for how many were looked at (`bmeg.models.window.structure_significant`).
-        Keys the period never saw are not tested."""
+        with one more (Laplace), so that a short period is a weak witness. A service's `p` is its
+        keys' smallest; `tests` counts its keys, so that a caller can correct for how many were
+        looked at (`bmeg.models.window.structure_significant`). Keys the period never saw are not
+        tested."""
         frame = _structure_frame(forest)
         normal = self.key_counts.reindex(frame["key"])
         fewer = (frame["children"].to_numpy() < normal["least"].to_numpy()) & ~frame["failed_call"].to_numpy()
