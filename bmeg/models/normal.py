@@ -203,9 +203,9 @@ def _normal_key_counts(frame: pd.DataFrame) -> pd.DataFrame:
 def _structure_frame(forest: SpanForest) -> pd.DataFrame:
     """Per span: key, service, number of children, 1.0 where an error begins, whether a child of it
     (a call it made) has an error status."""
+    origins, failed_call = _error_spans(forest)
     return pd.DataFrame({"key": operation_keys(forest), "service": forest.spans["service"].to_numpy(zero_copy_only=False),
-                         "children": _child_counts(forest), "errors": _error_origins(forest),
-                         "failed_call": _child_errors(forest) > 0})
+                         "children": _child_counts(forest), "errors": origins, "failed_call": failed_call})
 
 
 def _structure_parts(frame: pd.DataFrame, children: pd.Series, errors: pd.Series) -> pd.DataFrame:
@@ -298,17 +298,13 @@ def _child_counts(forest: SpanForest) -> np.ndarray:
     return np.bincount(forest.parent[has_parent], minlength=forest.num_spans).astype(np.float64)
 
 
-def _error_origins(forest: SpanForest) -> np.ndarray:
-    """1.0 where a span has an error status and none of its children has."""
-    error = pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False)
-    return (error & (_child_errors(forest) == 0)).astype(np.float64)
-
-
-def _child_errors(forest: SpanForest) -> np.ndarray:
-    """Per span: how many of its children have an error status."""
+def _error_spans(forest: SpanForest) -> tuple[np.ndarray, np.ndarray]:
+    """Per span: 1.0 where it has an error status and none of its children has (where the error
+    begins), and whether any of its children has one (a call it made failed)."""
     error = pc.equal(forest.spans["status"], "error").to_numpy(zero_copy_only=False)
     has_parent = forest.parent >= 0
-    return np.bincount(forest.parent[has_parent], weights=error[has_parent], minlength=forest.num_spans)
+    child_errors = np.bincount(forest.parent[has_parent], weights=error[has_parent], minlength=forest.num_spans)
+    return (error & (child_errors == 0)).astype(np.float64), child_errors > 0
 
 
 def _own_times(forest: SpanForest) -> pd.DataFrame:
