@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import TypeVar, get_args, get_type_hints
 
 import numpy as np
 import pandas as pd
@@ -63,6 +64,7 @@ from bmeg.models.history import StreamHistory
 from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
+T = TypeVar("T")
 RULES = {"quantile": None, "bound95": 0.95}
 #: The crowd check as session 11 made it (a stalled machine only), and as session 15 (the busy
 #: case without the stream's gate); the default is session 16's.
@@ -144,14 +146,7 @@ class Follow:
 
     @classmethod
     def parse(cls, text: str) -> Follow:
-        changes: dict[str, float | int | bool] = {}
-        for item in text.split(","):
-            key, _, value = (part.strip() for part in item.partition("="))
-            if key not in cls.__dataclass_fields__:
-                raise SystemExit(f"--follow: no parameter {key!r}")
-            kind = type(getattr(cls(), key))
-            changes[key] = value in ("1", "True", "true") if kind is bool else kind(float(value))
-        return cls(**changes)  # type: ignore[arg-type]  # each value has its field's type (above)
+        return dataclass_overrides(cls, text, "--follow")
 
     @property
     def name(self) -> str:
@@ -244,20 +239,37 @@ def following(detector: Detector, follow: Follow, dataset: Path | None, flagged:
 
 def crowd_rule(overrides: str) -> CrowdRule:
     """The default `CrowdRule` with `overrides` ("KEY=VALUE,KEY=VALUE"; VALUE a number or None) changed."""
-    changes: dict[str, float | int | None] = {}
-    for item in overrides.split(","):
+    return dataclass_overrides(CrowdRule, overrides, "--crowd")
+
+
+def dataclass_overrides(cls: type[T], text: str, option: str) -> T:
+    """`cls()` (a dataclass whose fields all have defaults) with the fields `text` names changed:
+    "KEY=VALUE,KEY=VALUE", each VALUE read as its field's default's type (a bool as 1/0/true/false,
+    an int or a float as a number) or as None where the field's type allows it. Exits with
+    `option` and what is wrong: an unknown key, a value of the wrong kind, or the class's own checks."""
+    hints, defaults = get_type_hints(cls), cls()
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]  # a dataclass (above)
+    changes: dict[str, object] = {}
+    for item in text.split(","):
         key, _, value = (part.strip() for part in item.partition("="))
-        if key not in CrowdRule.__dataclass_fields__:
-            raise SystemExit(f"--crowd: no CrowdRule parameter {key!r}")
-        kind = int if isinstance(getattr(CrowdRule(), key), int) else float
-        try:
-            changes[key] = None if value == "None" else kind(float(value))
-        except ValueError:
-            raise SystemExit(f"--crowd: {key} takes a number or None, not {value!r}") from None
+        if key not in names:
+            raise SystemExit(f"{option}: no {cls.__name__} parameter {key!r}")
+        default, optional = getattr(defaults, key), type(None) in get_args(hints[key])
+        if optional and value == "None":
+            changes[key] = None
+        elif isinstance(default, bool):
+            if value.lower() not in ("1", "0", "true", "false"):
+                raise SystemExit(f"{option}: {key} takes 1, 0, true or false, not {value!r}")
+            changes[key] = value.lower() in ("1", "true")
+        else:
+            try:
+                changes[key] = (int if isinstance(default, int) else float)(float(value))
+            except ValueError:
+                raise SystemExit(f"{option}: {key} takes a number{' or None' if optional else ''}, not {value!r}") from None
     try:
-        return replace(CrowdRule(), **changes)
-    except ValueError as error:  # CrowdRule's own checks (shares, busy_z above slow_z, ...)
-        raise SystemExit(f"--crowd {overrides}: {error}") from None
+        return cls(**changes)
+    except ValueError as error:  # the class's own checks (CrowdRule's shares, busy_z above slow_z, ...)
+        raise SystemExit(f"{option} {text}: {error}") from None
 
 
 def served(detector: Detector, spans: pa.Table, batch_s: float) -> dict[str, tuple[bool, bool]]:

@@ -6,17 +6,20 @@ first service first, against the self-time rule, with the window's other faults 
     python bench/window_stages.py analyse STAGES.json [STAGES.json ...]
 
 `record` runs the harness (`bmeg evaluate rca`'s `run_rca`) with `bmeg`, the GNN alone, the
-run's window GCN (where it holds one) and the self-time rule, and keeps, per fault, what
-`combined_ranking` read on its window: the time shift's parts, the GNN's score shift, the
-structure parts and tests and the normal noise they are gated on (the harness report, with a
-`stages` entry per fault). `analyse` rebuilds bmeg's ranking from them (checked against the
-harness's), and for each latency fault the rule names first and bmeg does not (both with the
-window's other faulty services removed, the harness's `rank_others_removed`) says which stage put
-bmeg's first there: a structure gate (`structure_changed`, `errors_began` or
-`structure_significant`), the decisive call gap (`decisive_shift`), or the rank fusion (and
-there, whether the time shift alone or the GNN alone had the fault first), and which part of the
-first's time shift lifted it (its own self time, or a call gap as the caller or the callee).
-Counts by stage and by fault source, per file.
+run's window GCN (where it holds one) and the self-time rule, and keeps, per fault, what the
+library's `window_stages` (the path `combined_ranking` takes) says of its window: bmeg's ranking
+with the stage that placed each service, the structure gates that fired and the structure
+shifts, the decisive service, the time shift's parts (own / caller / callee / wait,
+`NormalStats.service_shift_parts`), the call edges' gap shifts (caller, callee, mean log2:
+`NormalStats.call_edge_shifts`) and the GNN's score shift (the harness report, with a `stages`
+entry per fault; log2 shifts to 3 decimals). `analyse`, for each latency fault the rule names
+first and bmeg does not (both with the window's other faulty services removed, the harness's
+`rank_others_removed`), says which stage put bmeg's first there: a structure gate
+(`structure_changed`, `errors_began` or `structure_significant`), the decisive call gap
+(`decisive_shift`), or the rank fusion (and there, whether the time shift alone or the GNN alone
+had the fault first), and which part of the first's time shift lifted it (its own self time, or
+a call gap as the caller or the callee, or the start waits of the calls into it). Counts by stage and by fault source, per file. Files
+recorded before session 18 (the stages' inputs, rebuilt here then) are not read.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import (combined_ranking, decisive_shift, errors_began, node_score_shift, rank_fusion,
-                                structure_changed, structure_significant, window_gcn_of, with_normal_baselines)
+from bmeg.models.window import (GATES, STAGE_DECISIVE, STAGE_STRUCTURE, WindowStages, window_gcn_of, window_stages,
+                                with_normal_baselines)
 from bmeg.traces.io import read_spans
 
 
 class RecordingBmeg:
-    """`bmeg` (`combined_ranking`), keeping what it read on each window, in the harness's order."""
+    """`bmeg` (`combined_ranking`, through `window_stages`), keeping what it read on each window
+    and which stage placed each service, in the harness's order."""
 
     name = "bmeg"
 
@@ -50,16 +54,24 @@ class RecordingBmeg:
         self.scores, self.stages = scores, []
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        window_scores, normal_scores = self.scores(window), self.scores(normal.forest)
-        self.stages.append({
-            "parts": normal.service_shift_parts(window).to_dict(),
-            "gnn": node_score_shift(window_scores, normal_scores).to_dict(),
-            "shape": normal.structure_parts(window).to_dict(),
-            "tests": normal.structure_tests(window).to_dict(),
-            "structure_noise": normal.structure_noise.to_dict(),
-            "error_noise": normal.error_noise.to_dict(),
-        })
-        return combined_ranking(normal, window, window_scores, normal_scores)
+        got = window_stages(normal, window, self.scores(window), self.scores(normal.forest))
+        self.stages.append(recorded(got, normal.call_edge_shifts(window)))
+        return got.ranking
+
+
+def recorded(got: WindowStages, edges: pd.Series) -> dict:
+    """A window's `WindowStages` and call edges (`NormalStats.call_edge_shifts`) in compact JSON
+    form: log2 shifts to 3 decimals, learned scores to 4 significant digits, no NaN."""
+    def rounded(series: pd.Series, digits: int = 3) -> dict[str, float]:
+        return {str(k): round(float(v), digits) for k, v in series.dropna().items()}
+
+    return {"ranking": [[service, got.stage[service]] for service, _ in got.ranking],
+            "decisive": got.decisive,
+            "gates": {str(s): [g for g in GATES if fired[g]] for s, fired in got.gates[got.gates.any(axis=1)].iterrows()},
+            "structure": rounded(got.structure[got.structure != 0]),
+            "parts": {column: rounded(got.parts[column]) for column in got.parts.columns},
+            "edges": [[str(caller), str(callee), round(float(v), 3)] for (caller, callee), v in edges.dropna().items()],
+            "learned": {str(k): float(f"{v:.4g}") for k, v in got.learned.dropna().items()}}
 
 
 def record(args: argparse.Namespace) -> None:
@@ -81,57 +93,32 @@ def record(args: argparse.Namespace) -> None:
     args.json.write_text(json.dumps(summary))
     for name in (r.name for r in rankers):
         scored = summary["latency_faults"][name]
-        print(f"{name}: latency AC@1 {scored['ac1']:.3f}, others removed {scored['ac1_others_removed']:.3f}")
-
-
-def inputs(stages: dict) -> dict:
-    """The stages' series and frames back from their JSON form."""
-    return {"parts": pd.DataFrame(stages["parts"]), "gnn": pd.Series(stages["gnn"], dtype=float),
-            "shape": pd.DataFrame(stages["shape"]), "tests": pd.DataFrame(stages["tests"]),
-            "structure_noise": pd.Series(stages["structure_noise"], dtype=float),
-            "error_noise": pd.Series(stages["error_noise"], dtype=float)}
-
-
-def ranked(got: dict) -> tuple[list[str], dict[str, str], str | None, pd.Series]:
-    """`combined_ranking` from its inputs: (services best first, the gate each changed service
-    passed, the decisive service, the fusion's scores)."""
-    parts = got["parts"]
-    fused = rank_fusion(parts.max(axis=1), got["gnn"])
-    shape = got["shape"].reindex(fused.index)
-    structure = shape[["calls", "errors"]].sum(axis=1).fillna(0.0)
-    gates = {"structure_changed": structure_changed(structure, got["structure_noise"]),
-             "errors_began": errors_began(shape, got["error_noise"]),
-             "structure_significant": structure_significant(got["tests"]).reindex(fused.index, fill_value=False)}
-    changed = gates["structure_changed"] | gates["errors_began"] | gates["structure_significant"]
-    gate = {s: "+".join(name for name, fired in gates.items() if fired.get(s, False)) for s in changed[changed].index}
-    first = structure[changed].sort_values(ascending=False, kind="stable")
-    rest = fused[~changed]
-    decisive = decisive_shift(parts[["caller", "callee"]].max(axis=1))
-    order = [*first.index, *([decisive] if decisive in rest.index else []),
-             *[s for s in rest.index if s != decisive]]
-    return [str(s) for s in order], gate, decisive, fused
+        if scored["n"]:
+            print(f"{name}: latency AC@1 {scored['ac1']:.3f}, others removed {scored['ac1_others_removed']:.3f}")
+        else:  # a recording of code faults only
+            print(f"{name}: AC@1 {summary['overall'][name]['ac1']:.3f} (no latency faults)")
 
 
 def stage_of(fault: dict) -> tuple[str, str]:
     """(the stage that put bmeg's first, others removed, first; bmeg's first)."""
     others = set(fault["others"])
-    order, gate, decisive, fused = ranked(inputs(fault["stages"]))
-    top = next(s for s in order if s not in others)
-    if top in gate:
-        return f"gate {gate[top]}", top
-    table = inputs(fault["stages"])["parts"]
+    stages = fault["stages"]
+    top, stage = next((s, stage) for s, stage in stages["ranking"] if s not in others)
+    if stage == STAGE_STRUCTURE:
+        return f"gate {'+'.join(stages['gates'][top])}", top
+    table = pd.DataFrame(stages["parts"])
     # the time shift's part that lifted the first: its own self time, or a call gap it got as the
     # caller (the smallest shift of its calls) or as the callee
     lifted = f"its {table.loc[top].idxmax()} part" if top in table.index and table.loc[top].notna().any() else "no time shift"
-    if top == decisive:
+    if stage == STAGE_DECISIVE:
         return f"decisive call gap ({lifted})", top
     parts = table.max(axis=1).drop(list(others), errors="ignore")
-    gnn = inputs(fault["stages"])["gnn"].drop(list(others), errors="ignore")
+    learned = pd.Series(stages["learned"], dtype=float).drop(list(others), errors="ignore")
     if fault["service"] == top:
         return "fusion", top
     if parts.idxmax() == fault["service"]:
         return "fusion: the GNN outvoted the time shift", top
-    if gnn.idxmax() == fault["service"]:
+    if learned.idxmax() == fault["service"]:
         return f"fusion: the time shift ({lifted}) outvoted the GNN", top
     return f"fusion: neither had it first (the first by {lifted})", top
 
@@ -139,13 +126,15 @@ def stage_of(fault: dict) -> tuple[str, str]:
 def analyse(paths: list[Path]) -> None:
     for path in paths:
         faults = json.loads(path.read_text())["faults"]
-        mismatched = sum(ranked(inputs(f["stages"]))[0][:5] != f["top"]["bmeg"] for f in faults)
+        if faults and "ranking" not in faults[0]["stages"]:
+            raise SystemExit(f"{path}: recorded before session 18 (no stages per service): record it again")
+        mismatched = sum([s for s, _ in f["stages"]["ranking"][:5]] != f["top"]["bmeg"] for f in faults)
         latency = [f for f in faults if f["type"] in LATENCY_FAULTS]
         lost = [f for f in latency if f["rank_others_removed"]["self-time"] == 1
                 and f["rank_others_removed"]["bmeg"] != 1]
         won = [f for f in latency if f["rank_others_removed"]["bmeg"] == 1
                and f["rank_others_removed"]["self-time"] != 1]
-        print(f"{path}: {len(latency)} latency faults; rebuilt rankings differing from the harness's: {mismatched}; "
+        print(f"{path}: {len(latency)} latency faults; recorded orders differing from the harness's: {mismatched}; "
               f"the rule right and bmeg wrong: {len(lost)}, the other way: {len(won)}")
         by_stage = Counter(stage_of(f)[0] for f in lost)
         for stage, count in by_stage.most_common():

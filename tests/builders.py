@@ -21,6 +21,7 @@ from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.state import netns_prefix
 from bmeg.faultinject.testbed.supervisor import Testbed, down, up
 from bmeg.graphs import assemble
+from bmeg.graphs.rpc import rpc_view
 from bmeg.traces import SPAN_SCHEMA, span_table
 from bmeg.traces.schema import SPAN_KINDS, STATUS_CODES
 
@@ -312,3 +313,34 @@ class FakeExecutor:
 
     def rollback(self, applied):
         return self.scale(applied.service, applied.previous["replicas"])
+
+
+FRONT_EPOCH = 1_700_000_000 * 10**9
+#: `front`'s callees in the order it calls them: `svc2` first, `svc0` next, the rest only after it.
+CALLEES = ["svc2", "svc0", "svc1", "svc3", "svc4", "svc5"]
+
+
+def front_calling(n: int, failed: set[int] = frozenset(), returned: set[int] = frozenset(),
+                   svc2_gap_us: int = 200):
+    """`n` traces: `front` calls each of `CALLEES` (a client span and the callee's server span, 1 ms
+    of server time). In trace i of `failed`, `svc0` raises (an error in its span and in front's call
+    of it) and front makes no further call; in trace i of `returned`, front returns after `svc0` with
+    no error (an early return of its own). `svc2_gap_us`: the gap of front's call of svc2."""
+    rows: dict[str, list] = {name: [] for name in ("trace_id", "span_id", "parent_id", "service", "operation",
+                                                   "start_ns", "duration_ns", "status")}
+
+    def span(trace, span_id, parent, service, operation, start, duration_us, status="ok"):
+        for name, value in zip(rows, (trace, span_id, parent, service, operation, start, duration_us * 1000, status)):
+            rows[name].append(value)
+
+    for i in range(n):
+        start, trace = FRONT_EPOCH + i * 50_000_000, f"t{i}"
+        stops = i in failed or i in returned
+        span(trace, "f", None, "front", "GET /", start, 40_000, "error" if i in failed else "ok")
+        for k, callee in enumerate(CALLEES[:2] if stops else CALLEES):
+            gap = (svc2_gap_us if callee == "svc2" else 200) + i % 5
+            status = "error" if i in failed and callee == "svc0" else "ok"
+            offset = start + (100 + k * 5_000) * 1000
+            span(trace, f"c{k}", "f", "front", f"call {callee}", offset, 1_000 + gap, status)
+            span(trace, f"s{k}", f"c{k}", callee, "op", offset + gap // 2 * 1000, 1_000, status)
+    return rpc_view(span_table(rows))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -216,15 +217,18 @@ class Broker:
     """A Kafka broker of one test's own (scripts/kafka.sh on free ports and its own run
     directory); `kill` and `restart` stop it and start it again on the same data."""
 
-    def __init__(self, run_dir: Path):
-        self.port = free_port()
-        while _port_taken(self.port + 1):  # the controller listens on the port above
-            self.port = free_port()
-        self.run_dir, self.bootstrap = run_dir, f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, "BMEG_KAFKA_PORT": str(self.port), "BMEG_KAFKA_RUN_DIR": str(run_dir),
-                    "BMEG_PYTHON": sys.executable}
-        subprocess.run(["bash", str(ROOT / "scripts" / "kafka.sh"), "start"], env=self.env, check=True,
-                       capture_output=True)
+    def __init__(self, run_dir: Path, attempts: int = 3):
+        self.run_dir = run_dir
+        for _ in range(attempts):
+            self.port = _port_pair_below_ephemeral()
+            self.bootstrap = f"127.0.0.1:{self.port}"
+            self.env = {**os.environ, "BMEG_KAFKA_PORT": str(self.port), "BMEG_KAFKA_RUN_DIR": str(run_dir),
+                        "BMEG_PYTHON": sys.executable}
+            started = subprocess.run(["bash", str(ROOT / "scripts" / "kafka.sh"), "start"], env=self.env,
+                                     capture_output=True, text=True)
+            if started.returncode == 0:
+                return
+        raise RuntimeError(f"kafka.sh start failed {attempts} times; the last said:\n{started.stderr[-3000:]}")
 
     @property
     def _pid_file(self) -> Path:
@@ -248,6 +252,18 @@ class Broker:
 
     def stop(self) -> None:
         subprocess.run(["bash", str(ROOT / "scripts" / "kafka.sh"), "stop"], env=self.env, capture_output=True)
+
+
+def _port_pair_below_ephemeral() -> int:
+    """A port P with P and P + 1 free, drawn below the kernel's ephemeral range: a port the
+    kernel hands out (free_port) can be taken by any outgoing connection's local end before
+    the broker binds it, and the broker needs two. The 4000 ports below that range lie above
+    the testbed's (BMEG_TESTBED_PORT_BASE: 27100 by default, 23990 in its tests)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(max(1025, low - 4000), low - 1)
+        if not _port_taken(port) and not _port_taken(port + 1):
+            return port
 
 
 def _port_taken(port: int) -> bool:

@@ -419,15 +419,22 @@ def test_errors_have_their_own_gate_below_the_structure_floor(failed, normal_err
         assert noise == 0.0 and (errors_began(parts, normal.error_noise)["api"] == (failed >= 9))
 
 
-def _front_and_two_callees(n: int, gap_a_us: int, gap_b_us: int):
-    """A forest of `n` traces: `front` calls `a` and `b` (a client span each, 1 ms of server
-    time behind it); each call's gap (client minus server: network, queues) is given in us."""
+def _span_rows():
+    """(columns of a span table, a function that adds a span of operation "op" to them, its duration in us)."""
     rows: dict[str, list] = {name: [] for name in
                              ("trace_id", "span_id", "parent_id", "service", "operation", "start_ns", "duration_ns")}
 
     def span(trace, span_id, parent, service, start, duration_us):
         for name, value in zip(rows, (trace, span_id, parent, service, "op", start, duration_us * 1000)):
             rows[name].append(value)
+
+    return rows, span
+
+
+def _front_and_two_callees(n: int, gap_a_us: int, gap_b_us: int):
+    """A forest of `n` traces: `front` calls `a` and `b` (a client span each, 1 ms of server
+    time behind it); each call's gap (client minus server: network, queues) is given in us."""
+    rows, span = _span_rows()
 
     for i in range(n):
         start, trace = EPOCH + i * 10_000_000, f"t{i}"
@@ -450,6 +457,66 @@ def test_a_delay_on_one_of_two_calls_is_the_callees_and_on_both_the_callers():
     shift = normal.service_shift(_front_and_two_callees(20, 800, 800))
     assert shift.idxmax() == "front" and shift["front"] == pytest.approx(2.0, abs=0.05)
     assert shift[["a", "b"]].abs().max() < 0.05
+
+
+def _entry_mid_and_two_callees(n: int, gap_in_us: int, mid_self_us: int, gap_a_us: int, gap_b_us: int):
+    """A forest of `n` traces: `entry` calls `mid`, which calls `a` and `b` (1 ms of server time
+    each); `mid`'s own time is `mid_self_us`, each call's gap (network, queues) is given in us."""
+    rows, span = _span_rows()
+
+    for i in range(n):
+        start, trace, jitter = EPOCH + i * 50_000_000, f"t{i}", i % 5
+        calls = 2 * 1_000 + gap_a_us + gap_b_us + 2 * jitter
+        mid_us = mid_self_us + calls
+        span(trace, "e", None, "entry", start, mid_us + gap_in_us + 1_000)
+        span(trace, "cm", "e", "entry", start + 500_000, mid_us + gap_in_us + jitter)
+        mid_start = start + 500_000 + gap_in_us * 500
+        span(trace, "sm", "cm", "mid", mid_start, mid_us)
+        offset = mid_start + mid_self_us * 1000
+        for callee, gap in (("a", gap_a_us), ("b", gap_b_us)):
+            span(trace, f"c{callee}", "sm", "mid", offset, 1_000 + gap + jitter)
+            span(trace, f"s{callee}", f"c{callee}", callee, offset + gap * 500, 1_000)
+            offset += (1_000 + gap + jitter) * 1000
+    return rpc_view(span_table(rows))
+
+
+def test_a_caller_whose_every_callee_is_slow_is_not_slow_unless_its_own_time_or_calls_in_show_it():
+    """`_caller_cap`: mid's two calls both 16x slower. Its callees are slow (two faults at once)
+    when mid's own time and the call into it did not move; mid is, when its own time grew (a
+    CPU-starved caller) or the call into it slowed too (its network interface)."""
+    normal = NormalStats.from_forest(_entry_mid_and_two_callees(50, 200, 2_000, 200, 200))
+    both_callees = normal.service_shift_parts(_entry_mid_and_two_callees(20, 200, 2_000, 3_200, 3_200))
+    assert both_callees.loc["mid", "caller"] == pytest.approx(0.0, abs=0.1)
+    assert both_callees.loc[["a", "b"], "callee"].min() == pytest.approx(4.0, abs=0.1)
+    starved = normal.service_shift_parts(_entry_mid_and_two_callees(20, 200, 4_000, 3_200, 3_200))
+    assert starved.loc["mid", "caller"] == pytest.approx(3.0, abs=0.1)  # capped at 3 x its own 1.0
+    assert starved.max(axis=1).idxmax() == "mid" and starved.loc[["a", "b"], "callee"].max() == pytest.approx(1.0, abs=0.1)
+    interface = normal.service_shift_parts(_entry_mid_and_two_callees(20, 3_200, 2_000, 3_200, 3_200))
+    assert interface.loc["mid", "caller"] == pytest.approx(4.0, abs=0.1)
+    assert interface.max(axis=1).idxmax() == "mid"
+
+
+def _skewed_calls(offsets_us: list[int]):
+    """One trace per offset: `front` calls `back`, whose server span starts `offset` us after the
+    client span did (negative: before it, as a skewed clock on another host records it)."""
+    rows, span = _span_rows()
+    for i, offset in enumerate(offsets_us):
+        start, trace = EPOCH + i * 10_000_000, f"t{i}"
+        span(trace, "f", None, "front", start, 5_000)
+        span(trace, "c", "f", "front", start + 100_000, 2_000)
+        span(trace, "s", "c", "back", start + 100_000 + offset * 1000, 1_000)
+    return rpc_view(span_table(rows))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-10**9, 10**9), min_size=1, max_size=6), st.lists(st.integers(-10**9, 10**9), min_size=1, max_size=6))
+def test_skewed_or_huge_start_waits_give_finite_parts(normal_offsets, window_offsets):
+    """Clock skew between hosts puts a callee's span before its call, or hours after it: the
+    start-wait part stays a finite number (waits count as at least `MIN_EXCLUSIVE_NS`)."""
+    parts = NormalStats.from_forest(_skewed_calls(normal_offsets)).service_shift_parts(_skewed_calls(window_offsets))
+    values = parts.to_numpy(dtype=float)
+    assert not np.isinf(values).any()
+    assert np.isfinite(parts.loc["back", "wait"])
 
 
 def test_a_decisive_time_shift_is_one_service_ahead_of_every_other_by_the_lead():

@@ -59,7 +59,7 @@ from bmeg.faultinject.spec import (
 #: runs (`bmeg.evaluation.bootstrap.cached_run_dir`) are keyed by it, so a stale one is never
 #: reused. `tests/test_simulator_version.py` fails when a small episode's output changes and
 #: the version did not.
-SIMULATOR_VERSION = 2
+SIMULATOR_VERSION = 3
 
 SERVER, CLIENT = 0, 1
 SAMPLE_BLOCK = 4096
@@ -229,7 +229,7 @@ class SimulationResult:
     visit_span: np.ndarray  # the span that stands for a visit (server span, or storage client span)
     visit_key: np.ndarray  # operation key (service:operation)
     visit_local: np.ndarray  # ns spent at the service itself: queueing, CPU, its own network delay
-    visit_fault: np.ndarray  # active fault touching the visit's replica, -1 if none
+    visit_fault: np.ndarray  # a fault on the visit's replica while it was there (arrival to end), -1 if none
     visit_cache_fault: np.ndarray  # a cache miss caused by a misconfigured cache
     trace_request: np.ndarray
     trace_start: np.ndarray
@@ -365,6 +365,9 @@ class Simulator:
         service.next_rr += 1
         visit.replica = replica
         visit.t_arrive = t
+        # under a fault from the moment it arrives: a visit that waits at the faulted replica and
+        # starts after the fault's end was still slowed by it (labels: "at the time")
+        visit.fault = replica.fault
         ready = self._wakeup(replica, t)
         if ready > t:  # the request waits in the socket until the replica may run
             self._at(ready, self._take, visit)
@@ -398,7 +401,8 @@ class Simulator:
         op = visit.op
         service = op.service
         replica = visit.replica
-        visit.fault = replica.fault
+        if visit.fault < 0:
+            visit.fault = replica.fault
         if service.storage is None:
             root = visit.frame is None
             visit.span = self._open_span(visit.trace, visit.client_span, service.index, op.name_id,

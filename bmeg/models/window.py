@@ -369,15 +369,54 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     exception or an early return on a few percent of the requests, or on a rarely used
     operation, which moves the service's shares less than the floors). Then a
     decisive time shift of a call gap (`decisive_shift` of the caller and callee parts) comes
-    before the fusion's order."""
+    before the fusion's order. Which of the three stages placed each service, and what they
+    read: `window_stages`."""
+    return window_stages(normal, window, window_scores, normal_scores, window_gcn).ranking
+
+
+#: The stages of `combined_ranking`, in the order they place services (`WindowStages.stage`): a
+#: structure gate, the decisive call gap, the rank fusion.
+STAGE_STRUCTURE, STAGE_DECISIVE, STAGE_FUSION = "structure", "decisive", "fusion"
+#: The structure gates, as `WindowStages.gates` names its columns.
+GATES = ("structure_changed", "errors_began", "structure_significant")
+
+
+@dataclass(frozen=True)
+class WindowStages:
+    """`combined_ranking` of a window, with what its stages read and which stage placed each service."""
+
+    parts: pd.DataFrame  # `NormalStats.service_shift_parts` of the window: own / caller / callee / wait (log2)
+    learned: pd.Series  # the learned ranking's scores (`node_score_shift`, or the window GCN's logits)
+    fused: pd.Series  # `rank_fusion` of the largest part and `learned`, best first
+    structure: pd.Series  # per service of `fused`: its structure shift (calls + errors parts; 0 where none)
+    gates: pd.DataFrame  # bool per service of `fused`, a column per structure gate (`GATES`)
+    decisive: str | None  # `decisive_shift` of the call gaps (where a gate fired on it too, the gate placed it)
+    ranking: Ranking  # `combined_ranking`'s answer
+    stage: pd.Series  # per service of `ranking`, in its order: `STAGE_STRUCTURE`, `STAGE_DECISIVE` or `STAGE_FUSION`
+
+
+def window_stages(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
+                  window_gcn: WindowModel | None = None) -> WindowStages:
+    """`combined_ranking` of a window (its arguments), as `WindowStages`."""
     gnn = node_score_shift(window_scores, normal_scores)
     learned = gnn if window_gcn is None else window_gcn_scores(window_gcn, normal, window, gnn)
-    parts = normal.service_shift_parts(window)
+    return ranked_stages(normal.service_shift_parts(window), learned, normal.structure_parts(window),
+                         normal.structure_tests(window), normal.structure_noise, normal.error_noise)
+
+
+def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, tests: pd.DataFrame,
+                  structure_noise: pd.Series, error_noise: pd.Series) -> WindowStages:
+    """`combined_ranking`'s stages from what it reads of a window: the time shift's `parts`
+    (`NormalStats.service_shift_parts`), the `learned` scores, the structure's `shape`
+    (`NormalStats.structure_parts`) and `tests` (`NormalStats.structure_tests`), and the normal
+    period's noise of both (`NormalStats.structure_noise`, `NormalStats.error_noise`)."""
     fused = rank_fusion(parts.max(axis=1), learned)
-    shape = normal.structure_parts(window).reindex(fused.index)
+    shape = shape.reindex(fused.index)
     structure = shape[["calls", "errors"]].sum(axis=1).fillna(0.0)
-    counted = structure_significant(normal.structure_tests(window)).reindex(fused.index, fill_value=False)
-    changed = structure_changed(structure, normal.structure_noise) | errors_began(shape, normal.error_noise) | counted
+    gates = pd.DataFrame(dict(zip(GATES, (structure_changed(structure, structure_noise),
+                                          errors_began(shape, error_noise),
+                                          structure_significant(tests).reindex(fused.index, fill_value=False)))))
+    changed = gates.any(axis=1)
     # services whose structure changed come first, by how much; then a decisive time shift;
     # then the rest, by rank fusion
     first = structure[changed].sort_values(ascending=False, kind="stable") + 2.0 + fused.max()
@@ -385,7 +424,14 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     decisive = decisive_shift(parts[["caller", "callee"]].max(axis=1))
     if decisive in rest.index:
         rest = pd.concat([pd.Series({decisive: 1.0 + fused.max()}), rest.drop(decisive)])
-    return [(str(service), float(score)) for service, score in pd.concat([first, rest]).items()]
+    order = pd.concat([first, rest])
+    stage = pd.Series(STAGE_FUSION, index=order.index, dtype=object)
+    stage[first.index] = STAGE_STRUCTURE
+    if decisive in rest.index:
+        stage[decisive] = STAGE_DECISIVE
+    return WindowStages(parts=parts, learned=learned, fused=fused, structure=structure, gates=gates.astype(bool),
+                        decisive=decisive, ranking=[(str(service), float(score)) for service, score in order.items()],
+                        stage=stage)
 
 
 def window_gcn_scores(model: WindowModel, normal: NormalStats, window: SpanForest, gnn_shift: pd.Series) -> pd.Series:
