@@ -6,9 +6,10 @@ out of a second fit):
     python bench/window_gcn.py RUN_DIR [RUN_DIR ...] [--windows 200] [--epochs 10] [--seed 0] \
         [--code-alone 0.2] [--weight-decay 1e-2] [--without gnn_shift gnn_lead] [--cache DIR] \
         [--drop-code-alone] [--file window_gcn.pt] [--members 1] [--fit-seed S] \
-        [--normal-traces 300 1200] [--window-traces 300 1500] [--held-out 0.2]
+        [--normal-traces 300 1200] [--window-traces 300 1500] [--held-out 0.2] [--kernel-form 0.5]
 
-The defaults are the library's (`FitSettings()`, `TRAINING_WINDOWS`, `CODE_ALONE_WINDOWS`).
+The defaults are the library's (`FitSettings()`, `TRAINING_WINDOWS`, `CODE_ALONE_WINDOWS`,
+`KERNEL_FORM_FAULTS`: `--kernel-form 0` simulates the windows as before session 19).
 
 `--members K` fits K window GCNs on the same windows (seeds S, S+1000, ...) and saves them as one
 ensemble (`WindowGCNEnsemble`); `--fit-seed` fits with another seed than the windows' (`--seed`);
@@ -34,7 +35,7 @@ import torch
 from bmeg.faultinject import load_topology
 from bmeg.models.detector import Detector
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE
-from bmeg.training.window_gcn import (CODE_ALONE_WINDOWS, TRAINING_WINDOWS, FitSettings, TrainingWindow, WindowShape, feature_top1,
+from bmeg.training.window_gcn import (CODE_ALONE_WINDOWS, KERNEL_FORM_FAULTS, TRAINING_WINDOWS, FitSettings, TrainingWindow, WindowShape, feature_top1,
                                       fit_window_gcn, load_windows, save_windows, simulated_windows, top1, train_window_gcn)
 
 #: held-out seeds are apart from every training seed
@@ -43,13 +44,14 @@ GNN_INPUTS = ("gnn_shift", "gnn_lead")
 
 
 def windows_of(run: Path, count: int, seed: int, code_alone: float, cache: Path | None,
-               shape: WindowShape = WindowShape()) -> list[TrainingWindow]:
+               shape: WindowShape = WindowShape(), kernel_form: float = KERNEL_FORM_FAULTS) -> list[TrainingWindow]:
     shaped = "" if shape == WindowShape() else "-n{:g}-{:g}-w{:g}-{:g}".format(*shape.normal_traces, *shape.window_traces)
-    path = None if cache is None else cache / f"{run.name}-{count}-{code_alone:g}{shaped}-s{seed}.pt"
+    path = None if cache is None else cache / f"{run.name}-{count}-{code_alone:g}{shaped}-k{kernel_form:g}-s{seed}.pt"
     if path is not None and path.is_file():
         return load_windows(path)
     began = time.perf_counter()
-    windows = simulated_windows(load_topology(run / "twin.yaml"), Detector.load(run), count, seed, code_alone, shape)
+    windows = simulated_windows(load_topology(run / "twin.yaml"), Detector.load(run), count, seed, code_alone, shape,
+                                kernel_form)
     print(f"{run}: simulated {len(windows)} windows (seed {seed}) in {time.perf_counter() - began:.0f} s", flush=True)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +105,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--normal-traces", type=float, nargs=2, default=WindowShape().normal_traces, metavar=("LO", "HI"))
     parser.add_argument("--window-traces", type=float, nargs=2, default=WindowShape().window_traces, metavar=("LO", "HI"))
     parser.add_argument("--code-alone", type=float, default=CODE_ALONE_WINDOWS, help="share of windows with a code fault alone")
+    parser.add_argument("--kernel-form", type=float, default=KERNEL_FORM_FAULTS,
+                        help="share of the windows' CPU faults in the kernel's form (a quota, a hog's slices)")
     parser.add_argument("--weight-decay", type=float, default=fit.weight_decay)
     parser.add_argument("--lr", type=float, default=fit.lr)
     parser.add_argument("--without", nargs="*", default=[f for f in FEATURES if f not in fit.features], choices=FEATURES,
@@ -129,11 +133,12 @@ def main() -> None:
     shape = WindowShape(tuple(args.normal_traces), tuple(args.window_traces))
     for run in args.runs:
         began = time.perf_counter()
-        windows = windows_of(run, args.windows, args.seed, args.code_alone, args.cache, shape)
+        windows = windows_of(run, args.windows, args.seed, args.code_alone, args.cache, shape, args.kernel_form)
         if args.simulate_only:
             continue
         if args.compare:
-            held = windows_of(run, args.compare, HELD_OUT_SEED + args.seed, args.code_alone, args.cache, shape)
+            held = windows_of(run, args.compare, HELD_OUT_SEED + args.seed, args.code_alone, args.cache, shape,
+                              args.kernel_form)
             compare(run, windows, held, settings, args.seed)
             continue
         if args.drop_code_alone:

@@ -271,4 +271,47 @@ def test_the_bench_trains_with_the_library_defaults():
     args = bench.argument_parser().parse_args(["RUN"])
     fit = FitSettings()
     assert bench.fit_settings(args) == fit
-    assert (args.windows, args.code_alone) == (training.TRAINING_WINDOWS, training.CODE_ALONE_WINDOWS)
+    assert (args.windows, args.code_alone, args.kernel_form) == (
+        training.TRAINING_WINDOWS, training.CODE_ALONE_WINDOWS, training.KERNEL_FORM_FAULTS)
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=50, deadline=None)
+def test_cpu_faults_take_the_kernels_form_when_asked_and_no_draw_of_it_otherwise(seed):
+    """kernel_form 1: a saturation is a CFS quota (no smaller core), an interference a hog's
+    slices; 0: the faults and the random stream after them are those before session 19."""
+    def drawn(kernel_form: float) -> tuple[Fault, float]:
+        rng = np.random.default_rng(seed)
+        return training._latency_fault("mid", rng, 1.0, 2.0, kernel_form), rng.random()
+
+    kernel, _ = drawn(1.0)
+    plain, after = drawn(0.0)
+    if kernel.source == "saturation":
+        assert "capacity" not in kernel.parameters and 0.6 <= kernel.parameters["quota"] <= 1.0
+    elif kernel.source == "interference":
+        assert kernel.parameters["slice_ms"] == 3.0 and 2.0 <= kernel.parameters["factor"] <= 6.0
+    else:
+        assert kernel == plain
+    rng = np.random.default_rng(seed)  # before session 19: a source, then its parameters
+    source = str(rng.choice(training.SOURCES))
+    assert plain.source == source and "quota" not in plain.parameters and "slice_ms" not in plain.parameters
+    assert set(plain.parameters) <= set(training.SOURCE_PARAMETERS[source])
+    [rng.uniform() for _ in training.SOURCE_PARAMETERS[source]]
+    assert after == rng.random()
+
+
+def test_the_start_waits_of_calls_into_a_throttled_service_are_its_inputs():
+    """A CFS quota on `leaf` holds mid's calls before leaf's server spans start: leaf's `wait`
+    input grows; `front`, which nobody calls, has none."""
+    topology = parse_topology(chain_spec(rate=200))
+    fault = Fault("leaf", "saturation", "single", 1.5, 3.0, {"quota": 0.3})
+    spans = spans_of(simulate(topology, [fault], 3.0, 7))
+    starts = trace_starts(spans)
+    before = pc.less(starts["start_ns_min"], 1_500_000_000)
+    normal = rpc_view(spans.filter(pc.is_in(spans["trace_id"], starts["trace_id"].filter(before))))
+    window = rpc_view(spans.filter(pc.is_in(spans["trace_id"], starts["trace_id"].filter(pc.invert(before)))))
+    graph = service_features(NormalStats.from_forest(normal), window, pd.Series(dtype=float))
+    x = pd.DataFrame(graph.x.numpy(), index=graph.services, columns=FEATURES)
+    assert x.loc["leaf", "wait"] > 3 and x.loc["leaf", "has_wait"] == 1  # log2: more than 8x normal
+    assert x.loc["front", "wait"] == 0 and x.loc["front", "has_wait"] == 0
+    assert x["wait_lead"].max() == 0 and x.loc["leaf", "wait_lead"] == x.loc["leaf", "wait"] - x["wait"].max()

@@ -53,6 +53,9 @@ FEATURES = (
     "visit_share", "span_share", "is_store",
     # the same shifts against the window's largest: scale-free, what ranks first in each rule
     "own_lead", "callee_lead", "self_time_lead", "gnn_lead",
+    # service_shift_parts' start waits of the calls into a service (a spent CPU quota holds
+    # requests before its server spans start; session 19), as the columns above read the others
+    "wait", "has_wait", "wait_lead",
 )
 
 
@@ -76,7 +79,7 @@ def service_features(normal: NormalStats, window: SpanForest, gnn_shift: pd.Seri
     visits = pd.DataFrame({"service": nodes, "trace": window.trace_index}).drop_duplicates()["service"].value_counts()
     services = sorted(set(spans.index) | set(parts.index) | set(self_time.index) | set(gnn_shift.index))
     frame = pd.DataFrame(index=pd.Index(services, name="service"))
-    for column in ("own", "caller", "callee"):
+    for column in ("own", "caller", "callee", "wait"):
         values = parts[column].reindex(services) if column in parts else pd.Series(np.nan, index=services)
         frame[column] = values.fillna(0.0)
         frame[f"has_{column}"] = values.notna().astype(float)
@@ -94,7 +97,7 @@ def service_features(normal: NormalStats, window: SpanForest, gnn_shift: pd.Seri
     own_spans = pd.Series(window.spans["service"].to_numpy(zero_copy_only=False)).unique()
     frame["is_store"] = (~frame.index.isin(own_spans)).astype(float)
     frame = frame.clip(-CLIP, CLIP)
-    for column in ("own", "callee", "self_time", "gnn_shift"):
+    for column in ("own", "callee", "self_time", "gnn_shift", "wait"):
         frame[f"{column.removesuffix('_shift')}_lead"] = frame[column] - frame[column].max()
     x = torch.tensor(frame[list(FEATURES)].to_numpy(np.float32))
     return WindowGraph(services, x, _call_edges(window, nodes, {s: i for i, s in enumerate(services)}))

@@ -27,7 +27,7 @@ import torch
 
 from bmeg.faultinject import Fault, TopologySpec, load_topology, simulate, spans_of
 from bmeg.faultinject.codefaults import CODE_FAULTS, apply_code_fault
-from bmeg.faultinject.scenario import SOURCE_PARAMETERS
+from bmeg.faultinject.scenario import SCHEDULER_PARAMETERS, SOURCE_PARAMETERS
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError, load_tensor_dict
 from bmeg.models.normal import NormalStats
@@ -44,6 +44,12 @@ CODE_FAULT_SHARE = 0.5
 #: The share of windows with a code fault alone (no latency fault): the only windows in which
 #: errors and vanished calls, not a time shift, must put the faulty service first.
 CODE_ALONE_WINDOWS = 0.2
+#: The share of the training windows' CPU faults drawn in the kernel scheduler's form (a CFS
+#: quota, a hog's time slices: `SCHEDULER_PARAMETERS`), as the testbed injects them: a spent quota
+#: holds requests before their server spans start, which a smaller core does not (session 19).
+KERNEL_FORM_FAULTS = 0.5
+#: The scheduler's parameters each CPU source takes in that form (`shared_cgroup` is the testbed's).
+KERNEL_FORMS = {"saturation": ("quota",), "interference": ("slice_ms",)}
 #: Traces of a window's normal period and of the window itself (drawn between the two): the
 #: default `WindowShape`; the fixed normal period the detector's baselines come from is the longest.
 NORMAL_TRACES = (300, 1200)
@@ -77,10 +83,12 @@ class TrainingWindow:
 
 
 def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int = 0,
-                      code_alone: float = CODE_ALONE_WINDOWS, shape: WindowShape = WindowShape()) -> list[TrainingWindow]:
+                      code_alone: float = CODE_ALONE_WINDOWS, shape: WindowShape = WindowShape(),
+                      kernel_form: float = KERNEL_FORM_FAULTS) -> list[TrainingWindow]:
     """`count` faulted windows of `shape` simulated from `spec`, with their features read by
     `detector` (a `bmeg.models.detector.Detector`), a share `code_alone` of them with a code fault
-    alone; windows whose faulty services are never visited are skipped."""
+    alone, a share `kernel_form` of their CPU faults in the kernel's form (`_latency_fault`);
+    windows whose faulty services are never visited are skipped."""
     rng = np.random.default_rng(seed)
     rate = spec.workload.rate
     baseline = rpc_view(spans_of(simulate(spec, [], NORMAL_TRACES[1] / rate, seed), EPOCH_NS, seed))
@@ -88,21 +96,23 @@ def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int =
     targets = sorted(name for name, service in spec.services.items() if service.storage is None)
     windows = []
     for index in range(count):
-        window = _simulated_window(spec, detector, targets, rng, seed * 100_003 + index + 1, code_alone, shape)
+        window = _simulated_window(spec, detector, targets, rng, seed * 100_003 + index + 1, code_alone, shape,
+                                   kernel_form)
         if window is not None:
             windows.append(window)
     return windows
 
 
 def _simulated_window(spec: TopologySpec, detector: Any, services: list[str], rng: np.random.Generator,
-                      episode_seed: int, code_alone: float = 0.0, shape: WindowShape = WindowShape()) -> TrainingWindow | None:
+                      episode_seed: int, code_alone: float = 0.0, shape: WindowShape = WindowShape(),
+                      kernel_form: float = KERNEL_FORM_FAULTS) -> TrainingWindow | None:
     rate = spec.workload.rate
     before_s = rng.uniform(*shape.normal_traces) / rate
     window_s = rng.uniform(*shape.window_traces) / rate
     alone = rng.random() < code_alone
     latency = 0 if alone else min(int(rng.choice([1, 1, 2, 3])), len(services))
     chosen = rng.choice(services, size=latency, replace=False)
-    faults = [_latency_fault(str(service), rng, before_s, before_s + window_s) for service in chosen]
+    faults = [_latency_fault(str(service), rng, before_s, before_s + window_s, kernel_form) for service in chosen]
     spans = spans_of(simulate(spec, faults, before_s + window_s, episode_seed), EPOCH_NS, episode_seed)
     starts = trace_starts(spans)
     begun_before = pc.less(starts["start_ns_min"], EPOCH_NS + int(before_s * 1e9))
@@ -127,12 +137,25 @@ def _with_changed_traces(spans: pa.Table, changed: pa.Table) -> pa.Table:
     return pa.concat_tables([others, changed.select(others.column_names).cast(others.schema)])
 
 
-def _latency_fault(service: str, rng: np.random.Generator, start_s: float, end_s: float) -> Fault:
+def _latency_fault(service: str, rng: np.random.Generator, start_s: float, end_s: float,
+                   kernel_form: float = KERNEL_FORM_FAULTS) -> Fault:
+    """A fault of a source drawn from `SOURCES` with its campaign's parameters; a CPU fault
+    (`KERNEL_FORMS`) in the kernel scheduler's form a share `kernel_form` of the time."""
     source = str(rng.choice(SOURCES))
     parameters = {name: float(rng.uniform(lo, hi)) for name, (lo, hi) in SOURCE_PARAMETERS[source].items()}
     if source == "network":
         parameters.pop("bandwidth_kbit")  # a delay, as the real lists' network_delay
+    if kernel_form > 0 and source in KERNEL_FORMS and rng.random() < kernel_form:  # 0: no draw, main's windows
+        parameters = _kernel_form(source, parameters, rng)
     return Fault(service, source, "multiple", start_s, end_s, parameters)
+
+
+def _kernel_form(source: str, parameters: dict[str, float], rng: np.random.Generator) -> dict[str, float]:
+    """A CPU fault's parameters as the kernel's scheduler makes the fault (`SCHEDULER_PARAMETERS`):
+    a CFS quota in place of a smaller core, a hog's time slices beside the slowdown factor."""
+    drawn = {name: float(rng.uniform(lo, hi)) for name, (lo, hi) in SCHEDULER_PARAMETERS[source].items()
+             if name in KERNEL_FORMS[source]}
+    return {**{k: v for k, v in parameters.items() if k != "capacity"}, **drawn}
 
 
 def training_window(detector: Any, normal_spans: pa.Table, window_spans: pa.Table,
