@@ -6,10 +6,10 @@ out of a second fit):
     python bench/window_gcn.py RUN_DIR [RUN_DIR ...] [--windows 200] [--epochs 10] [--seed 0] \
         [--code-alone 0.2] [--weight-decay 1e-2] [--without gnn_shift gnn_lead] [--cache DIR] \
         [--drop-code-alone] [--file window_gcn.pt] [--members 1] [--fit-seed S] \
-        [--normal-traces 300 1200] [--window-traces 300 1500] [--held-out 0.2] [--kernel-form 0.5]
+        [--normal-traces 300 1200] [--window-traces 300 1500] [--held-out 0.2] [--kernel-form 0]
 
 The defaults are the library's (`FitSettings()`, `TRAINING_WINDOWS`, `CODE_ALONE_WINDOWS`,
-`KERNEL_FORM_FAULTS`: `--kernel-form 0` simulates the windows as before session 19).
+`KERNEL_FORM_FAULTS`; `--kernel-form 0.5` draws half the CPU faults as a quota or a hog, session 19).
 
 `--members K` fits K window GCNs on the same windows (seeds S, S+1000, ...) and saves them as one
 ensemble (`WindowGCNEnsemble`); `--fit-seed` fits with another seed than the windows' (`--seed`);

@@ -65,7 +65,7 @@ from bmeg.serving.assembler import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_
                                     DEFAULT_OUTAGE_AFTER_S, PendingTrace, TraceAssembler)
 from bmeg.serving.brokerwatch import BrokerWatch
 from bmeg.serving.model import freeze_heap
-from bmeg.serving.offsets import OffsetTracker, Source
+from bmeg.serving.offsets import OffsetTracker, Partition, Source
 from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, Topics, diagnose_batch,
                                      make_producer)
 from bmeg.traces import TraceInputError
@@ -126,6 +126,9 @@ class ConsumerMetrics:
         self.messages = Counter("bmeg_consumer_messages", "Kafka messages consumed.", registry=r)
         self.spans = Counter("bmeg_consumer_spans", "Spans consumed.", registry=r)
         self.late_spans = Counter("bmeg_consumer_late_spans", "Spans of traces already diagnosed, dropped.", registry=r)
+        self.redelivered_spans = Counter(
+            "bmeg_consumer_redelivered_spans", "Spans of traces already diagnosed, in messages read again (a rebalance "
+            "hands back offsets not yet committed), dropped.", registry=r)
         self.traces = Counter("bmeg_consumer_traces_diagnosed", "Traces diagnosed and published.", registry=r)
         self.partial = Counter("bmeg_consumer_partial_traces", "Traces finished without their root or a parent.",
                                registry=r)
@@ -157,6 +160,9 @@ class StreamConsumer:
                                         late_window_s=config.late_window_s, max_open=config.max_open_traces,
                                         outage_after_s=config.outage_after_s)
         self.offsets = OffsetTracker()
+        # partition -> the highest offset this process has read there: a message at or below it
+        # is read again (at-least-once delivery), so its finished traces' spans are no late fragment
+        self._read_up_to: dict[Partition, int] = {}
         self.heartbeat = time.monotonic()
         self._committed: dict[TopicPartition, int] = {}
         self._last_commit = time.monotonic()
@@ -398,8 +404,10 @@ class StreamConsumer:
         self.metrics.spans.inc(spans.num_rows)
         added = self.assembler.add(spans, source)
         self.offsets.received(source, added.traces, last_offset)
+        read_before = self._read_up_to.get(source.partition, -1)
         if added.late_spans:
-            self.metrics.late_spans.inc(added.late_spans)
+            (self.metrics.redelivered_spans if source.offset <= read_before else self.metrics.late_spans).inc(added.late_spans)
+        self._read_up_to[source.partition] = max(read_before, source.offset if last_offset is None else last_offset)
         self.metrics.pending.set(len(self.assembler))
 
     def _protobuf(self, message) -> bytes | None:
