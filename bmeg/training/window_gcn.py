@@ -182,7 +182,8 @@ class FitSettings:
     decay, and how many members fitted apart it holds (`fit_ensemble`)."""
 
     # round 2's (README, issue 12, session 15), without the self-time rule's own inputs since
-    # round 4 (session 17); `bench/window_gcn.py`'s defaults are these
+    # round 4 (session 17), with the start waits since round 5 (session 19); `bench/window_gcn.py`'s
+    # defaults are these
     epochs: int = 10
     lr: float = 3e-3
     weight_decay: float = 1e-2
