@@ -286,12 +286,8 @@ def test_a_stop_that_meets_a_rebalance_rejoins_and_commits_what_it_finished(kafk
     the group refuses its last commit until it has rejoined (a clean-clone CI run found every
     offset of one of two stopped processes uncommitted). Here the rejoin also finishes between two
     polls, whose result kafka-python drops. The stop now rejoins, again if need be, and commits."""
-    config = config_for(kafka_bootstrap, commit_interval_s=3600.0)  # only the stop commits
     trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[130:150]
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    admin.create_topics([NewTopic(config.topic, PARTITIONS, 1)])
-    admin.close()
-    produce(kafka_bootstrap, config.topic, _keyed_messages(hotel_dataset.spans, trace_ids, partitions=range(PARTITIONS)))
+    config = _uncommitted_topic(kafka_bootstrap, hotel_dataset.spans, trace_ids)  # only the stop commits
     stopping = StreamConsumer(detector, config)
     deadline = time.monotonic() + 90
     while diagnosed(stopping) < len(trace_ids):
@@ -324,12 +320,8 @@ def test_messages_read_again_after_a_rebalance_are_counted_as_redelivered_not_la
     diagnosed. Their spans are counted as redelivered, not as late fragments (a loaded CI run
     counted 2,088 "late" spans of 2,778 with every trace diagnosed whole and once), and no trace
     is diagnosed twice."""
-    config = config_for(kafka_bootstrap, commit_interval_s=3600.0)  # nothing committed meanwhile
     trace_ids = hotel_dataset.traces["trace_id"].to_pylist()[170:190]
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    admin.create_topics([NewTopic(config.topic, PARTITIONS, 1)])
-    admin.close()
-    produce(kafka_bootstrap, config.topic, _keyed_messages(hotel_dataset.spans, trace_ids, partitions=range(PARTITIONS)))
+    config = _uncommitted_topic(kafka_bootstrap, hotel_dataset.spans, trace_ids)  # nothing committed meanwhile
     consumer = StreamConsumer(detector, config)
     sample = consumer.metrics.registry.get_sample_value
     try:
@@ -459,6 +451,17 @@ def test_a_rebalance_keeps_the_traces_of_kept_partitions_safe_and_hands_over_the
     for record in records:
         (trace,) = Diagnosis.model_validate_json(record.value).traces
         assert trace.spans == expected_spans[trace.trace_id] and not trace.partial and not trace.warnings, trace
+
+
+def _uncommitted_topic(bootstrap: str, spans: pa.Table, trace_ids: list[str]) -> ConsumerConfig:
+    """A config whose consumers commit only when they stop, and its topic, created with
+    `PARTITIONS` partitions and holding the traces keyed by id (`_keyed_messages`)."""
+    config = config_for(bootstrap, commit_interval_s=3600.0)
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(config.topic, PARTITIONS, 1)])
+    admin.close()
+    produce(bootstrap, config.topic, _keyed_messages(spans, trace_ids, partitions=range(PARTITIONS)))
+    return config
 
 
 def _keyed_messages(spans: pa.Table, trace_ids: list[str], partitions) -> list[tuple[int, bytes]]:
