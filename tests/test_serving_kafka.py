@@ -331,11 +331,13 @@ def test_messages_read_again_after_a_rebalance_are_counted_as_redelivered_not_la
             consumer.step()
         visitor = KafkaConsumer(config.topic, bootstrap_servers=kafka_bootstrap, group_id=config.group_id,
                                 enable_auto_commit=False, partition_assignment_strategy=[CooperativeStickyAssignor])
-        while not visitor.assignment():  # the group rebalances: the visitor takes some partitions
-            assert time.monotonic() < deadline + 60, "the second member got no partition"
-            visitor.poll(timeout_ms=100, max_records=1)  # read, never committed
-            consumer.step()
-        visitor.close(autocommit=False)  # ... and leaves without reading: they come back uncommitted
+        try:
+            while not visitor.assignment():  # the group rebalances: the visitor takes some partitions
+                assert time.monotonic() < deadline + 60, "the second member got no partition"
+                visitor.poll(timeout_ms=100, max_records=1)  # read, never committed
+                consumer.step()
+        finally:
+            visitor.close(autocommit=False)  # ... and leaves without reading: they come back uncommitted
         while not sample("bmeg_consumer_redelivered_spans_total"):
             assert time.monotonic() < deadline + 120, "the partitions did not come back to be read again"
             consumer.step()
