@@ -229,6 +229,17 @@ def test_a_trace_of_a_revoked_assignment_does_not_release_the_message_read_again
     assert tracker.commit_points() == {"p": 1}
 
 
+def test_a_message_read_again_after_a_rebalance_is_known_as_read_before():
+    tracker = OffsetTracker()
+    assert not tracker.received(tracker.source("p", 0), 1, last_offset=3)  # offsets 0-3 read as one
+    assert not tracker.received(tracker.source("p", 4), 1)
+    tracker.forget(["p"])  # taken away before a commit; the new owner resumes from offset 2
+    assert tracker.received(tracker.source("p", 2), 1)
+    assert tracker.received(tracker.source("p", 4), 0)
+    assert not tracker.received(tracker.source("p", 5), 1)  # new
+    assert not tracker.received(tracker.source("q", 2), 1)  # another partition's offsets are its own
+
+
 @settings(max_examples=100, deadline=None)  # an example took 251 ms on the loaded 2-core machine
 @given(st.data())
 def test_never_commits_past_a_message_whose_trace_is_unpublished(data):

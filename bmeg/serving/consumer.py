@@ -65,7 +65,7 @@ from bmeg.serving.assembler import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_LATE_WINDOW_
                                     DEFAULT_OUTAGE_AFTER_S, PendingTrace, TraceAssembler)
 from bmeg.serving.brokerwatch import BrokerWatch
 from bmeg.serving.model import freeze_heap
-from bmeg.serving.offsets import OffsetTracker, Partition, Source
+from bmeg.serving.offsets import OffsetTracker, Source
 from bmeg.serving.publishing import (ERROR_HEADER, Delivery, Publisher, Topics, diagnose_batch,
                                      make_producer)
 from bmeg.traces import TraceInputError
@@ -160,9 +160,6 @@ class StreamConsumer:
                                         late_window_s=config.late_window_s, max_open=config.max_open_traces,
                                         outage_after_s=config.outage_after_s)
         self.offsets = OffsetTracker()
-        # partition -> the highest offset this process has read there: a message at or below it
-        # is read again (at-least-once delivery), so its finished traces' spans are no late fragment
-        self._read_up_to: dict[Partition, int] = {}
         self.heartbeat = time.monotonic()
         self._committed: dict[TopicPartition, int] = {}
         self._last_commit = time.monotonic()
@@ -403,11 +400,9 @@ class StreamConsumer:
         self.metrics.messages.inc(messages)
         self.metrics.spans.inc(spans.num_rows)
         added = self.assembler.add(spans, source)
-        self.offsets.received(source, added.traces, last_offset)
-        read_before = self._read_up_to.get(source.partition, -1)
-        if added.late_spans:
-            (self.metrics.redelivered_spans if source.offset <= read_before else self.metrics.late_spans).inc(added.late_spans)
-        self._read_up_to[source.partition] = max(read_before, source.offset if last_offset is None else last_offset)
+        read_before = self.offsets.received(source, added.traces, last_offset)
+        if added.late_spans:  # a finished trace's spans read again are no late fragment
+            (self.metrics.redelivered_spans if read_before else self.metrics.late_spans).inc(added.late_spans)
         self.metrics.pending.set(len(self.assembler))
 
     def _protobuf(self, message) -> bytes | None:

@@ -39,6 +39,9 @@ class OffsetTracker:
         self._open: dict[Partition, dict[int, int]] = {}  # partition -> offset -> traces still pending
         self._next: dict[Partition, int] = {}  # partition -> last offset received + 1
         self._assignment: dict[Partition, int] = {}  # partition -> times taken away
+        # partition -> the highest offset this process has received, kept across rebalances: a
+        # message at or below it is read again (at-least-once delivery after a rebalance)
+        self._read_up_to: dict[Partition, int] = {}
         self._lock = threading.Lock()
 
     def source(self, partition: Partition, offset: int) -> Source:
@@ -46,19 +49,24 @@ class OffsetTracker:
         with self._lock:
             return Source(partition, offset, self._assignment.get(partition, 0))
 
-    def received(self, source: Source, open_traces: int, last_offset: int | None = None) -> None:
+    def received(self, source: Source, open_traces: int, last_offset: int | None = None) -> bool:
         """A message arrived carrying spans of `open_traces` traces not yet published (0: done now).
         With `last_offset`, `source` names the run of messages from its offset to that one, read
-        as one (they are open, and released, together)."""
+        as one (they are open, and released, together). Returns whether this process had read the
+        message before, under an earlier assignment of its partition."""
         with self._lock:
-            if self._is_stale(source):
-                return
             partition, offset = source.partition, source.offset
-            if offset < self._next.get(partition, 0) or (last_offset is not None and last_offset < offset):
+            last = offset if last_offset is None else last_offset
+            read_up_to = self._read_up_to.get(partition, -1)
+            self._read_up_to[partition] = max(read_up_to, last)
+            if self._is_stale(source):
+                return offset <= read_up_to
+            if offset < self._next.get(partition, 0) or last < offset:
                 raise ValueError(f"offset {offset} of {partition} received again or out of order")
-            self._next[partition] = (offset if last_offset is None else last_offset) + 1
+            self._next[partition] = last + 1
             if open_traces > 0:
                 self._open.setdefault(partition, {})[offset] = open_traces
+            return offset <= read_up_to
 
     def release(self, source: Source) -> None:
         """One trace this message carried spans of has been published."""

@@ -49,8 +49,8 @@ CODE_ALONE_WINDOWS = 0.2
 #: start-wait inputs, 0.5 ranked the testbed's faults no better (README, issue 12, session 19), and
 #: 0 keeps the windows of earlier sessions; `bench/window_gcn.py --kernel-form` compares.
 KERNEL_FORM_FAULTS = 0.0
-#: The scheduler's parameters each CPU source takes in that form (`shared_cgroup` is the testbed's).
-KERNEL_FORMS = {"saturation": ("quota",), "interference": ("slice_ms",)}
+#: Scheduler parameters only the testbed reads (the simulator runs no cgroups).
+TESTBED_ONLY_PARAMETERS = {"shared_cgroup"}
 #: Traces of a window's normal period and of the window itself (drawn between the two): the
 #: default `WindowShape`; the fixed normal period the detector's baselines come from is the longest.
 NORMAL_TRACES = (300, 1200)
@@ -141,12 +141,12 @@ def _with_changed_traces(spans: pa.Table, changed: pa.Table) -> pa.Table:
 def _latency_fault(service: str, rng: np.random.Generator, start_s: float, end_s: float,
                    kernel_form: float = KERNEL_FORM_FAULTS) -> Fault:
     """A fault of a source drawn from `SOURCES` with its campaign's parameters; a CPU fault
-    (`KERNEL_FORMS`) in the kernel scheduler's form a share `kernel_form` of the time."""
+    (one with `SCHEDULER_PARAMETERS`) in the kernel scheduler's form a share `kernel_form` of the time."""
     source = str(rng.choice(SOURCES))
     parameters = {name: float(rng.uniform(lo, hi)) for name, (lo, hi) in SOURCE_PARAMETERS[source].items()}
     if source == "network":
         parameters.pop("bandwidth_kbit")  # a delay, as the real lists' network_delay
-    if kernel_form > 0 and source in KERNEL_FORMS and rng.random() < kernel_form:  # 0: no draw, main's windows
+    if kernel_form > 0 and source in SCHEDULER_PARAMETERS and rng.random() < kernel_form:  # 0: no draw, main's windows
         parameters = _kernel_form(source, parameters, rng)
     return Fault(service, source, "multiple", start_s, end_s, parameters)
 
@@ -155,7 +155,7 @@ def _kernel_form(source: str, parameters: dict[str, float], rng: np.random.Gener
     """A CPU fault's parameters as the kernel's scheduler makes the fault (`SCHEDULER_PARAMETERS`):
     a CFS quota in place of a smaller core, a hog's time slices beside the slowdown factor."""
     drawn = {name: float(rng.uniform(lo, hi)) for name, (lo, hi) in SCHEDULER_PARAMETERS[source].items()
-             if name in KERNEL_FORMS[source]}
+             if name not in TESTBED_ONLY_PARAMETERS}
     return {**{k: v for k, v in parameters.items() if k != "capacity"}, **drawn}
 
 
