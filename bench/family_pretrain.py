@@ -9,8 +9,8 @@ started from a family-pretrained run (`bmeg bootstrap --pretrained`):
 
 Every model is scored on the same windows by the rankers of `bmeg evaluate rca` that depend on
 it, `bmeg` (the combined ranker), `bmeg-gnn` (the GNN alone) and, where the run directory holds
-one, `bmeg-window-gcn` (`bench/window_gcn.py` trains it) and `bmeg-wgcn-fusion` (`bmeg` with it in
-place of the GNN in its fusion), named `<ranker>[<model>]`, and any window GCN file given with
+a window GCN, `bmeg-window-gcn` (`bmeg bootstrap` or `bench/window_gcn.py` trains it) and
+`bmeg-gnn-fusion` (`bmeg` with the GNN, not the window GCN, in its fusion), named `<ranker>[<model>]`, and any window GCN file given with
 `--window-gcn LABEL=FILE` (on the first model's GNN scores); the self-time and structure-shift
 rules, which need no model, once. `--simulated` simulates the faults as `bmeg evaluate rca-sim`
 does (one episode per service and source, a normal period of twice the
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from bmeg.evaluation.faults import read_fault_list
-from bmeg.evaluation.rankers import (BmegRanker, GnnRanker, SelfTimeRanker, StructureRanker, WindowGcnFusionRanker,
+from bmeg.evaluation.rankers import (BmegRanker, GnnRanker, SelfTimeRanker, StructureRanker,
                                      WindowGcnRanker, _DetectorScores, window_gcn_of)
 from bmeg.evaluation.rca import report, run_rca
 from bmeg.evaluation.simulated import simulated_faults
@@ -81,10 +81,10 @@ def rankers(models: dict[str, Path], normal: SpanForest, window_gcns: dict[str, 
     for label, run_dir in models.items():
         detector = Detector.load(run_dir)
         scores = _DetectorScores(with_normal_baselines(detector, normal))
-        chosen += [Named(BmegRanker(scores), f"bmeg[{label}]"), Named(GnnRanker(scores), f"bmeg-gnn[{label}]")]
         window_gcn = window_gcn_of(detector)
+        chosen += [Named(BmegRanker(scores, window_gcn), f"bmeg[{label}]"), Named(GnnRanker(scores), f"bmeg-gnn[{label}]")]
         if window_gcn is not None:
-            chosen += [Named(WindowGcnFusionRanker(scores, window_gcn), f"bmeg-wgcn-fusion[{label}]"),
+            chosen += [Named(BmegRanker(scores, None), f"bmeg-gnn-fusion[{label}]"),
                        Named(WindowGcnRanker(scores, window_gcn), f"bmeg-window-gcn[{label}]")]
         if label == next(iter(models)):  # other window GCN files read the first model's GNN scores
             graph = SharedWindowGraph(scores)

@@ -35,7 +35,8 @@ import torch
 from bmeg.faultinject import load_topology
 from bmeg.models.detector import Detector
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE
-from bmeg.training.window_gcn import (CODE_ALONE_WINDOWS, KERNEL_FORM_FAULTS, TRAINING_WINDOWS, FitSettings, TrainingWindow, WindowShape, feature_top1,
+from bmeg.training.config import TRAINING_WINDOWS
+from bmeg.training.window_gcn import (CODE_ALONE_WINDOWS, KERNEL_FORM_FAULTS, FitSettings, TrainingWindow, WindowShape, feature_top1,
                                       fit_window_gcn, load_windows, save_windows, simulated_windows, top1, train_window_gcn)
 
 #: held-out seeds are apart from every training seed

@@ -24,8 +24,10 @@ from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats
 from bmeg.models.router import Router
-from bmeg.models.window import WindowDetector, WindowRanker
+from bmeg.models.window import WindowDetector, WindowRanker, window_gcn_of
+from bmeg.models.window_gcn import WINDOW_GCN_FILE
 from bmeg.paths import NORMAL_TRACES_FILE
+from bmeg.training.config import TRAINING_WINDOWS
 from bmeg.serving.app import create_app
 from bmeg.serving.model_process import ModelProcess
 from bmeg.traces import to_otlp_proto_bytes
@@ -45,6 +47,8 @@ def bootstrapped(tmp_path_factory):
                     root / "normal.parquet", "parquet")
         # 3 epochs: a 1-epoch model of `relative-siblings` ranked the profile service's store above it
         # in the recent-traffic test below (1 was enough with `relative`)
+        # the window GCN as the product trains it: on 64 windows it ranked the search service above
+        # the slowed profile service in the recent-traffic test below (200: second, the fusion's first)
         detector, metrics = bootstrap(root / "normal.parquet", root / "run", traces=400, epochs=3, progress=False)
     return recorded, root / "normal.parquet", root / "run", detector, metrics
 
@@ -57,6 +61,9 @@ def test_bootstrap_writes_a_calibrated_model_that_loads(bootstrapped):
     loaded = Detector.load(run_dir, device="cpu")
     assert loaded.metrics["calibration"] == calibration and loaded.thresholds == detector.thresholds
     assert loaded.encoder.variant == BOOTSTRAP_FEATURES == "relative-siblings"  # the default since session 13
+    # the window GCN bmeg's window ranker fuses (issue 12, session 20), trained on the twin's windows
+    assert (run_dir / WINDOW_GCN_FILE).is_file() and window_gcn_of(loaded) is not None
+    assert 0 < metrics["window_gcn"]["windows"] <= TRAINING_WINDOWS and 0.0 <= metrics["window_gcn"]["train_top1"] <= 1.0
 
 
 def test_a_bootstrapped_model_ranks_a_window_against_the_normal_traces_it_kept(bootstrapped):
@@ -68,7 +75,9 @@ def test_a_bootstrapped_model_ranks_a_window_against_the_normal_traces_it_kept(b
     assert 0 < kept.num_rows < read_spans(normal_file).num_rows  # the part the twin was fitted from
 
     diagnosis = bmeg.diagnose(recorded.spans, model=run_dir, window=True)
-    expected, health = WindowRanker(Detector.load(run_dir), kept).ranking(recorded.spans)
+    ranker = WindowRanker(Detector.load(run_dir), kept)
+    assert ranker.window_gcn is not None  # its fusion reads the run's window GCN
+    expected, health = ranker.ranking(recorded.spans)
     assert diagnosis.ranking == expected and diagnosis.ranking[0].bottleneck
     # 200-odd kept traces are too few to calibrate "nothing changed": ranked as before, no answer
     assert health is None and diagnosis.window_health is None

@@ -83,7 +83,7 @@ def test_bootstrap_trains_on_latency_and_code_faults_and_returns_a_calibrated_de
 
     normal = tmp_path / "normal.parquet"
     write_spans(spans_of(simulate(topology, [], 8, 5)), normal, "parquet")
-    detector, metrics = bootstrap(normal, tmp_path / "run", traces=900, epochs=2, progress=False)
+    detector, metrics = bootstrap(normal, tmp_path / "run", traces=900, epochs=2, progress=False, window_gcn_windows=8)
     assert {p.name for p in (tmp_path / "run" / "data").iterdir()} == {*CPU_FAULT_SCENARIOS[DEFAULT_CPU_FAULTS], "code"}
     calibration = metrics["calibration"]
     assert calibration["healthy_traces"] > 300 and calibration["bound_met"]

@@ -1,4 +1,4 @@
-"""bmeg's rank fusion with the window GCN in place of the per-trace GNN (issue 12, session 15)."""
+"""bmeg's rank fusion with the window GCN in place of the per-trace GNN (issue 12, sessions 15 and 20)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from bmeg.evaluation.rankers import WindowGcnRanker, _DetectorScores, default_rankers
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.normal import NormalStats
-from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of,
+from bmeg.models.window import (WindowRanker, combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of,
                                 window_gcn_scores, with_normal_baselines)
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, rank_window, save_window_gcn, service_features
 from bmeg.traces import span_table
@@ -91,14 +91,17 @@ def test_a_window_gcn_reading_the_slow_leaf_puts_it_first(scored):
         assert ranking[0][0] == LEAVES[slow]
 
 
-def test_the_harness_fuses_the_window_gcn_only_where_the_run_holds_one(tmp_path):
+def test_bmeg_fuses_the_window_gcn_only_where_the_run_holds_one(tmp_path):
     detector = replace(tiny_detector(), run_dir=tmp_path)
-    names = [ranker.name for ranker in default_rankers(detector, published=False)]
-    assert "bmeg" in names and "bmeg-wgcn-fusion" not in names and window_gcn_of(detector) is None
+    rankers = {ranker.name: ranker for ranker in default_rankers(detector, published=False)}
+    assert "bmeg-gnn-fusion" not in rankers and window_gcn_of(detector) is None
+    assert rankers["bmeg"].window_gcn is None  # type: ignore[attr-defined]
     save_window_gcn(_reading("self_time"), tmp_path / WINDOW_GCN_FILE)
-    names = [ranker.name for ranker in default_rankers(detector, published=False)]
-    assert {"bmeg", "bmeg-wgcn-fusion", "bmeg-window-gcn"} <= set(names)
-    assert window_gcn_of(detector) is not None
+    rankers = {ranker.name: ranker for ranker in default_rankers(detector, published=False)}
+    assert {"bmeg", "bmeg-gnn-fusion", "bmeg-window-gcn"} <= set(rankers)
+    assert rankers["bmeg"].window_gcn is not None and rankers["bmeg-gnn-fusion"].window_gcn is None  # type: ignore[attr-defined]
+    normal = rpc_view(span_table(many_traces(60)))
+    assert WindowRanker(detector, normal).window_gcn is not None  # every door's ranker reads it too
 
 
 @settings(max_examples=10, deadline=None)

@@ -10,7 +10,7 @@ from bmeg.cli.output import json_option, print_json, print_table
 from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS
 from bmeg.faultinject.family import FamilyParams
 from bmeg.models.features import BOOTSTRAP_FEATURES, VARIANTS
-from bmeg.training.config import FitConfig
+from bmeg.training.config import TRAINING_WINDOWS, FitConfig
 
 format_option = click.option("--format", "input_format", default=None, help="Trace format (default: detected).")
 
@@ -75,11 +75,14 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
               help="How many times more the node stage's loss weighs a non-bottleneck node whose parent is a "
                    "bottleneck (its client spans; 1: as much as any other; tried at 4, not better: README, issue 12, "
                    "session 12).")
+@click.option("--window-gcn-windows", type=click.IntRange(min=0), default=TRAINING_WINDOWS, show_default=True,
+              help="Windows simulated from the twin that the window GCN trains on (0: no window GCN; the window "
+                   "ranker then fuses the per-trace GNN's ranking).")
 @format_option
 @json_option
 def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,
               false_alarm_rate: float, confidence: float, pretrained: Path | None, cpu_faults: str,
-              hard_negatives: float, input_format: str | None, as_json: bool) -> None:
+              hard_negatives: float, window_gcn_windows: int, input_format: str | None, as_json: bool) -> None:
     """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
     from bmeg.cli.models import metrics_rows
     from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
@@ -89,7 +92,7 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
                                    input_format=input_format, progress=not as_json, features=features,
                                    held_back=held_back, false_alarm_rate=false_alarm_rate,
                                    confidence=confidence or None, pretrained=pretrained, cpu_faults=cpu_faults,
-                                   hard_negatives=hard_negatives)
+                                   hard_negatives=hard_negatives, window_gcn_windows=window_gcn_windows)
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     if as_json:
@@ -102,7 +105,11 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
     if not calibration["bound_met"]:
         click.echo(f"too few held-back traces to bound the false-alarm rate at {calibration['target_false_alarm_rate']:.1%} "
                    f"with confidence {calibration['confidence']}: stage 1 flags none of them; hold back more")
-    click.echo(f"run saved to {out} (twin.yaml, model, metrics.json)")
+    if "window_gcn" in metrics:
+        window_gcn = metrics["window_gcn"]
+        click.echo(f"window GCN trained on {window_gcn['windows']} windows simulated from the twin: its first is a "
+                   f"faulty service in {window_gcn['train_top1']:.1%} of them")
+    click.echo(f"run saved to {out} (twin.yaml, model, window GCN, metrics.json)")
 
 
 @click.command("pretrain")

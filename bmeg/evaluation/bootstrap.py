@@ -7,10 +7,13 @@ campaigns, and code faults applied to its spans), and the detector learns from t
 read the real application: its per-operation baselines are refitted on the real normal
 traces the twin came from, and its stage-1 thresholds are raised until at most
 `false_alarm_rate` of the later, held-back real normal traces are flagged
-(`bmeg.training.calibration`). The run directory holds the model (as `bmeg train` writes it,
-with a `calibration` entry in its metrics), `twin.yaml`, the generated data under `data/`, and
-the normal traces the twin was fitted from (`bmeg.paths.NORMAL_TRACES_FILE`): `bmeg diagnose --window` ranks a
-window against them (`bmeg.models.window.WindowRanker`).
+(`bmeg.training.calibration`). Last, the window GCN learns to rank the services of windows
+simulated from the twin (`bmeg.training.window_gcn`): bmeg's window ranker fuses its ranking with
+the time shift (`bmeg.models.window.combined_ranking`). The run directory holds the model (as
+`bmeg train` writes it, with a `calibration` entry in its metrics), `twin.yaml`, the generated
+data under `data/`, the window GCN (`bmeg.models.window_gcn.WINDOW_GCN_FILE`) and the normal
+traces the twin was fitted from (`bmeg.paths.NORMAL_TRACES_FILE`): `bmeg diagnose --window`
+ranks a window against them (`bmeg.models.window.WindowRanker`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RATE
-from bmeg.training.config import FitConfig
+from bmeg.training.config import TRAINING_WINDOWS, FitConfig
+from bmeg.training.window_gcn import train_window_gcn
 from bmeg.traces.io import read_spans, write_spans
 
 #: The later share of the normal traces held back to calibrate stage 1 on.
@@ -42,12 +46,14 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
               features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
               false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE,
               pretrained: str | Path | None = None, cpu_faults: str = DEFAULT_CPU_FAULTS,
-              hard_negatives: float = FitConfig.hard_negatives):
+              hard_negatives: float = FitConfig.hard_negatives, window_gcn_windows: int = TRAINING_WINDOWS):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
     or any run on the same features) both GNN stages start from its weights and specialise on the
     twin. `cpu_faults` picks the training campaigns' CPU faults (`CPU_FAULT_SCENARIOS`);
-    `hard_negatives`, the node stage's weight of a bottleneck's client spans (`FitConfig`)."""
+    `hard_negatives`, the node stage's weight of a bottleneck's client spans (`FitConfig`);
+    `window_gcn_windows`, how many simulated windows the window GCN trains on (0: none, and the
+    window ranker fuses the per-trace GNN's ranking instead)."""
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
@@ -75,6 +81,8 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate, confidence)
     metrics["calibration"] = calibration.to_dict()
     detector = replace(detector, metrics=metrics).save(out)
+    if window_gcn_windows > 0:  # after the save: it simulates its windows with the calibrated detector
+        metrics["window_gcn"] = train_window_gcn(out, window_gcn_windows, seed, progress=progress)[1]
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return detector, metrics
 

@@ -4,13 +4,14 @@
 see `bmeg.graphs.rpc.rpc_view`) and statistics of a normal period, and returns
 `[(service, score), ...]`, most suspicious first.
 
-- `bmeg`: the rank fusion of the GNN's window ranking and how far each service's own time
-  moved from the normal period, with code faults and decisive call gaps first: the window
-  ranker every door of the product uses (`bmeg.models.window.combined_ranking`).
+- `bmeg`: the rank fusion of a learned window ranking (the window GCN's where the detector's
+  run directory holds one, as `bmeg bootstrap` writes it, else the GNN's) and how far each
+  service's own time moved from the normal period, with code faults and decisive call gaps
+  first: the window ranker every door of the product uses (`bmeg.models.window.combined_ranking`).
+- `bmeg-gnn-fusion`: `bmeg` with the per-trace GNN's ranking in its rank fusion whatever the run
+  holds (`bmeg` before issue 12, session 20), where the run holds a window GCN.
 - `bmeg-gnn`: the GNN alone: each service's mean node score in the window against its mean
   in the normal period (see `node_score_shift`).
-- `bmeg-wgcn-fusion`: `bmeg` with the window GCN's ranking in place of the GNN's in its rank
-  fusion, where the detector's run directory holds a window GCN.
 - `bmeg-window-gcn`: a GCN over the window's service graph, trained on windows simulated from
   the twin (`bmeg.models.window_gcn`), where the detector's run directory holds one.
 - `firm-svm`: FIRM's SVM scores on the critical path, averaged over the window.
@@ -175,34 +176,19 @@ class WindowGcnRanker:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
-        return _ranking(window_gcn_scores(self.model, normal, window, gnn))  # as bmeg-wgcn-fusion reads it
+        return _ranking(window_gcn_scores(self.model, normal, window, gnn))  # as bmeg's fusion reads it
 
 
 class BmegRanker:
     """B-MEG on a window: `bmeg.models.window.combined_ranking`, the ranker every door of the
-    product uses, with the detector's scores shared with the other detector-based rankers."""
+    product uses, with the detector's scores shared with the other detector-based rankers and
+    the run's window GCN (None: the GNN's ranking in the fusion, `bmeg-gnn-fusion`)."""
 
-    name = "bmeg"
-
-    def __init__(self, scores: _DetectorScores):
-        self.scores = scores
-
-    def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest))
-
-
-class WindowGcnFusionRanker:
-    """`bmeg` with the window GCN's ranking in place of the per-trace GNN's inside its rank fusion
-    (`combined_ranking` given the window GCN; the gates as `bmeg`'s), where the detector's run
-    directory holds one (issue 12, session 15)."""
-
-    name = "bmeg-wgcn-fusion"
-
-    def __init__(self, scores: _DetectorScores, model: WindowModel):
-        self.scores, self.model = scores, model
+    def __init__(self, scores: _DetectorScores, window_gcn: WindowModel | None, name: str = "bmeg"):
+        self.scores, self.window_gcn, self.name = scores, window_gcn, name
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest), self.model)
+        return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest), self.window_gcn)
 
 
 def default_rankers(detector=None, normal: SpanForest | None = None, published: bool = True) -> list[Ranker]:
@@ -220,6 +206,6 @@ def default_rankers(detector=None, normal: SpanForest | None = None, published: 
         detector = with_normal_baselines(detector, normal)
     scores = _DetectorScores(detector)
     window_gcn = window_gcn_of(detector)
-    learned: list[Ranker] = [] if window_gcn is None else [WindowGcnFusionRanker(scores, window_gcn),
+    learned: list[Ranker] = [] if window_gcn is None else [BmegRanker(scores, None, "bmeg-gnn-fusion"),
                                                            WindowGcnRanker(scores, window_gcn)]
-    return [BmegRanker(scores), GnnRanker(scores), *learned, FirmSvmRanker(detector), *baselines]
+    return [BmegRanker(scores, window_gcn), GnnRanker(scores), *learned, FirmSvmRanker(detector), *baselines]

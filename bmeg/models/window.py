@@ -121,6 +121,7 @@ class WindowRanker:
         self.normal_scores = gnn_window_scores(self.detector, forest)
         self.health, self.health_stats = HealthBound.of(forest), self.stats
         self.method = WINDOW_NORMAL_PERIOD
+        self.window_gcn = window_gcn_of(detector)  # the fusion's learned ranking where the run holds one
 
     @classmethod
     def of_run(cls, detector: Detector) -> WindowRanker | None:
@@ -155,7 +156,7 @@ class WindowRanker:
         ranker's detector's replayed scores of it with the GNN's node score of every trace
         (`scores_reusable`)."""
         scores = window_scores if window_scores is not None else gnn_window_scores(self.detector, window)
-        return combined_ranking(self.stats, window, scores, self.normal_scores)
+        return combined_ranking(self.stats, window, scores, self.normal_scores, self.window_gcn)
 
     def ranking(self, window: pa.Table | SpanForest,
                 window_scores: Scores | None = None) -> tuple[list[ServiceScore], WindowHealth | None]:

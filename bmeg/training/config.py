@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_SCENARIO, DEFAULT_TRACES
 from bmeg.models.features import VARIANTS
 
+#: Simulated training windows of a run's window GCN (`bmeg.training.window_gcn`; round 2's,
+#: README issue 12 session 15).
+TRAINING_WINDOWS = 200
 #: The losses of `bmeg.training.trainer.fit` (its docstring says what each does).
 LOSSES = ("weighted", "focal", "sampling", "plain")
 

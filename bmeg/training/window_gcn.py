@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
+from tqdm import tqdm
 
 from bmeg.faultinject import Fault, TopologySpec, load_topology, simulate, spans_of
 from bmeg.faultinject.codefaults import CODE_FAULTS, apply_code_fault
@@ -32,6 +33,7 @@ from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError, load_tensor_dict
 from bmeg.models.normal import NormalStats
 from bmeg.models.window import gnn_window_scores, node_score_shift, with_normal_baselines
+from bmeg.training.config import TRAINING_WINDOWS
 from bmeg.models.window_gcn import (FEATURES, WINDOW_GCN_FILE, WindowGCN, WindowGCNEnsemble, WindowGraph, WindowModel,
                                     save_window_gcn, service_features)
 from bmeg.traces.schema import trace_starts
@@ -58,8 +60,6 @@ WINDOW_TRACES = (300, 1500)
 #: The self-time rule's own inputs, left out since round 4 (README, issue 12, session 17): the
 #: window GCN without them was at least round 2 on both testbed recordings over seeds 0-4.
 RULE_INPUTS = ("self_time", "self_time_lead")
-#: Simulated training windows of a run (round 2's, README issue 12 session 15).
-TRAINING_WINDOWS = 200
 #: Member i of an ensemble is fitted with seed `seed + MEMBER_SEED_STEP * i` (member 0: `seed`).
 MEMBER_SEED_STEP = 1000
 EPOCH_NS = 1_700_000_000 * 10**9
@@ -85,7 +85,7 @@ class TrainingWindow:
 
 def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int = 0,
                       code_alone: float = CODE_ALONE_WINDOWS, shape: WindowShape = WindowShape(),
-                      kernel_form: float = KERNEL_FORM_FAULTS) -> list[TrainingWindow]:
+                      kernel_form: float = KERNEL_FORM_FAULTS, progress: bool = False) -> list[TrainingWindow]:
     """`count` faulted windows of `shape` simulated from `spec`, with their features read by
     `detector` (a `bmeg.models.detector.Detector`), a share `code_alone` of them with a code fault
     alone, a share `kernel_form` of their CPU faults in the kernel's form (`_latency_fault`);
@@ -96,7 +96,7 @@ def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int =
     detector = with_normal_baselines(detector, baseline)  # as the harness does with the fixed normal period
     targets = sorted(name for name, service in spec.services.items() if service.storage is None)
     windows = []
-    for index in range(count):
+    for index in tqdm(range(count), desc="window GCN: simulated windows", unit="window", disable=not progress):
         window = _simulated_window(spec, detector, targets, rng, seed * 100_003 + index + 1, code_alone, shape,
                                    kernel_form)
         if window is not None:
@@ -257,7 +257,7 @@ def load_windows(path: Path) -> list[TrainingWindow]:
 
 def train_window_gcn(run_dir: str | Path, windows: int | list[TrainingWindow] = TRAINING_WINDOWS, seed: int = 0,
                      settings: FitSettings = FitSettings(), file: str = WINDOW_GCN_FILE,
-                     held_out: float = 0.0) -> tuple[WindowModel, dict]:
+                     held_out: float = 0.0, progress: bool = False) -> tuple[WindowModel, dict]:
     """Train the window GCN of a run of `bmeg bootstrap` (its `twin.yaml` and detector) into the
     run directory (`file`, the ranker's `WINDOW_GCN_FILE` unless told) on `windows` (or that many
     simulated here), fitted once on all of them; returns (model, metrics). With `held_out` (a
@@ -267,7 +267,8 @@ def train_window_gcn(run_dir: str | Path, windows: int | list[TrainingWindow] = 
 
     run_dir = Path(run_dir)
     if isinstance(windows, int):
-        windows = simulated_windows(load_topology(run_dir / "twin.yaml"), Detector.load(run_dir), windows, seed)
+        windows = simulated_windows(load_topology(run_dir / "twin.yaml"), Detector.load(run_dir), windows, seed,
+                                    progress=progress)
     model = fit_ensemble(windows, seed=seed, settings=settings)
     metrics = {"windows": len(windows), "train_top1": top1(model, windows),
                "code_alone_windows": sum(w.code_alone for w in windows), "epochs": settings.epochs,
