@@ -67,6 +67,7 @@ def _share_calling_stores(frame, mask: np.ndarray) -> float:
 def test_each_source_changes_the_target_and_not_the_others(bed):
     state = bed.state()
     assert status(bed)["running"]
+    assert set(state.demand_marks) == set(SERVICES)  # a quota is sized from the use after start-up
     began = time.time_ns()
     time.sleep(CALIBRATION_S)
     calibration_end = time.time_ns()

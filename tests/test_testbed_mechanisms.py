@@ -79,6 +79,32 @@ def test_saturation_cuts_the_quota_and_undo_restores_it(bed):
     assert cut <= cut_to + 0.03 and normal <= DEFAULT_QUOTA_CORES + 0.03, (normal, cut)
 
 
+#: a service that burns CPU while it starts (1.5 s), then idles: social-graph-service's shape
+STARTS_BUSY_THEN_IDLES = [sys.executable, "-c",
+                          "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass\n"
+                          "while True: time.sleep(0.05)"]
+
+
+def test_a_saturation_quota_is_sized_from_the_use_after_start_up(bed, monkeypatch):
+    """Its demand is counted from the mark `up` takes once everything has started, not since
+    the process began, which its start-up dominates: on the testbed such a quota (0.5 x twice
+    social-graph-service's average since start) did not throttle it at all (README, issue 12,
+    session 20)."""
+    testbed, state = bed
+    monkeypatch.setattr(system, "MIN_DEMAND_S", 1.0)
+    record, cgroup = _stand_in(testbed, state, "social-graph-service", STARTS_BUSY_THEN_IDLES)
+    time.sleep(2.0)  # started up
+    state.demand_marks["social-graph-service"] = system.demand_mark(cgroup)
+    time.sleep(1.2)
+    since_start = system.cpu_demand_cores(record, cgroup)
+    apply_fault(testbed, state, "f1", "social-graph-service", "saturation", {"capacity": 0.5}, time.time() + 30)
+    cut_to = state.faults["f1"]["cut_cores"]
+    assert since_start > 0.05, since_start  # the start-up's CPU, over the process's whole life
+    assert cut_to < 0.25 * since_start, (cut_to, since_start)  # the idle use since the mark
+    undo_fault(testbed, state, "f1")
+    assert system.quota_cores(cgroup) == pytest.approx(DEFAULT_QUOTA_CORES)
+
+
 def test_interference_runs_a_hog_on_the_targets_cpu_only_while_active(bed):
     testbed, state = bed
     record, _ = _stand_in(testbed, state, "text-service", ["sleep", "60"], cpu=1)

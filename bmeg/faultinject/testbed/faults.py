@@ -9,8 +9,9 @@
 |                   | the same pod), whose quota grows by the hog's core: the target alone      |                            |
 |                   | keeps ~1/factor, its CPU neighbours compete with one cgroup as before     |                            |
 | saturation        | the target's `cpu.cfs_quota_us` cut to `capacity` x twice the CPU it has  | quota and period restored  |
-|                   | used per second since it started (its demand): 1 leaves the headroom a   |                            |
-|                   | limit needs for bursts, 0.5 its average use, below it cannot keep up;    |                            |
+|                   | used per second since `up` (its demand, start-up left out): 1 leaves      |                            |
+|                   | the headroom a limit needs for bursts, 0.5 its average use, below it      |                            |
+|                   | cannot keep up;                                                           |                            |
 |                   | the CFS period lengthened (up to 1 s) so the quota stays >= the kernel's |                            |
 |                   | 1-ms minimum                                                              |                            |
 | network           | the delay (ms +- jitter) set on the target's front proxy, which every     | delay 0                    |
@@ -178,7 +179,8 @@ def _saturation(testbed, state, fault_id, record, parameters, until_s, seed, und
     cgroup = Path(record.cgroup or testbed.cgroup(undo["service"]))
     undo["cgroup"], undo["quota_cores"], undo["period_us"] = str(cgroup), system.quota_cores(cgroup), system.period_us(cgroup)
     state.save()
-    cores, period = saturation_quota(float(parameters.get("capacity", 0.2)), system.cpu_demand_cores(record, cgroup))
+    demand = system.cpu_demand_cores(record, cgroup, state.demand_marks.get(undo["service"]))
+    cores, period = saturation_quota(float(parameters.get("capacity", 0.2)), demand)
     undo["cut_cores"] = round(cores, 6)
     system.set_period(cgroup, period)
     system.set_quota(cgroup, cores)

@@ -66,6 +66,9 @@ class TestbedState:
     faults: dict[str, dict] = field(default_factory=dict)
     #: service -> configuration overrides in force (misconfiguration faults, retunes)
     overrides: dict[str, dict] = field(default_factory=dict)
+    #: service -> where its CPU demand is counted from (`system.demand_mark`, taken when `up`
+    #: has started everything: a saturation quota is sized from the use after start-up)
+    demand_marks: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def path(self) -> Path:

@@ -126,6 +126,8 @@ def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, see
     except BaseException:
         repair(testbed)
         raise
+    state.demand_marks = {service: system.demand_mark(testbed.cgroup(service)) for service in SERVICES}
+    state.save()
     if repairs:
         (testbed.run / "logs" / "repairs.log").write_text("\n".join(repairs) + "\n")
     return state
