@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from bmeg.evaluation.rankers import WindowGcnRanker, _DetectorScores, default_rankers
 from bmeg.graphs.rpc import rpc_view
+from bmeg.models.checkpoint import CheckpointError
 from bmeg.models.normal import NormalStats
 from bmeg.models.window import (WindowRanker, combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of,
                                 window_gcn_scores, with_normal_baselines)
@@ -102,6 +103,9 @@ def test_bmeg_fuses_the_window_gcn_only_where_the_run_holds_one(tmp_path):
     assert rankers["bmeg"].window_gcn is not None and rankers["bmeg-gnn-fusion"].window_gcn is None  # type: ignore[attr-defined]
     normal = rpc_view(span_table(many_traces(60)))
     assert WindowRanker(detector, normal).window_gcn is not None  # every door's ranker reads it too
+    (tmp_path / WINDOW_GCN_FILE).write_bytes(b"not a checkpoint")  # damaged: said, not passed over
+    with pytest.raises(CheckpointError, match=WINDOW_GCN_FILE):
+        WindowRanker(detector, normal)
 
 
 @settings(max_examples=10, deadline=None)

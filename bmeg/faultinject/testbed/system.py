@@ -233,7 +233,7 @@ def demand_mark(cgroup: Path) -> list[float]:
 def cpu_demand_cores(record: ProcessRecord, cgroup: Path, mark: list[float] | None = None) -> float:
     """The CPU the processes in `cgroup` used per second (their demand): since `mark`
     (`demand_mark`, taken once the testbed is up) where it lies at least `MIN_DEMAND_S` back and
-    the processes have not restarted since, else since `record` started. Since the start alone
+    the CPU counted has not fallen since (a restart), else since `record` started. Since the start alone
     counts the service's start-up: social-graph-service used 0.005 cores at 100 req/s and 0.03-0.15
     on average since its start over its first 80 s, so a saturation quota sized from that did
     not throttle it (README, issue 12, session 20)."""
