@@ -33,9 +33,9 @@ from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError, load_tensor_dict
 from bmeg.models.normal import NormalStats
 from bmeg.models.window import gnn_window_scores, node_score_shift, with_normal_baselines
-from bmeg.training.config import TRAINING_WINDOWS
 from bmeg.models.window_gcn import (FEATURES, WINDOW_GCN_FILE, WindowGCN, WindowGCNEnsemble, WindowGraph, WindowModel,
                                     save_window_gcn, service_features)
+from bmeg.training.config import TRAINING_WINDOWS
 from bmeg.traces.schema import trace_starts
 
 #: Latency sources the twin simulates (all of `SOURCE_PARAMETERS`).
