@@ -107,7 +107,10 @@ start() {
     mkdir -p "$run_dir"
     write_config
     local cluster_id
+    # 16 random bytes in URL-safe base64, as Kafka's own ids; the first character is fixed because
+    # one that came out '-' read as an option to the tool's parser and failed 1 start in 64
     cluster_id=$(openssl rand -base64 16 | tr '+/' '-_' | tr -d '=\n')
+    cluster_id="A${cluster_id:1}"
     java "${java_opts[@]}" -cp "$libs/*" kafka.tools.StorageTool format \
         -t "$cluster_id" -c "$run_dir/server.properties" >"$run_dir/format.log" 2>&1 \
         || { cat "$run_dir/format.log" >&2; exit 1; }
