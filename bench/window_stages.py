@@ -12,7 +12,8 @@ with the stage that placed each service, the structure gates that fired and the 
 shifts, the decisive service, the time shift's parts (own / caller / callee / wait,
 `NormalStats.service_shift_parts`), the call edges' gap shifts (caller, callee, mean log2:
 `NormalStats.call_edge_shifts`) and the GNN's score shift (the harness report, with a `stages`
-entry per fault; log2 shifts to 3 decimals). `analyse`, for each latency fault the rule names
+entry per fault; log2 shifts to 3 decimals; `learned`: the window GCN's logits where the run
+holds one, as bmeg fuses them, else the GNN's score shift). `analyse`, for each latency fault the rule names
 first and bmeg does not (both with the window's other faulty services removed, the harness's
 `rank_others_removed`), says which stage put bmeg's first there: a structure gate
 (`structure_changed`, `errors_began` or `structure_significant`), the decisive call gap
@@ -39,6 +40,7 @@ from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats, Ranking
+from bmeg.models.window_gcn import WindowModel
 from bmeg.models.window import (GATES, STAGE_DECISIVE, STAGE_STRUCTURE, WindowStages, window_gcn_of, window_stages,
                                 with_normal_baselines)
 from bmeg.traces.io import read_spans
@@ -50,11 +52,11 @@ class RecordingBmeg:
 
     name = "bmeg"
 
-    def __init__(self, scores: _DetectorScores):
-        self.scores, self.stages = scores, []
+    def __init__(self, scores: _DetectorScores, window_gcn: WindowModel | None):
+        self.scores, self.window_gcn, self.stages = scores, window_gcn, []
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        got = window_stages(normal, window, self.scores(window), self.scores(normal.forest))
+        got = window_stages(normal, window, self.scores(window), self.scores(normal.forest), self.window_gcn)
         self.stages.append(recorded(got, normal.call_edge_shifts(window)))
         return got.ranking
 
@@ -78,9 +80,9 @@ def record(args: argparse.Namespace) -> None:
     normal = rpc_view(read_spans(args.normal))
     detector = Detector.load(args.model)
     scores = _DetectorScores(with_normal_baselines(detector, normal))
-    bmeg = RecordingBmeg(scores)
-    rankers: list = [bmeg, GnnRanker(scores)]
     window_gcn = window_gcn_of(detector)
+    bmeg = RecordingBmeg(scores, window_gcn)
+    rankers: list = [bmeg, GnnRanker(scores)]
     if window_gcn is not None:
         rankers.append(WindowGcnRanker(scores, window_gcn))
     rankers.append(SelfTimeRanker())

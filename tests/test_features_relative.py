@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bmeg.models.window import node_score_shift, rank_fusion
+from bmeg.models.window import node_score_shift, rank_fusion, standardised_fusion
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
 from bmeg.graphs import assemble
@@ -124,6 +124,28 @@ def test_window_score_does_not_reward_visits_or_a_high_normal_level():
     shift = node_score_shift(window, normal)
     assert shift.idxmax() == "db"
     assert shift["big"] == pytest.approx(0.05) and shift["db"] == pytest.approx(0.5)
+
+
+def test_standardised_fusion_reads_a_lead_that_rank_fusion_does_not():
+    # the time shift puts "profile" far ahead (1.15 log2 against 0.09); the learned ranking has it
+    # fourth, a little below three services it barely separates
+    time = pd.Series({"profile": 1.15, "geo": 0.09, "search": 0.05, "rate": 0.0, "user": -0.02})
+    learned = pd.Series({"geo": 1.1, "search": 1.0, "rate": 0.9, "profile": 0.8, "user": -1.0})
+    assert rank_fusion(time, learned).index[0] == "geo"
+    assert standardised_fusion(time, learned).index[0] == "profile"
+    # a learned ranking that is decisive still overturns a time shift that is not
+    assert standardised_fusion(pd.Series({"a": 0.2, "b": 0.1, "c": 0.0}),
+                               pd.Series({"a": -1.0, "b": 5.0, "c": -1.0})).index[0] == "b"
+
+
+def test_standardised_fusion_of_missing_flat_and_tied_scores():
+    # a service a ranking lacks counts as its lowest; a flat ranking adds nothing; ties keep the
+    # first ranking's order
+    fused = standardised_fusion(pd.Series({"a": 1.0, "b": 0.0}), pd.Series({"a": 0.0, "b": 1.0, "c": 3.0}))
+    assert fused.index.tolist() == ["c", "a", "b"] and np.isfinite(fused).all()
+    assert standardised_fusion(pd.Series({"a": 2.0, "b": 1.0}), pd.Series({"a": 5.0, "b": 5.0})).index.tolist() == ["a", "b"]
+    assert standardised_fusion(pd.Series({"a": 2.0, "b": 1.0}),
+                               pd.Series({"b": 2.0, "a": 1.0})).index.tolist() == ["a", "b"]
 
 
 def test_rank_fusion_lets_no_scale_bury_a_first_place():

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -406,12 +407,14 @@ def window_stages(normal: NormalStats, window: SpanForest, window_scores: Any, n
 
 
 def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, tests: pd.DataFrame,
-                  structure_noise: pd.Series, error_noise: pd.Series) -> WindowStages:
+                  structure_noise: pd.Series, error_noise: pd.Series,
+                  fusion: Callable[..., pd.Series] | None = None) -> WindowStages:
     """`combined_ranking`'s stages from what it reads of a window: the time shift's `parts`
     (`NormalStats.service_shift_parts`), the `learned` scores, the structure's `shape`
     (`NormalStats.structure_parts`) and `tests` (`NormalStats.structure_tests`), and the normal
-    period's noise of both (`NormalStats.structure_noise`, `NormalStats.error_noise`)."""
-    fused = rank_fusion(parts.max(axis=1), learned)
+    period's noise of both (`NormalStats.structure_noise`, `NormalStats.error_noise`); `fusion`
+    orders what no gate placed (`rank_fusion`, or `standardised_fusion` to compare)."""
+    fused = (fusion or rank_fusion)(parts.max(axis=1), learned)
     shape = shape.reindex(fused.index)
     structure = shape[["calls", "errors"]].sum(axis=1).fillna(0.0)
     gates = pd.DataFrame(dict(zip(GATES, (structure_changed(structure, structure_noise),
@@ -490,6 +493,28 @@ def rank_fusion(*scores: pd.Series) -> pd.Series:
     for series in scores:
         ranks = series.rank(ascending=False, method="min").reindex(index).fillna(len(series) + 1)
         total += 1.0 / (1.0 + ranks)
+    first = scores[0].rank(ascending=False, method="first").reindex(index).fillna(len(index) + 1)
+    return total.iloc[np.lexsort((first.to_numpy(), -total.to_numpy()))]
+
+
+def standardised_fusion(*scores: pd.Series) -> pd.Series:
+    """Score fusion: the sum over the rankings of each service's score standardised within the
+    window (minus the window's mean, over its spread), best first.
+
+    Unlike `rank_fusion` it reads margins: a service that one ranking puts far ahead of the rest
+    keeps that lead against a second ranking that has it a few places down (the case `rank_fusion`
+    loses: a time shift of 1.15 log2 against the next service's 0.09, ranked 4th by a window GCN).
+    Equal weights, as `WindowGCNEnsemble` averages its members. A service missing from a ranking
+    counts as that ranking's lowest score. Exact ties keep the first ranking's order."""
+    index = scores[0].index
+    for series in scores[1:]:
+        index = index.union(series.index, sort=False)
+    total = pd.Series(0.0, index=index)
+    for series in scores:
+        values = series.reindex(index)
+        values = values.fillna(values.min() if values.notna().any() else 0.0)
+        spread = float(values.std(ddof=0))
+        total += (values - values.mean()) / spread if spread > 0 else 0.0
     first = scores[0].rank(ascending=False, method="first").reindex(index).fillna(len(index) + 1)
     return total.iloc[np.lexsort((first.to_numpy(), -total.to_numpy()))]
 
