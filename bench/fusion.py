@@ -13,7 +13,7 @@ service per run.
 `replay` re-ranks the windows of `bench/window_stages.py record` files (which keep, per fault,
 what bmeg's stages read: the time shift's parts, the learned scores, the gates that fired, the
 decisive service) with each fusion, and prints AC@1 of latency faults (plain and with the
-window's other faulty services removed) and of code faults; it first checks that replaying
+window's other faulty services removed) and of each fault type; it first checks that replaying
 `rank_fusion` gives the recorded rankings.
 """
 
@@ -90,16 +90,15 @@ def replay(args: argparse.Namespace) -> None:
         same = sum(replayed(f["stages"], rank_fusion)[:5] == r[:5] for f, r in zip(faults, recorded, strict=True))
         print(f"{path}: {len(faults)} faults; rank fusion replayed as recorded (top 5) in {same}")
         for name, fusion in FUSIONS.items():
-            rows = {"latency": [], "latency, others removed": [], "code": []}
+            rows: dict[str, list[bool]] = {"latency": [], "latency, others removed": []}
             for fault in faults:
                 ranking = replayed(fault["stages"], fusion)
                 others = set(fault["others"])
+                rows.setdefault(fault["type"], []).append(ranking[0] == fault["service"])
                 if fault["type"] in LATENCY_FAULTS:
                     rows["latency"].append(ranking[0] == fault["service"])
                     rows["latency, others removed"].append(
                         next(s for s in ranking if s not in others) == fault["service"])
-                else:
-                    rows["code"].append(ranking[0] == fault["service"])
             cells = ", ".join(f"{row} {np.mean(got):.3f} ({len(got)})" for row, got in rows.items() if got)
             print(f"  {name}: AC@1 {cells}")
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from bmeg.models.normal import NormalStats
 from bmeg.models.window import (GATES, STAGE_DECISIVE, STAGE_FUSION, STAGE_STRUCTURE, combined_ranking,
                                 decisive_shift, errors_began, gnn_window_scores, rank_fusion, ranked_stages,
-                                structure_changed, structure_significant, window_stages, with_normal_baselines)
+                                standardised_fusion, structure_changed, structure_significant, window_stages,
+                                with_normal_baselines)
 from builders import front_calling, tiny_detector
 
 SERVICES = [f"s{i}" for i in range(6)]
@@ -42,15 +43,17 @@ def stage_inputs(draw):
     return parts, learned, shape, tests, noise, errors
 
 
+@pytest.mark.parametrize("fusion", [rank_fusion, standardised_fusion])
 @settings(max_examples=200)
 @given(inputs=stage_inputs())
-def test_the_stages_are_the_order_the_ranking_gives(inputs):
+def test_the_stages_are_the_order_the_ranking_gives(fusion, inputs):
     """The gated services first (by structure shift, ties in the fusion's order), then the
     decisive call gap unless a gate placed it, then the fusion's order; each labelled by the
-    stage that placed it, with the scores the ranking has always had."""
+    stage that placed it, with the scores the ranking has always had (`rank_fusion`'s by
+    default; any fusion given orders the rest)."""
     parts, learned, shape, tests, noise, errors = inputs
-    got = ranked_stages(parts, learned, shape, tests, noise, errors)
-    fused = rank_fusion(parts.max(axis=1), learned)
+    got = ranked_stages(parts, learned, shape, tests, noise, errors, None if fusion is rank_fusion else fusion)
+    fused = fusion(parts.max(axis=1), learned)
     assert got.fused.equals(fused) and got.parts is parts and got.learned is learned
     structure = {s: float(shape.loc[s, "calls"] + shape.loc[s, "errors"]) for s in fused.index}
     fired = {"structure_changed": structure_changed(pd.Series(structure), noise),

@@ -8,6 +8,9 @@ see `bmeg.graphs.rpc.rpc_view`) and statistics of a normal period, and returns
   run directory holds one, as `bmeg bootstrap` writes it, else the GNN's) and how far each
   service's own time moved from the normal period, with code faults and decisive call gaps
   first: the window ranker every door of the product uses (`bmeg.models.window.combined_ranking`).
+- `bmeg-standardised-fusion`: `bmeg` with its two rankings fused by standardised scores
+  (`standardised_fusion`, which reads margins) instead of by ranks, where the run holds a window
+  GCN (issue 12, session 21: measured beside `bmeg`, not adopted).
 - `bmeg-gnn-fusion`: `bmeg` with the per-trace GNN's ranking in its rank fusion whatever the run
   holds (`bmeg` before issue 12, session 20), where the run holds a window GCN.
 - `bmeg-gnn`: the GNN alone: each service's mean node score in the window against its mean
@@ -28,6 +31,7 @@ ranker follows `Ranker`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -35,8 +39,8 @@ import pandas as pd
 
 from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, window_gcn_of, window_gcn_scores,
-                                with_normal_baselines)
+from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, standardised_fusion, window_gcn_of,
+                                window_gcn_scores, with_normal_baselines)
 from bmeg.models.window_gcn import WindowModel
 
 
@@ -182,13 +186,16 @@ class WindowGcnRanker:
 class BmegRanker:
     """B-MEG on a window: `bmeg.models.window.combined_ranking`, the ranker every door of the
     product uses, with the detector's scores shared with the other detector-based rankers and
-    the run's window GCN (None: the GNN's ranking in the fusion, `bmeg-gnn-fusion`)."""
+    the run's window GCN (None: the GNN's ranking in the fusion, `bmeg-gnn-fusion`); `fusion` in
+    place of bmeg's (`standardised_fusion`: `bmeg-standardised-fusion`, issue 12, session 21)."""
 
-    def __init__(self, scores: _DetectorScores, window_gcn: WindowModel | None, name: str = "bmeg"):
-        self.scores, self.window_gcn, self.name = scores, window_gcn, name
+    def __init__(self, scores: _DetectorScores, window_gcn: WindowModel | None, name: str = "bmeg",
+                 fusion: Callable[..., pd.Series] | None = None):
+        self.scores, self.window_gcn, self.name, self.fusion = scores, window_gcn, name, fusion
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest), self.window_gcn)
+        return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest), self.window_gcn,
+                                self.fusion)
 
 
 def default_rankers(detector=None, normal: SpanForest | None = None, published: bool = True) -> list[Ranker]:
@@ -206,6 +213,7 @@ def default_rankers(detector=None, normal: SpanForest | None = None, published: 
         detector = with_normal_baselines(detector, normal)
     scores = _DetectorScores(detector)
     window_gcn = window_gcn_of(detector)
-    learned: list[Ranker] = [] if window_gcn is None else [BmegRanker(scores, None, "bmeg-gnn-fusion"),
-                                                           WindowGcnRanker(scores, window_gcn)]
+    learned: list[Ranker] = [] if window_gcn is None else [
+        BmegRanker(scores, window_gcn, "bmeg-standardised-fusion", standardised_fusion),
+        BmegRanker(scores, None, "bmeg-gnn-fusion"), WindowGcnRanker(scores, window_gcn)]
     return [BmegRanker(scores, window_gcn), GnnRanker(scores), *learned, FirmSvmRanker(detector), *baselines]

@@ -356,7 +356,7 @@ def _traces(spans: pa.Table, trace_ids: np.ndarray) -> SpanForest:
 
 
 def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
-                     window_gcn: WindowModel | None = None) -> Ranking:
+                     window_gcn: WindowModel | None = None, fusion: Callable[..., pd.Series] | None = None) -> Ranking:
     """B-MEG on a window: reciprocal-rank fusion (`rank_fusion`) of how far each service's own
     time moved from the normal period (`NormalStats.service_shift_parts`, call gaps split between
     caller and callee) and a learned window ranking: the GNN's own (`node_score_shift` of the
@@ -372,8 +372,9 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     operation, which moves the service's shares less than the floors). Then a
     decisive time shift of a call gap (`decisive_shift` of the caller and callee parts) comes
     before the fusion's order. Which of the three stages placed each service, and what they
-    read: `window_stages`."""
-    return window_stages(normal, window, window_scores, normal_scores, window_gcn).ranking
+    read: `window_stages`. `fusion` replaces `rank_fusion` (the harness compares
+    `standardised_fusion` so)."""
+    return window_stages(normal, window, window_scores, normal_scores, window_gcn, fusion).ranking
 
 
 #: The stages of `combined_ranking`, in the order they place services (`WindowStages.stage`): a
@@ -398,12 +399,12 @@ class WindowStages:
 
 
 def window_stages(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
-                  window_gcn: WindowModel | None = None) -> WindowStages:
+                  window_gcn: WindowModel | None = None, fusion: Callable[..., pd.Series] | None = None) -> WindowStages:
     """`combined_ranking` of a window (its arguments), as `WindowStages`."""
     gnn = node_score_shift(window_scores, normal_scores)
     learned = gnn if window_gcn is None else window_gcn_scores(window_gcn, normal, window, gnn)
     return ranked_stages(normal.service_shift_parts(window), learned, normal.structure_parts(window),
-                         normal.structure_tests(window), normal.structure_noise, normal.error_noise)
+                         normal.structure_tests(window), normal.structure_noise, normal.error_noise, fusion)
 
 
 def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, tests: pd.DataFrame,
