@@ -1,5 +1,6 @@
-"""bmeg's fusion of the time shift and the window GCN: by ranks (`rank_fusion`, bmeg's) against
-by standardised scores (`standardised_fusion`), on the same windows (issue 12, session 21):
+"""bmeg's fusion of the time shift and the window GCN: by ranks (`rank_fusion`, bmeg's until
+issue 12, session 21) against by standardised scores (`standardised_fusion`, bmeg's since), on
+the same windows:
 
     python bench/fusion.py sim RUN [RUN ...] [--windows 60] [--seed 0] [--cache DIR]
     python bench/fusion.py replay STAGES.json [STAGES.json ...]
@@ -13,8 +14,9 @@ service per run.
 `replay` re-ranks the windows of `bench/window_stages.py record` files (which keep, per fault,
 what bmeg's stages read: the time shift's parts, the learned scores, the gates that fired, the
 decisive service) with each fusion, and prints AC@1 of latency faults (plain and with the
-window's other faulty services removed) and of each fault type; it first checks that replaying
-`rank_fusion` gives the recorded rankings.
+window's other faulty services removed) and of each fault type; it first counts the windows
+where replaying each fusion gives the recorded ranking (top 5; records made before session 21
+hold rank fusion's, later ones the standardised fusion's).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, load_window_gcn
 from bmeg.training.window_gcn import TrainingWindow
 from window_gcn import HELD_OUT_SEED, windows_of  # bench/window_gcn.py
 
-FUSIONS: dict[str, Callable[..., pd.Series]] = {"rank fusion (bmeg)": rank_fusion,
-                                                "standardised fusion": standardised_fusion}
+FUSIONS: dict[str, Callable[..., pd.Series]] = {"rank fusion (bmeg until session 21)": rank_fusion,
+                                                "standardised fusion (bmeg)": standardised_fusion}
 PARTS = ("own", "caller", "callee", "wait")
 
 
@@ -87,8 +89,10 @@ def replay(args: argparse.Namespace) -> None:
     for path in args.stages:
         faults = json.loads(path.read_text())["faults"]
         recorded = [[s for s, _ in f["stages"]["ranking"]] for f in faults]
-        same = sum(replayed(f["stages"], rank_fusion)[:5] == r[:5] for f, r in zip(faults, recorded, strict=True))
-        print(f"{path}: {len(faults)} faults; rank fusion replayed as recorded (top 5) in {same}")
+        same = {name: sum(replayed(f["stages"], fusion)[:5] == r[:5] for f, r in zip(faults, recorded, strict=True))
+                for name, fusion in FUSIONS.items()}
+        print(f"{path}: {len(faults)} faults; replayed as recorded (top 5): "
+              + ", ".join(f"{name} {count}" for name, count in same.items()))
         for name, fusion in FUSIONS.items():
             rows: dict[str, list[bool]] = {"latency": [], "latency, others removed": []}
             for fault in faults:

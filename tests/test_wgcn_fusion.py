@@ -13,7 +13,7 @@ from bmeg.evaluation.rankers import WindowGcnRanker, _DetectorScores, default_ra
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError
 from bmeg.models.normal import NormalStats
-from bmeg.models.window import (WindowRanker, combined_ranking, gnn_window_scores, node_score_shift, standardised_fusion,
+from bmeg.models.window import (WindowRanker, combined_ranking, gnn_window_scores, node_score_shift, rank_fusion,
                                 window_gcn_of, window_gcn_scores, with_normal_baselines)
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, rank_window, save_window_gcn, service_features
 from bmeg.traces import span_table
@@ -59,11 +59,14 @@ def _random(seed: int) -> WindowGCN:
     return WindowGCN().eval()
 
 
-def test_a_window_gcn_reading_only_the_gnn_shift_ranks_as_bmeg_does(scored):
+def test_a_window_gcn_reading_only_the_gnn_shift_ranks_as_bmeg_without_one_by_the_same_fusion(scored):
+    """The window GCN's path reads the GNN's shift as the GNN's path does: fused by ranks, as bmeg
+    fuses the GNN's shift, the two rank alike (bmeg fuses a window GCN by standardised scores)."""
     stats, normal_scores, windows = scored
     for window, scores in windows:
         before = [service for service, _ in combined_ranking(stats, window, scores, normal_scores)]
-        after = [service for service, _ in combined_ranking(stats, window, scores, normal_scores, _reading("gnn_shift"))]
+        after = [service for service, _ in combined_ranking(stats, window, scores, normal_scores, _reading("gnn_shift"),
+                                                            rank_fusion)]
         assert after == before
 
 
@@ -99,10 +102,10 @@ def test_bmeg_fuses_the_window_gcn_only_where_the_run_holds_one(tmp_path):
     assert rankers["bmeg"].window_gcn is None  # type: ignore[attr-defined]
     save_window_gcn(_reading("self_time"), tmp_path / WINDOW_GCN_FILE)
     rankers = {ranker.name: ranker for ranker in default_rankers(detector, published=False)}
-    assert {"bmeg", "bmeg-standardised-fusion", "bmeg-gnn-fusion", "bmeg-window-gcn"} <= set(rankers)
+    assert {"bmeg", "bmeg-rank-fusion", "bmeg-gnn-fusion", "bmeg-window-gcn"} <= set(rankers)
     assert rankers["bmeg"].window_gcn is not None and rankers["bmeg-gnn-fusion"].window_gcn is None  # type: ignore[attr-defined]
     assert rankers["bmeg"].fusion is None  # type: ignore[attr-defined]
-    assert rankers["bmeg-standardised-fusion"].fusion is standardised_fusion  # type: ignore[attr-defined]
+    assert rankers["bmeg-rank-fusion"].fusion is rank_fusion  # type: ignore[attr-defined]
     normal = rpc_view(span_table(many_traces(60)))
     assert WindowRanker(detector, normal).window_gcn is not None  # every door's ranker reads it too
     (tmp_path / WINDOW_GCN_FILE).write_bytes(b"not a checkpoint")  # damaged: said, not passed over

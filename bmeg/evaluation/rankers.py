@@ -4,13 +4,13 @@
 see `bmeg.graphs.rpc.rpc_view`) and statistics of a normal period, and returns
 `[(service, score), ...]`, most suspicious first.
 
-- `bmeg`: the rank fusion of a learned window ranking (the window GCN's where the detector's
-  run directory holds one, as `bmeg bootstrap` writes it, else the GNN's) and how far each
-  service's own time moved from the normal period, with code faults and decisive call gaps
-  first: the window ranker every door of the product uses (`bmeg.models.window.combined_ranking`).
-- `bmeg-standardised-fusion`: `bmeg` with its two rankings fused by standardised scores
-  (`standardised_fusion`, which reads margins) instead of by ranks, where the run holds a window
-  GCN (issue 12, session 21: measured beside `bmeg`, not adopted).
+- `bmeg`: the fusion of a learned window ranking (the window GCN's where the detector's run
+  directory holds one, as `bmeg bootstrap` writes it, fused by standardised scores; else the
+  GNN's, fused by ranks) and how far each service's own time moved from the normal period, with
+  code faults and decisive call gaps first: the window ranker every door of the product uses
+  (`bmeg.models.window.combined_ranking`).
+- `bmeg-rank-fusion`: `bmeg` with the window GCN's ranking fused by ranks (`rank_fusion`, `bmeg`
+  from issue 12, session 20 to session 21), where the run holds a window GCN.
 - `bmeg-gnn-fusion`: `bmeg` with the per-trace GNN's ranking in its rank fusion whatever the run
   holds (`bmeg` before issue 12, session 20), where the run holds a window GCN.
 - `bmeg-gnn`: the GNN alone: each service's mean node score in the window against its mean
@@ -39,7 +39,7 @@ import pandas as pd
 
 from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, standardised_fusion, window_gcn_of,
+from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, rank_fusion, window_gcn_of,
                                 window_gcn_scores, with_normal_baselines)
 from bmeg.models.window_gcn import WindowModel
 
@@ -187,7 +187,7 @@ class BmegRanker:
     """B-MEG on a window: `bmeg.models.window.combined_ranking`, the ranker every door of the
     product uses, with the detector's scores shared with the other detector-based rankers and
     the run's window GCN (None: the GNN's ranking in the fusion, `bmeg-gnn-fusion`); `fusion` in
-    place of bmeg's (`standardised_fusion`: `bmeg-standardised-fusion`, issue 12, session 21)."""
+    place of bmeg's (`rank_fusion` with a window GCN: `bmeg-rank-fusion`)."""
 
     def __init__(self, scores: _DetectorScores, window_gcn: WindowModel | None, name: str = "bmeg",
                  fusion: Callable[..., pd.Series] | None = None):
@@ -214,6 +214,6 @@ def default_rankers(detector=None, normal: SpanForest | None = None, published: 
     scores = _DetectorScores(detector)
     window_gcn = window_gcn_of(detector)
     learned: list[Ranker] = [] if window_gcn is None else [
-        BmegRanker(scores, window_gcn, "bmeg-standardised-fusion", standardised_fusion),
+        BmegRanker(scores, window_gcn, "bmeg-rank-fusion", rank_fusion),
         BmegRanker(scores, None, "bmeg-gnn-fusion"), WindowGcnRanker(scores, window_gcn)]
     return [BmegRanker(scores, window_gcn), GnnRanker(scores), *learned, FirmSvmRanker(detector), *baselines]

@@ -357,12 +357,13 @@ def _traces(spans: pa.Table, trace_ids: np.ndarray) -> SpanForest:
 
 def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
                      window_gcn: WindowModel | None = None, fusion: Callable[..., pd.Series] | None = None) -> Ranking:
-    """B-MEG on a window: reciprocal-rank fusion (`rank_fusion`) of how far each service's own
-    time moved from the normal period (`NormalStats.service_shift_parts`, call gaps split between
-    caller and callee) and a learned window ranking: the GNN's own (`node_score_shift` of the
-    detector's scores of the window and of the normal period), or, given `window_gcn`, the window
-    GCN's (`window_gcn_scores`, which reads that GNN shift among its inputs). By rank, not by
-    product, so a low learned score cannot bury the service the time shift ranks first. Services
+    """B-MEG on a window: a fusion of how far each service's own time moved from the normal
+    period (`NormalStats.service_shift_parts`, call gaps split between caller and callee) and a
+    learned window ranking: given `window_gcn`, the window GCN's (`window_gcn_scores`), fused by
+    standardised scores (`standardised_fusion`, which reads how far each ranking puts a service
+    ahead; issue 12, session 21); else the GNN's own (`node_score_shift` of the detector's scores
+    of the window and of the normal period), fused by ranks (`rank_fusion`). Neither is a product,
+    so a low learned score cannot bury the service the time shift puts far ahead. Services
     whose structure moved beyond their own normal noise (`structure_changed`: a code fault) come
     before the others, by how far it moved, and so do services where errors began beyond their
     own noise (`errors_began`: an exception in a few percent of requests); on simulated latency
@@ -372,8 +373,8 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     operation, which moves the service's shares less than the floors). Then a
     decisive time shift of a call gap (`decisive_shift` of the caller and callee parts) comes
     before the fusion's order. Which of the three stages placed each service, and what they
-    read: `window_stages`. `fusion` replaces `rank_fusion` (the harness compares
-    `standardised_fusion` so)."""
+    read: `window_stages`. `fusion` replaces the fusion chosen so (the harness compares
+    `rank_fusion` with a window GCN so: `bmeg-rank-fusion`)."""
     return window_stages(normal, window, window_scores, normal_scores, window_gcn, fusion).ranking
 
 
@@ -390,7 +391,7 @@ class WindowStages:
 
     parts: pd.DataFrame  # `NormalStats.service_shift_parts` of the window: own / caller / callee / wait (log2)
     learned: pd.Series  # the learned ranking's scores (`node_score_shift`, or the window GCN's logits)
-    fused: pd.Series  # `rank_fusion` of the largest part and `learned`, best first
+    fused: pd.Series  # the fusion of the largest part and `learned`, best first
     structure: pd.Series  # per service of `fused`: its structure shift (calls + errors parts; 0 where none)
     gates: pd.DataFrame  # bool per service of `fused`, a column per structure gate (`GATES`)
     decisive: str | None  # `decisive_shift` of the call gaps (where a gate fired on it too, the gate placed it)
@@ -403,6 +404,7 @@ def window_stages(normal: NormalStats, window: SpanForest, window_scores: Any, n
     """`combined_ranking` of a window (its arguments), as `WindowStages`."""
     gnn = node_score_shift(window_scores, normal_scores)
     learned = gnn if window_gcn is None else window_gcn_scores(window_gcn, normal, window, gnn)
+    fusion = fusion or (rank_fusion if window_gcn is None else standardised_fusion)
     return ranked_stages(normal.service_shift_parts(window), learned, normal.structure_parts(window),
                          normal.structure_tests(window), normal.structure_noise, normal.error_noise, fusion)
 
@@ -414,7 +416,7 @@ def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, 
     (`NormalStats.service_shift_parts`), the `learned` scores, the structure's `shape`
     (`NormalStats.structure_parts`) and `tests` (`NormalStats.structure_tests`), and the normal
     period's noise of both (`NormalStats.structure_noise`, `NormalStats.error_noise`); `fusion`
-    orders what no gate placed (`rank_fusion`, or `standardised_fusion` to compare)."""
+    orders what no gate placed (`standardised_fusion` or, by default, `rank_fusion`)."""
     fused = (fusion or rank_fusion)(parts.max(axis=1), learned)
     shape = shape.reindex(fused.index)
     structure = shape[["calls", "errors"]].sum(axis=1).fillna(0.0)
