@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 
 from bmeg.evaluation.faults import LATENCY_FAULTS
-from bmeg.models.window import decisive_shift, rank_fusion, standardised_fusion
+from bmeg.models.window import decisive_shift, rank_fusion, staged_order, standardised_fusion
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, load_window_gcn
 from bmeg.training.window_gcn import TrainingWindow
 from window_gcn import HELD_OUT_SEED, windows_of  # bench/window_gcn.py
@@ -39,12 +39,6 @@ from window_gcn import HELD_OUT_SEED, windows_of  # bench/window_gcn.py
 FUSIONS: dict[str, Callable[..., pd.Series]] = {"rank fusion (bmeg until session 21)": rank_fusion,
                                                 "standardised fusion (bmeg)": standardised_fusion}
 PARTS = ("own", "caller", "callee", "wait")
-
-
-def ordered(fused: pd.Series, decisive: str | None) -> list[str]:
-    """The services of `fused` after the decisive call gap's, as `ranked_stages` orders them."""
-    order = [str(s) for s in fused.index]
-    return order if decisive is None or decisive not in order else [decisive] + [s for s in order if s != decisive]
 
 
 def window_parts(window: TrainingWindow) -> pd.DataFrame:
@@ -68,7 +62,8 @@ def sim(args: argparse.Namespace) -> None:
             hits["window GCN alone"].append(str(learned.idxmax()) in faulty)
             decisive = decisive_shift(parts[["caller", "callee"]].max(axis=1))
             for name, fusion in FUSIONS.items():
-                hits[name].append(ordered(fusion(parts.max(axis=1), learned), decisive)[0] in faulty)
+                first = staged_order(fusion(parts.max(axis=1), learned), pd.Series(dtype=float), decisive).index[0]
+                hits[name].append(str(first) in faulty)
         cells = ", ".join(f"{name} {np.mean(got):.3f}" for name, got in hits.items())
         print(f"{run}: {len(windows)} held-out latency windows (seed {HELD_OUT_SEED + args.seed}): top-1 {cells}",
               flush=True)
@@ -79,10 +74,8 @@ def replayed(stages: dict, fusion: Callable[..., pd.Series]) -> list[str]:
     parts = pd.DataFrame(stages["parts"])
     learned = pd.Series(stages["learned"], dtype=float)
     fused = fusion(parts.max(axis=1), learned)
-    structure = pd.Series(stages["structure"], dtype=float)
-    gated = [s for s in fused.index if s in stages["gates"]]
-    first = structure.reindex(gated).fillna(0.0).sort_values(ascending=False, kind="stable").index.tolist()
-    return first + ordered(fused.drop(first), stages["decisive"])
+    gated = pd.Series(stages["structure"], dtype=float).reindex([s for s in fused.index if s in stages["gates"]])
+    return [str(s) for s in staged_order(fused, gated.fillna(0.0), stages["decisive"]).index]
 
 
 def replay(args: argparse.Namespace) -> None:

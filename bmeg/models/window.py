@@ -424,21 +424,26 @@ def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, 
                                           errors_began(shape, error_noise),
                                           structure_significant(tests).reindex(fused.index, fill_value=False)))))
     changed = gates.any(axis=1)
-    # services whose structure changed come first, by how much; then a decisive time shift;
-    # then the rest, by rank fusion
-    first = structure[changed].sort_values(ascending=False, kind="stable") + 2.0 + fused.max()
-    rest = fused[~changed]
     decisive = decisive_shift(parts[["caller", "callee"]].max(axis=1))
-    if decisive in rest.index:
-        rest = pd.concat([pd.Series({decisive: 1.0 + fused.max()}), rest.drop(decisive)])
-    order = pd.concat([first, rest])
+    order = staged_order(fused, structure[changed], decisive)
     stage = pd.Series(STAGE_FUSION, index=order.index, dtype=object)
-    stage[first.index] = STAGE_STRUCTURE
-    if decisive in rest.index:
+    stage[changed[changed].index] = STAGE_STRUCTURE
+    if decisive in order.index and not changed.get(decisive, False):
         stage[decisive] = STAGE_DECISIVE
     return WindowStages(parts=parts, learned=learned, fused=fused, structure=structure, gates=gates.astype(bool),
                         decisive=decisive, ranking=[(str(service), float(score)) for service, score in order.items()],
                         stage=stage)
+
+
+def staged_order(fused: pd.Series, gated: pd.Series, decisive: str | None) -> pd.Series:
+    """`ranked_stages`' order, best first, with its scores: the `gated` services (their structure
+    shift, in `fused`'s order) first, by how far their structure moved; then the `decisive` call
+    gap's service unless a gate placed it; then the rest in the fusion's order."""
+    first = gated.sort_values(ascending=False, kind="stable") + 2.0 + fused.max()
+    rest = fused.drop(first.index)
+    if decisive in rest.index:
+        rest = pd.concat([pd.Series({decisive: 1.0 + fused.max()}), rest.drop(decisive)])
+    return pd.concat([first, rest])
 
 
 def window_gcn_scores(model: WindowModel, normal: NormalStats, window: SpanForest, gnn_shift: pd.Series) -> pd.Series:
