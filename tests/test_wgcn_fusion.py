@@ -125,3 +125,26 @@ def test_the_window_gcn_ranker_ranks_by_the_scores_the_fusion_reads(seed):
         ranked = ranker.rank(window, stats)
         assert ranked == rank_window(model, service_features(stats, window, gnn))
         assert dict(ranked) == window_gcn_scores(model, stats, window, gnn).to_dict()
+
+
+def test_the_harness_runs_the_window_gcn_once_a_window_and_ranks_as_the_library(tmp_path, monkeypatch):
+    """bmeg, bmeg-rank-fusion and bmeg-window-gcn read one computation of the window GCN's
+    scores per window, and bmeg's ranking is `combined_ranking`'s computed afresh."""
+    import bmeg.evaluation.rankers as rankers_module
+
+    normal = rpc_view(span_table(many_traces(60)))
+    detector = replace(tiny_detector(), run_dir=tmp_path)
+    model = _random(7)
+    save_window_gcn(model, tmp_path / WINDOW_GCN_FILE)
+    calls = []
+    counted = rankers_module.learned_scores
+    monkeypatch.setattr(rankers_module, "learned_scores", lambda *args: calls.append(1) or counted(*args))
+    rankers = {r.name: r for r in default_rankers(detector, normal, published=False)}
+    stats = NormalStats.from_forest(normal)
+    baselined = with_normal_baselines(detector, normal)
+    for count, window in enumerate((_window(1, 8.0), _window(0, 8.0, extra_call=True)), start=1):
+        got = {name: rankers[name].rank(window, stats) for name in ("bmeg", "bmeg-rank-fusion", "bmeg-window-gcn")}
+        assert len(calls) == count
+        fresh = combined_ranking(stats, window, gnn_window_scores(baselined, window),
+                                 gnn_window_scores(baselined, normal), window_gcn_of(detector))
+        assert [s for s, _ in got["bmeg"]] == [s for s, _ in fresh]

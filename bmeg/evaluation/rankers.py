@@ -39,8 +39,8 @@ import pandas as pd
 
 from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import (combined_ranking, gnn_window_scores, node_score_shift, rank_fusion, window_gcn_of,
-                                window_gcn_scores, with_normal_baselines)
+from bmeg.models.window import (combined_ranking, gnn_window_scores, learned_scores, node_score_shift, rank_fusion,
+                                window_gcn_of, with_normal_baselines)
 from bmeg.models.window_gcn import WindowModel
 
 
@@ -122,13 +122,23 @@ class TraceRCARanker:
 
 
 class _DetectorScores:
-    """The detector's scores of one window, computed once for every detector-based ranker."""
+    """The detector's scores of one window, and a window GCN's, computed once for every
+    detector-based ranker."""
 
     def __init__(self, detector):
         self.detector = detector
         # the two forests used last: a window and the normal period, which every window is
         # compared with (keeping only the last one re-scored the normal period twice per window)
         self._held: dict[int, tuple[SpanForest, object]] = {}
+        self._learned: tuple[tuple[SpanForest, NormalStats, WindowModel], pd.Series] | None = None
+
+    def learned(self, window: SpanForest, normal: NormalStats, window_gcn: WindowModel) -> pd.Series:
+        """`window_gcn`'s scores of `window` against `normal` (`learned_scores`), kept for the last
+        window: bmeg, its rank-fusion variant and the window GCN alone read the same."""
+        key = (window, normal, window_gcn)
+        if self._learned is None or any(a is not b for a, b in zip(self._learned[0], key)):
+            self._learned = (key, learned_scores(normal, window, self(window), self(normal.forest), window_gcn))
+        return self._learned[1]
 
     def __call__(self, window: SpanForest):
         held = self._held.pop(id(window), None)
@@ -179,8 +189,7 @@ class WindowGcnRanker:
         self.scores, self.model = scores, model
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        gnn = node_score_shift(self.scores(window), self.scores(normal.forest))
-        return _ranking(window_gcn_scores(self.model, normal, window, gnn))  # as bmeg's fusion reads it
+        return _ranking(self.scores.learned(window, normal, self.model))  # as bmeg's fusion reads it
 
 
 class BmegRanker:
@@ -194,8 +203,9 @@ class BmegRanker:
         self.scores, self.window_gcn, self.name, self.fusion = scores, window_gcn, name, fusion
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
+        learned = None if self.window_gcn is None else self.scores.learned(window, normal, self.window_gcn)
         return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest), self.window_gcn,
-                                self.fusion)
+                                self.fusion, learned)
 
 
 def default_rankers(detector=None, normal: SpanForest | None = None, published: bool = True) -> list[Ranker]:

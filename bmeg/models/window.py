@@ -356,7 +356,8 @@ def _traces(spans: pa.Table, trace_ids: np.ndarray) -> SpanForest:
 
 
 def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
-                     window_gcn: WindowModel | None = None, fusion: Callable[..., pd.Series] | None = None) -> Ranking:
+                     window_gcn: WindowModel | None = None, fusion: Callable[..., pd.Series] | None = None,
+                     learned: pd.Series | None = None) -> Ranking:
     """B-MEG on a window: a fusion of how far each service's own time moved from the normal
     period (`NormalStats.service_shift_parts`, call gaps split between caller and callee) and a
     learned window ranking: given `window_gcn`, the window GCN's (`window_gcn_scores`), fused by
@@ -374,8 +375,9 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     decisive time shift of a call gap (`decisive_shift` of the caller and callee parts) comes
     before the fusion's order. Which of the three stages placed each service, and what they
     read: `window_stages`. `fusion` replaces the fusion chosen so (the harness compares
-    `rank_fusion` with a window GCN so: `bmeg-rank-fusion`)."""
-    return window_stages(normal, window, window_scores, normal_scores, window_gcn, fusion).ranking
+    `rank_fusion` with a window GCN so: `bmeg-rank-fusion`); `learned`, the window GCN's scores
+    of this window where the caller holds them already (`learned_scores`)."""
+    return window_stages(normal, window, window_scores, normal_scores, window_gcn, fusion, learned).ranking
 
 
 #: The stages of `combined_ranking`, in the order they place services (`WindowStages.stage`): a
@@ -400,13 +402,22 @@ class WindowStages:
 
 
 def window_stages(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
-                  window_gcn: WindowModel | None = None, fusion: Callable[..., pd.Series] | None = None) -> WindowStages:
+                  window_gcn: WindowModel | None = None, fusion: Callable[..., pd.Series] | None = None,
+                  learned: pd.Series | None = None) -> WindowStages:
     """`combined_ranking` of a window (its arguments), as `WindowStages`."""
-    gnn = node_score_shift(window_scores, normal_scores)
-    learned = gnn if window_gcn is None else window_gcn_scores(window_gcn, normal, window, gnn)
+    if learned is None:
+        learned = learned_scores(normal, window, window_scores, normal_scores, window_gcn)
     fusion = fusion or (rank_fusion if window_gcn is None else standardised_fusion)
     return ranked_stages(normal.service_shift_parts(window), learned, normal.structure_parts(window),
                          normal.structure_tests(window), normal.structure_noise, normal.error_noise, fusion)
+
+
+def learned_scores(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
+                   window_gcn: WindowModel | None = None) -> pd.Series:
+    """The learned ranking `combined_ranking` fuses: the window GCN's logits given `window_gcn`,
+    else the GNN's `node_score_shift`."""
+    gnn = node_score_shift(window_scores, normal_scores)
+    return gnn if window_gcn is None else window_gcn_scores(window_gcn, normal, window, gnn)
 
 
 def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, tests: pd.DataFrame,
