@@ -30,7 +30,7 @@ const usage = `usage:
   socialnet service --config FILE
   socialnet proxy --listen ADDR --upstream ADDR[,ADDR...] [--admin ADDR]
   socialnet load --target URL --rate R --duration D [--mix SPEC] [--seed S] [--users N]
-                 [--init] [--follows K] [--arrivals constant|poisson] [--timeout D] [--max-in-flight N]
+                 [--init] [--follows K] [--posts P] [--arrivals constant|poisson] [--timeout D] [--max-in-flight N]
 services: %v
 `
 
@@ -127,6 +127,7 @@ func runLoad(args []string, stdout io.Writer) error {
 	fs.IntVar(&o.Users, "users", 962, "user ids 1..N (962: DeathStarBench's socfb-Reed98 graph)")
 	fs.BoolVar(&o.Init, "init", false, "register the users and their follows before the run")
 	fs.IntVar(&o.Follows, "follows", 10, "followees per user registered by --init")
+	fs.IntVar(&o.Posts, "posts", 0, "posts each user composes at --init, after the follows")
 	fs.Var((*seconds)(&o.Timeout), "timeout", "per-request timeout: seconds or a Go duration")
 	fs.IntVar(&o.MaxInFlight, "max-in-flight", 4096, "requests in flight beyond which due ones are dropped")
 	if err := parse(fs, args); err != nil {

@@ -27,6 +27,7 @@ type Options struct {
 	Users       int           // user ids 1..Users
 	Init        bool          // register the users and their follows first
 	Follows     int           // followees per user at init
+	Posts       int           // posts each user composes at init, after the follows
 	Timeout     time.Duration // per request
 	MaxInFlight int           // beyond this, a due request is counted dropped, not sent
 }
@@ -48,6 +49,7 @@ type Stats struct {
 type InitStats struct {
 	Users    int     `json:"users"`
 	Follows  int     `json:"follows"`
+	Posts    int     `json:"posts"`
 	Errors   int     `json:"errors"`
 	Seconds  float64 `json:"seconds"`
 	FirstErr string  `json:"first_error,omitempty"`
@@ -149,6 +151,9 @@ func (o *Options) validate() error {
 	if o.Users < 2 {
 		errs = append(errs, fmt.Errorf("users must be >= 2, got %d", o.Users))
 	}
+	if o.Posts < 0 {
+		errs = append(errs, fmt.Errorf("posts must be >= 0, got %d", o.Posts))
+	}
 	if o.Follows < 0 || o.Follows >= o.Users {
 		errs = append(errs, fmt.Errorf("follows must be in 0..users-1, got %d", o.Follows))
 	}
@@ -186,26 +191,7 @@ func (g *generator) request(kind string) httpRequest {
 	v := url.Values{}
 	switch kind {
 	case Compose:
-		v.Set("username", username(id))
-		v.Set("user_id", strconv.Itoa(id))
-		var text strings.Builder
-		text.WriteString(randomText(g.rng, 64))
-		for range g.rng.IntN(4) {
-			text.WriteString(" @" + username(g.user()))
-		}
-		for range g.rng.IntN(3) {
-			text.WriteString(" http://" + randomText(g.rng, 24))
-		}
-		v.Set("text", text.String())
-		var ids, types []string
-		for range g.rng.IntN(3) {
-			ids = append(ids, strconv.FormatInt(g.rng.Int64N(1<<53), 10))
-			types = append(types, "png")
-		}
-		v.Set("media_ids", "["+strings.Join(ids, ",")+"]")
-		v.Set("media_types", "["+strings.Join(types, ",")+"]")
-		v.Set("post_type", "0")
-		return httpRequest{http.MethodPost, "/wrk2-api/post/compose", v}
+		return g.compose(id)
 	case Home, User:
 		v.Set("user_id", strconv.Itoa(id))
 		v.Set("start", "0")
@@ -228,6 +214,32 @@ func (g *generator) request(kind string) httpRequest {
 		v.Set("followee_id", strconv.Itoa(other))
 		return httpRequest{http.MethodPost, "/wrk2-api/user/follow", v}
 	}
+}
+
+// compose builds user id's compose-post request, its text carrying mentions and links as
+// DeathStarBench's compose-post.lua writes it.
+func (g *generator) compose(id int) httpRequest {
+	v := url.Values{}
+	v.Set("username", username(id))
+	v.Set("user_id", strconv.Itoa(id))
+	var text strings.Builder
+	text.WriteString(randomText(g.rng, 64))
+	for range g.rng.IntN(4) {
+		text.WriteString(" @" + username(g.user()))
+	}
+	for range g.rng.IntN(3) {
+		text.WriteString(" http://" + randomText(g.rng, 24))
+	}
+	v.Set("text", text.String())
+	var ids, types []string
+	for range g.rng.IntN(3) {
+		ids = append(ids, strconv.FormatInt(g.rng.Int64N(1<<53), 10))
+		types = append(types, "png")
+	}
+	v.Set("media_ids", "["+strings.Join(ids, ",")+"]")
+	v.Set("media_types", "["+strings.Join(types, ",")+"]")
+	v.Set("post_type", "0")
+	return httpRequest{http.MethodPost, "/wrk2-api/post/compose", v}
 }
 
 func randomText(rng *rand.Rand, n int) string {
@@ -270,8 +282,10 @@ func (g *generator) send(r httpRequest) error {
 	return nil
 }
 
-// setUp registers users 1..Users and has each follow Follows others (closed loop, 16 at a
-// time: it is preparation, not load). Registering twice is harmless.
+// setUp registers users 1..Users, has each follow Follows others, then has each compose Posts
+// posts (closed loop, 16 at a time: it is preparation, not load), so that the timelines the run
+// reads already hold what they will hold once the run has been going for a while. Registering
+// twice is harmless.
 func (g *generator) setUp(ctx context.Context) *InitStats {
 	start := time.Now()
 	st := &InitStats{Users: g.o.Users}
@@ -297,6 +311,15 @@ func (g *generator) setUp(ctx context.Context) *InitStats {
 		}
 	}
 	st.Follows = len(reqs)
+	g.runAll(ctx, reqs, st)
+	// posts last, so each fans out to its author's followers' home timelines as in the run
+	reqs = reqs[:0]
+	for range g.o.Posts {
+		for id := 1; id <= g.o.Users; id++ {
+			reqs = append(reqs, g.compose(id))
+		}
+	}
+	st.Posts = len(reqs)
 	g.runAll(ctx, reqs, st)
 	st.Seconds = time.Since(start).Seconds()
 	return st

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -149,6 +150,53 @@ func TestLoadStopsOnContextAndCountsErrors(t *testing.T) {
 	}
 }
 
+func TestInitComposesPostsAfterTheFollows(t *testing.T) {
+	var mu sync.Mutex
+	var paths []string
+	composers := map[string]int{}
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if err := r.ParseForm(); err != nil {
+			t.Error(err)
+		}
+		mu.Lock()
+		paths = append(paths, r.URL.Path)
+		if r.URL.Path == "/wrk2-api/post/compose" {
+			composers[r.PostForm.Get("user_id")]++
+		}
+		mu.Unlock()
+		w.Write([]byte("{}"))
+	}))
+	defer ts.Close()
+	mix, _ := ParseMix("home=1")
+	sum, err := Run(context.Background(), Options{Target: ts.URL, Rate: 1, Duration: time.Millisecond, Mix: mix,
+		Arrivals: Constant, Seed: 1, Users: 6, Init: true, Follows: 2, Posts: 3, Timeout: time.Second, MaxInFlight: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum.Init == nil || sum.Init.Posts != 18 || sum.Init.Follows != 12 || sum.Init.Errors != 0 {
+		t.Fatalf("init %+v, want 12 follows and 18 posts", sum.Init)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for id := 1; id <= 6; id++ {
+		if got := composers[strconv.Itoa(id)]; got != 3 {
+			t.Fatalf("user %d composed %d posts at init, want 3", id, got)
+		}
+	}
+	lastFollow, firstPost := -1, len(paths)
+	for i, p := range paths {
+		if p == "/wrk2-api/user/follow" {
+			lastFollow = i
+		}
+		if p == "/wrk2-api/post/compose" && i < firstPost {
+			firstPost = i
+		}
+	}
+	if lastFollow > firstPost {
+		t.Fatalf("a post (request %d) before the last follow (request %d): it would miss followers' timelines", firstPost, lastFollow)
+	}
+}
+
 func TestOptionsValidate(t *testing.T) {
 	mix, _ := ParseMix(DefaultMix)
 	good := Options{Target: "http://127.0.0.1:1", Rate: 1, Duration: time.Second, Mix: mix, Arrivals: Constant,
@@ -160,6 +208,7 @@ func TestOptionsValidate(t *testing.T) {
 		func(o *Options) { o.Target = "127.0.0.1:80" },
 		func(o *Options) { o.Users = 1 },
 		func(o *Options) { o.Follows = 10 },
+		func(o *Options) { o.Posts = -1 },
 		func(o *Options) { o.MaxInFlight = 0 },
 		func(o *Options) { o.Mix = Mix{} },
 	} {
