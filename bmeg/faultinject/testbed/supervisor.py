@@ -57,8 +57,8 @@ USERS, FOLLOWS = 962, 10
 #: from the start; with none the stores start empty and the timelines fill for about half an hour
 #: (10 composes/s over 962 users), reading more posts each minute: a drift of the application that
 #: a baseline recorded in its first minutes reads as slowness (README, issue 12, session 22). Not
-#: yet the default: after the posts post-storage-service's CPU use falls from 0.058 to 0.030 cores
-#: over 90 s, and a saturation quota sized from its use since `up` does not throttle it.
+#: yet the default: the closed loop's saturation scenario (a quota 1.2x the service's use) no
+#: longer slows a warm application enough for its test.
 POSTS_ENV = "BMEG_TESTBED_POSTS_PER_USER"
 
 

@@ -173,8 +173,8 @@ func TestInitComposesPostsAfterTheFollows(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if sum.Init == nil || sum.Init.Posts != 18 || sum.Init.Follows != 12 || sum.Init.Errors != 0 {
-		t.Fatalf("init %+v, want 12 follows and 18 posts", sum.Init)
+	if sum.Init == nil || sum.Init.Posts != 18 || sum.Init.Follows != 12 || sum.Init.Reads != 12 || sum.Init.Errors != 0 {
+		t.Fatalf("init %+v, want 12 follows, 18 posts and 12 timeline reads", sum.Init)
 	}
 	mu.Lock()
 	defer mu.Unlock()
@@ -191,6 +191,20 @@ func TestInitComposesPostsAfterTheFollows(t *testing.T) {
 		if p == "/wrk2-api/post/compose" && i < firstPost {
 			firstPost = i
 		}
+	}
+	lastPost := -1
+	for i, p := range paths {
+		if p == "/wrk2-api/post/compose" {
+			lastPost = i
+		}
+	}
+	read := map[string]int{}
+	for _, p := range paths[lastPost+1:] {
+		read[p]++
+	}
+	// each user's two timelines (16 at a time, in any order); the run's own requests are home reads
+	if read["/wrk2-api/user-timeline/read"] != 6 || read["/wrk2-api/home-timeline/read"] < 6 {
+		t.Fatalf("after the posts %v, want each user's home and user timeline read", read)
 	}
 	if lastFollow > firstPost {
 		t.Fatalf("a post (request %d) before the last follow (request %d): it would miss followers' timelines", firstPost, lastFollow)
