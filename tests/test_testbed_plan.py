@@ -92,7 +92,7 @@ def test_posts_at_init_come_from_the_environment_and_bad_values_are_refused(monk
     assert posts_per_user() == 0  # the stores start empty unless asked (README, issue 12, session 22)
     monkeypatch.setenv(POSTS_ENV, "10")
     assert posts_per_user() == 10
-    for bad in ("-1", "ten", "1.5", ""):
+    for bad in ("-1", "ten", "1.5", "", "²", " 3"):
         monkeypatch.setenv(POSTS_ENV, bad)
         with pytest.raises(TestbedError, match=POSTS_ENV):
             posts_per_user()

@@ -52,6 +52,9 @@ HEALTH_TIMEOUT_S = 60.0
 ABANDONED_AFTER_S = 600.0
 #: the reference's user count (DeathStarBench's socfb-Reed98 graph has 962 users), 10 followees each
 USERS, FOLLOWS = 962, 10
+INIT_TIMEOUT_S = 300.0
+#: the load generator's longest run (~35 MB of per-request records per hour at 200 req/s)
+LOAD_MAX_S = 4 * 3600.0
 #: Posts each user composes when the testbed comes up, from `BMEG_TESTBED_POSTS_PER_USER`
 #: (default 0). With 10, a page of the timelines the load reads (`start=0, stop=10`), they are full
 #: from the start; with none the stores start empty and the timelines fill for about half an hour
@@ -63,13 +66,11 @@ POSTS_ENV = "BMEG_TESTBED_POSTS_PER_USER"
 
 
 def posts_per_user() -> int:
+    """`BMEG_TESTBED_POSTS_PER_USER` as a whole number (0 where unset); anything else is refused."""
     text = os.environ.get(POSTS_ENV, "0")
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         raise TestbedError(f"{POSTS_ENV}={text!r} is not a whole number of posts")
     return int(text)
-INIT_TIMEOUT_S = 300.0
-#: the load generator's longest run (~35 MB of per-request records per hour at 200 req/s)
-LOAD_MAX_S = 4 * 3600.0
 
 
 def build_binary() -> str:
