@@ -56,9 +56,8 @@ class RecordingBmeg:
         self.scores, self.window_gcn, self.stages = scores, window_gcn, []
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        learned = None if self.window_gcn is None else self.scores.learned(window, normal, self.window_gcn)
         got = window_stages(normal, window, self.scores(window), self.scores(normal.forest), self.window_gcn,
-                            learned=learned)
+                            learned=self.scores.learned(window, normal, self.window_gcn))
         self.stages.append(recorded(got, normal.call_edge_shifts(window)))
         return got.ranking
 

@@ -130,11 +130,12 @@ class _DetectorScores:
         # the two forests used last: a window and the normal period, which every window is
         # compared with (keeping only the last one re-scored the normal period twice per window)
         self._held: dict[int, tuple[SpanForest, object]] = {}
-        self._learned: tuple[tuple[SpanForest, NormalStats, WindowModel], pd.Series] | None = None
+        self._learned: tuple[tuple[SpanForest, NormalStats, WindowModel | None], pd.Series] | None = None
 
-    def learned(self, window: SpanForest, normal: NormalStats, window_gcn: WindowModel) -> pd.Series:
-        """`window_gcn`'s scores of `window` against `normal` (`learned_scores`), kept for the last
-        window: bmeg, its rank-fusion variant and the window GCN alone read the same."""
+    def learned(self, window: SpanForest, normal: NormalStats, window_gcn: WindowModel | None) -> pd.Series:
+        """The learned ranking bmeg fuses (`learned_scores`: `window_gcn`'s scores of `window`
+        against `normal`, the GNN's shift where None), kept for the last window: bmeg, its
+        rank-fusion variant and the window GCN alone read the same."""
         key = (window, normal, window_gcn)
         if self._learned is None or any(a is not b for a, b in zip(self._learned[0], key)):
             self._learned = (key, learned_scores(normal, window, self(window), self(normal.forest), window_gcn))
@@ -203,9 +204,8 @@ class BmegRanker:
         self.scores, self.window_gcn, self.name, self.fusion = scores, window_gcn, name, fusion
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        learned = None if self.window_gcn is None else self.scores.learned(window, normal, self.window_gcn)
         return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest), self.window_gcn,
-                                self.fusion, learned)
+                                self.fusion, self.scores.learned(window, normal, self.window_gcn))
 
 
 def default_rankers(detector=None, normal: SpanForest | None = None, published: bool = True) -> list[Ranker]:

@@ -126,6 +126,7 @@ def repair(testbed: Testbed) -> list[str]:
 def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, seed: int = 0) -> TestbedState:
     if rate <= 0:
         raise ValueError(f"rate must be positive, not {rate}")
+    posts = posts_per_user()  # a bad value is refused before anything starts
     _check_reachable(testbed.run)
     repairs = repair(testbed) + system.remove_abandoned_cgroup_trees(
         GROUP_PREFIX, testbed.group, ABANDONED_AFTER_S)
@@ -138,7 +139,7 @@ def up(testbed: Testbed, rate: float = DEFAULT_RATE, mix: str = DEFAULT_MIX, see
                          mix=mix, seed=seed)
     state.save()
     try:
-        _start_all(testbed, state)
+        _start_all(testbed, state, posts)
     except BaseException:
         repair(testbed)
         raise
@@ -157,7 +158,7 @@ def _check_reachable(run: Path) -> None:
                                f"the stores run as nobody; put the run dir elsewhere (BMEG_TESTBED_RUN_DIR)")
 
 
-def _start_all(testbed: Testbed, state: TestbedState) -> None:
+def _start_all(testbed: Testbed, state: TestbedState, posts: int) -> None:
     from bmeg.faultinject.testbed.collector import start_collector
 
     ports, logs = testbed.ports, testbed.run / "logs"
@@ -177,16 +178,16 @@ def _start_all(testbed: Testbed, state: TestbedState) -> None:
     for service in SERVICES:
         wait_healthy(state, service, f"127.0.0.1:{ports.service(service)}")
         wait_port(ports.proxy(service), 10, f"proxy of {service}", state.processes[f"proxy:{service}"].alive)
-    init_users(testbed, state)
+    init_users(testbed, state, posts)
     start_load(testbed, state)
 
 
-def init_users(testbed: Testbed, state: TestbedState) -> dict:
+def init_users(testbed: Testbed, state: TestbedState, posts: int = 0) -> dict:
     """Register the users and their follows, then compose their first posts (`socialnet load
     --init`, closed loop): a fresh database has none, home timelines stay empty without follows,
-    and timelines that fill during the run slow its reads as it goes (`posts_per_user`)."""
+    and timelines that fill during the run slow its reads as it goes (`posts` a user: `posts_per_user`)."""
     command = [state.binary, "load", "--target", f"http://127.0.0.1:{testbed.ports.proxy(ENTRY)}", "--init",
-               "--users", str(USERS), "--follows", str(FOLLOWS), "--posts", str(posts_per_user()),
+               "--users", str(USERS), "--follows", str(FOLLOWS), "--posts", str(posts),
                "--rate", "1", "--duration", "0.001"]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=INIT_TIMEOUT_S)

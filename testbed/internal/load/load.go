@@ -290,9 +290,9 @@ func (g *generator) send(r httpRequest) error {
 }
 
 // setUp registers users 1..Users, has each follow Follows others, then has each compose Posts
-// posts (closed loop, 16 at a time: it is preparation, not load), so that the timelines the run
-// reads already hold what they will hold once the run has been going for a while. Registering
-// twice is harmless.
+// posts and (with posts) reads each user's two timelines once (closed loop, 16 at a time: it is
+// preparation, not load), so that the timelines and caches the run reads already hold what they
+// will hold once the run has been going for a while. Registering twice is harmless.
 func (g *generator) setUp(ctx context.Context) *InitStats {
 	start := time.Now()
 	st := &InitStats{Users: g.o.Users}
