@@ -75,7 +75,7 @@ def test_closed_loop_mitigation_beats_no_mitigation(bed):
     late-fault p95 back within 1.5x of normal in every controller arm, and well below the
     unmitigated arms' in the same run.
 
-    The fault (quota 1.2x the service's own CPU use) stalls the traces through the service for
+    The fault (quota 0.8x the service's own CPU use) stalls the traces through the service for
     seconds; the controller sees it from the traces still in flight and the cgroup's CFS
     throttling (`bmeg.mitigation.inflight`), not from the finished traces, which arrive after
     its window was read.

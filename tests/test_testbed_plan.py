@@ -85,13 +85,13 @@ def test_saturation_quota_follows_demand_within_the_kernels_limits(capacity, dem
 
 
 def test_posts_at_init_come_from_the_environment_and_bad_values_are_refused(monkeypatch):
-    from bmeg.faultinject.testbed.supervisor import POSTS_ENV, posts_per_user
+    from bmeg.faultinject.testbed.supervisor import DEFAULT_POSTS_PER_USER, POSTS_ENV, posts_per_user
     from bmeg.faultinject.testbed.system import TestbedError
 
     monkeypatch.delenv(POSTS_ENV, raising=False)
-    assert posts_per_user() == 0  # the stores start empty unless asked (README, issue 12, session 22)
-    monkeypatch.setenv(POSTS_ENV, "10")
-    assert posts_per_user() == 10
+    assert posts_per_user() == DEFAULT_POSTS_PER_USER == 10  # warm stores (README, issue 12, session 23)
+    monkeypatch.setenv(POSTS_ENV, "0")
+    assert posts_per_user() == 0  # the stores start empty
     for bad in ("-1", "ten", "1.5", "", "²", " 3"):
         monkeypatch.setenv(POSTS_ENV, bad)
         with pytest.raises(TestbedError, match=POSTS_ENV):
