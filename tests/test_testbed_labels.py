@@ -71,3 +71,23 @@ def test_no_fault_no_label(extra):
     calibration = calibrate(frame, np.ones(len(frame.key), dtype=bool))
     labels = label(frame, [], calibration)
     assert not labels.trace_anomalous.any() and not labels.span_bottleneck.any() and not labels.trace_exposed.any()
+
+
+def test_a_stricter_quantile_labels_a_subset_and_the_recording_keeps_the_campaigns_traces():
+    """`label_recording` (what a campaign writes, and `bench/label_noise.py relabel`): bounds at a
+    higher quantile label no trace the default ones do not, and the tables hold only the traces
+    begun after the calibration period, a node row per node."""
+    from bmeg.faultinject.testbed.campaign import label_recording
+
+    rng = np.random.default_rng(1)
+    normal = _normal(198, rng) + [_trace(198 + i, (198 + i) * 10 * MS, 10.0) for i in range(2)]  # a rare 10 ms
+    t0 = 200 * 10 * MS
+    # under the fault, text-service takes 6 ms (past the p99, ~3 ms, not the p99.9, ~9 ms) or 20 ms
+    faulty = [_trace(1000 + i, t0 + i * MS, 6.0 if i % 2 else 20.0) for i in range(60)]
+    spans = _table(normal + faulty)
+    fault = AppliedFault(0, "text-service", "interference", "single", t0, t0 + 100 * MS, {"factor": 4})
+    default, strict = (label_recording(spans, [fault], t0, 60.0, high) for high in (0.99, 0.999))
+    assert default.traces.num_rows == strict.traces.num_rows == 60
+    assert default.nodes.num_rows == 60 * 3  # nginx's server, text-service's server, the store's client span
+    loose, tight = (np.asarray(r.traces["anomalous"]) for r in (default, strict))
+    assert loose.sum() == 60 and tight.sum() == 30 and not (tight & ~loose).any()

@@ -32,7 +32,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -226,24 +226,15 @@ def _write_dataset(out: Path, bed, state, plan, plan_file, faults, began, calibr
     spans = read_collector_spans(Path(state.spans_file))
     starts = spans["start_ns"]
     spans = spans.filter(pc.and_(pc.greater_equal(starts, began), pc.less(starts, ended)))
-    frame = labelling.node_frame(spans)
-    forest = frame.forest
-    root = forest.parent < 0
-    trace_start = np.zeros(forest.num_traces, dtype=np.int64)
-    trace_start[forest.trace_index[root]] = frame.start_ns[root]
-    calibration = labelling.calibrate(frame, trace_start[forest.trace_index] < calibration_end)
-    labels = labelling.label(frame, faults, calibration)
-    keep = trace_start >= calibration_end  # the dataset holds the campaign's traces, not the calibration's
+    recording = label_recording(spans, faults, calibration_end, plan.duration_s)
+    frame, labels, calibration, traces = recording.frame, recording.labels, recording.calibration, recording.traces
     out.mkdir(parents=True, exist_ok=True)
-    table = forest.spans
-    span_keep = keep[forest.trace_index]
+    table = frame.forest.spans
+    span_keep = recording.span_keep
     pq.write_table(table.filter(pa.array(span_keep)), out / "spans.parquet")
     # the calibration period's traces: fault-free, for `bmeg evaluate rca --normal` and `bmeg bootstrap`
     pq.write_table(table.filter(pa.array(~span_keep)), out / "normal.parquet")
-    nodes = pa.Table.from_arrays([table["trace_id"], table["span_id"], pa.array(frame.node_service.astype(str)),
-                                  pa.array(labels.span_bottleneck)], schema=NODES_SCHEMA)
-    pq.write_table(nodes.filter(pa.array(span_keep & frame.is_node)), out / "nodes.parquet")
-    traces = _traces_table(frame, labels, faults, trace_start, keep, plan.duration_s, calibration_end)
+    pq.write_table(recording.nodes, out / "nodes.parquet")
     pq.write_table(traces, out / "traces.parquet")
     (out / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
     (out / "fault_list.json").write_text(json.dumps(_fault_list(faults), indent=1))
@@ -256,7 +247,7 @@ def _write_dataset(out: Path, bed, state, plan, plan_file, faults, began, calibr
                      "sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()},
         "traces": traces.num_rows, "requested_traces": requested,
         "anomalous_traces": anomalous, "normal_traces": traces.num_rows - anomalous,
-        "exposed_traces": int(labels.trace_exposed[keep].sum()),
+        "exposed_traces": int(labels.trace_exposed[recording.keep].sum()),
         "achieved_imbalance": anomalous / max(1, traces.num_rows - anomalous),
         "faults": len(faults), "faults_per_source": _count(f.source for f in faults),
         "fault_sources": _count(traces["fault_source"].to_pylist()),
@@ -267,10 +258,44 @@ def _write_dataset(out: Path, bed, state, plan, plan_file, faults, began, calibr
                   "normal": "normal.parquet"},
         "generation": {"seconds": round((ended - began) / 1e9, 1), "calibration_s": round((calibration_end - began) / 1e9, 1),
                        "began_ns": began, "calibration_end_ns": calibration_end, "ended_ns": ended},
-        "assembly_warnings": len(forest.warnings),
+        "assembly_warnings": len(frame.forest.warnings),
     }
     (out / "dataset.json").write_text(json.dumps(card, indent=2))
     return card
+
+
+@dataclass(frozen=True)
+class LabelledRecording:
+    """A campaign's spans labelled (`bmeg.faultinject.testbed.labels`): the dataset's tables."""
+
+    frame: labelling.NodeFrame
+    calibration: labelling.Calibration
+    labels: labelling.Labels
+    keep: np.ndarray  # bool per trace: the campaign's (after the calibration period)
+    span_keep: np.ndarray  # the same per span
+    nodes: pa.Table  # the kept traces' nodes, `NODES_SCHEMA`
+    traces: pa.Table  # the kept traces, `TRACES_SCHEMA`
+
+
+def label_recording(spans: pa.Table, faults: list[labelling.AppliedFault], calibration_end: int, episode_s: float,
+                    high: float = labelling.HIGH) -> LabelledRecording:
+    """Label a campaign's spans (those begun before `calibration_end` are its fault-free
+    calibration period) against the faults as they ran, with bounds at the `high` quantile."""
+    frame = labelling.node_frame(spans)
+    forest = frame.forest
+    root = forest.parent < 0
+    trace_start = np.zeros(forest.num_traces, dtype=np.int64)
+    trace_start[forest.trace_index[root]] = frame.start_ns[root]
+    calibration = labelling.calibrate(frame, trace_start[forest.trace_index] < calibration_end, high)
+    labels = labelling.label(frame, faults, calibration)
+    keep = trace_start >= calibration_end  # the dataset holds the campaign's traces, not the calibration's
+    span_keep = keep[forest.trace_index]
+    table = forest.spans
+    nodes = pa.Table.from_arrays([table["trace_id"], table["span_id"], pa.array(frame.node_service.astype(str)),
+                                  pa.array(labels.span_bottleneck)], schema=NODES_SCHEMA)
+    return LabelledRecording(frame, calibration, labels, keep, span_keep,
+                             nodes.filter(pa.array(span_keep & frame.is_node)),
+                             _traces_table(frame, labels, faults, trace_start, keep, episode_s, calibration_end))
 
 
 def _count(values) -> dict[str, int]:

@@ -37,7 +37,7 @@ LABEL_RULE = (
     "fault-free calibration period, its status is an error, or its duration is below the p1 "
     "(returned early). A trace is anomalous when it has a bottleneck node."
 )
-HIGH, LOW = 0.99, 0.01
+HIGH = 0.99  # and its mirror, 1 - HIGH, below
 MIN_SAMPLES = 30
 
 
@@ -99,7 +99,9 @@ class Calibration:
     inclusive_low: dict[str, float]
 
 
-def calibrate(frame: NodeFrame, mask: np.ndarray) -> Calibration:
+def calibrate(frame: NodeFrame, mask: np.ndarray, high: float = HIGH) -> Calibration:
+    """Per node key of the spans in `mask` (the fault-free period): the `high` quantile of local
+    and inclusive time, and the `1 - high` quantile of inclusive time (the label rule's bounds)."""
     high_local, high_incl, low_incl = {}, {}, {}
     keys = frame.key[mask & frame.is_node]
     local = frame.local_ns[mask & frame.is_node]
@@ -107,9 +109,9 @@ def calibrate(frame: NodeFrame, mask: np.ndarray) -> Calibration:
     for key in np.unique(keys.astype(str)):
         chosen = keys == key
         if chosen.sum() >= MIN_SAMPLES:
-            high_local[key] = float(np.quantile(local[chosen], HIGH))
-            high_incl[key] = float(np.quantile(inclusive[chosen], HIGH))
-            low_incl[key] = float(np.quantile(inclusive[chosen], LOW))
+            high_local[key] = float(np.quantile(local[chosen], high))
+            high_incl[key] = float(np.quantile(inclusive[chosen], high))
+            low_incl[key] = float(np.quantile(inclusive[chosen], 1.0 - high))
     return Calibration(high_local, high_incl, low_incl)
 
 
