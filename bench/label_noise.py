@@ -41,13 +41,9 @@ def labelled(dataset: Path, high: float) -> LabelledRecording:
 
 def expected_by_chance(recording: LabelledRecording) -> float:
     """Anomalous labels among the kept traces that chance alone would give (see the module)."""
-    frame, labels, calibration = recording.frame, recording.labels, recording.calibration
+    frame, labels = recording.frame, recording.labels
     keys = frame.key.astype(str)
-    known = np.array([key in calibration.local_high for key in keys])
-    passes = (frame.local_ns > np.array([calibration.local_high.get(k, np.inf) for k in keys])) \
-        | (frame.inclusive_ns > np.array([calibration.inclusive_high.get(k, np.inf) for k in keys])) \
-        | (frame.inclusive_ns < np.array([calibration.inclusive_low.get(k, -np.inf) for k in keys])) \
-        | frame.error | ~known
+    passes = labelling.shows(frame, recording.calibration)
     normal = frame.is_node & ~recording.span_keep
     rate = {key: float(passes[normal & (keys == key)].mean()) for key in np.unique(keys[normal])}
     exposed = labels.span_exposed & recording.span_keep

@@ -125,6 +125,19 @@ class Labels:
     trace_faults: list[tuple[int, ...]]
 
 
+def shows(frame: NodeFrame, calibration: Calibration) -> np.ndarray:
+    """Per span: whether a fault would show in it (the rule's test, apart from exposure): its local
+    or inclusive time past the calibration's upper bounds, its inclusive time below the lower one,
+    an error, or a key the calibration has too few spans of."""
+    keys = frame.key.astype(str)
+    known = np.array([k in calibration.local_high for k in keys])
+    local_high = np.array([calibration.local_high.get(k, np.inf) for k in keys])
+    incl_high = np.array([calibration.inclusive_high.get(k, np.inf) for k in keys])
+    incl_low = np.array([calibration.inclusive_low.get(k, -np.inf) for k in keys])
+    return (frame.local_ns > local_high) | (frame.inclusive_ns > incl_high) | frame.error \
+        | (frame.inclusive_ns < incl_low) | ~known
+
+
 def label(frame: NodeFrame, faults: list[AppliedFault], calibration: Calibration) -> Labels:
     n = len(frame.key)
     fault_of = np.full(n, -1, dtype=np.int64)
@@ -132,14 +145,7 @@ def label(frame: NodeFrame, faults: list[AppliedFault], calibration: Calibration
         hit = (frame.caller_service == fault.service) & (frame.start_ns >= fault.start_ns) & (frame.start_ns < fault.end_ns)
         fault_of[hit & frame.is_node & (fault_of < 0)] = position
     exposed = fault_of >= 0
-    keys = frame.key.astype(str)
-    known = np.array([k in calibration.local_high for k in keys])
-    local_high = np.array([calibration.local_high.get(k, np.inf) for k in keys])
-    incl_high = np.array([calibration.inclusive_high.get(k, np.inf) for k in keys])
-    incl_low = np.array([calibration.inclusive_low.get(k, -np.inf) for k in keys])
-    shows = (frame.local_ns > local_high) | (frame.inclusive_ns > incl_high) | frame.error \
-        | (frame.inclusive_ns < incl_low) | ~known
-    bottleneck = exposed & shows
+    bottleneck = exposed & shows(frame, calibration)
     trace_index = frame.forest.trace_index
     traces = frame.forest.num_traces
     anomalous = np.zeros(traces, dtype=bool)
