@@ -21,7 +21,9 @@ healthy, its traces labelled fault-free that neither start nor end within `MARGI
 fault's window (the gaps between fault rounds); anomalous, its traces labelled anomalous. The
 replayed rows also count "between-rounds, settled": those of them that also end at least
 `ONSET_S` before the next fault's labelled start (a fault shows before the campaign stamps its
-start: session 17, `bench/between_rounds.py`).
+start: session 17, `bench/between_rounds.py`) and "between-rounds, recovered": those that also
+begin after each fault source's measured aftermath (`aftermath_s`: traces still slower end to
+end than the calibration period's p99 after a fault's end; session 24), printed per source.
 
 The crowd check (`bmeg.models.crowd`) needs the stream's past, so it is measured on streams
 replayed in time order, as `bmeg diagnose` reads a file: each `--healthy` file, and with
@@ -95,18 +97,67 @@ def testbed_stream(dataset: Path) -> tuple[pa.Table, pa.Array, pa.Array]:
             traces["trace_id"].filter(traces["anomalous"]))
 
 
-def between_rounds(dataset: Path, onset_s: float = 0.0) -> pa.Array:
+def between_rounds(dataset: Path, onset_s: float = 0.0, after_s: dict[str, float] | None = None,
+                   margin_s: float = MARGIN_S) -> pa.Array:
     """Ids of a testbed dataset's traces labelled fault-free that neither start nor end within
-    `MARGIN_S` of any fault's window and (with `onset_s`) end that long before a fault's start."""
+    `margin_s` of any fault's window (with `after_s`, that long after the end of a fault of each
+    source, at least `margin_s`) and (with `onset_s`) end that long before a fault's start."""
     traces = pq.read_table(dataset / "traces.parquet")
     faults = json.loads((dataset / "faults.json").read_text())
     start = traces["start_ns"].to_numpy()
     end = start + traces["duration_ns"].to_numpy()
     near_fault = np.zeros(len(start), dtype=bool)
     for fault in faults:
-        near_fault |= (start < fault["end_ns"] + MARGIN_S * 1e9) & (end > fault["start_ns"] - onset_s * 1e9)
+        after = max(margin_s, (after_s or {}).get(fault["source"], 0.0))
+        near_fault |= (start < fault["end_ns"] + after * 1e9) & (end > fault["start_ns"] - onset_s * 1e9)
     fault_free = pc.equal(traces["fault_source"], "none").to_numpy(zero_copy_only=False)
     return traces["trace_id"].filter(pa.array(fault_free & ~near_fault))
+
+
+#: A fault's aftermath (session 24): after its labelled end, in `AFTERMATH_BIN_S` bins up to
+#: `AFTERMATH_MAX_S`, the share of fault-free traces slower end to end than the calibration
+#: period's p99 of their request type; a source has settled after the last bin above
+#: `AFTERMATH_SHARE` (3x what the calibration period has by construction). Read from latency
+#: only, never from a model's verdicts.
+AFTERMATH_BIN_S = 0.25
+AFTERMATH_MAX_S = 3.0
+AFTERMATH_SHARE = 0.03
+AFTERMATH_MIN_TRACES = 50
+
+
+def trace_extents(spans: pa.Table) -> pd.DataFrame:
+    """Per trace of `spans`: its root operation (the request type), start and duration (ns)."""
+    ends = spans.append_column("end_ns", pc.add(spans["start_ns"], spans["duration_ns"])).group_by(
+        "trace_id").aggregate([("start_ns", "min"), ("end_ns", "max")]).to_pandas().set_index("trace_id")
+    roots = spans.filter(pc.is_null(spans["parent_id"])).to_pandas().drop_duplicates("trace_id").set_index("trace_id")
+    return pd.DataFrame({"request_type": roots["operation"], "start_ns": ends["start_ns_min"],
+                         "duration_ns": ends["end_ns_max"] - ends["start_ns_min"]}).dropna()
+
+
+def aftermath_s(dataset: Path) -> dict[str, tuple[float, list[float]]]:
+    """Per fault source of a testbed dataset: (seconds after a fault's labelled end until its
+    traces are no slower than calibration, the share slow in each `AFTERMATH_BIN_S` bin)."""
+    calibration = trace_extents(pq.read_table(dataset / "normal.parquet"))
+    p99 = calibration.groupby("request_type")["duration_ns"].quantile(0.99)
+    traces = pq.read_table(dataset / "traces.parquet").to_pandas()
+    # the gaps between rounds only: fault-free traces during another fault, or in the next one's
+    # onset, would be read as this one's aftermath
+    traces = traces[traces["trace_id"].isin(between_rounds(dataset, ONSET_S, {}, margin_s=0.0).to_pylist())]
+    slow = (traces["duration_ns"] > p99.reindex(traces["request_type"]).to_numpy()).to_numpy()
+    start = traces["start_ns"].to_numpy()
+    edges = np.arange(0.0, AFTERMATH_MAX_S + AFTERMATH_BIN_S / 2, AFTERMATH_BIN_S)
+    faults = json.loads((dataset / "faults.json").read_text())
+    settle = {}
+    for source in sorted({fault["source"] for fault in faults}):
+        hits, counts = np.zeros(len(edges) - 1), np.zeros(len(edges) - 1)
+        for fault in (f for f in faults if f["source"] == source):
+            since = (start - fault["end_ns"]) / 1e9
+            hits += np.histogram(since[slow], edges)[0]
+            counts += np.histogram(since, edges)[0]
+        share = hits / np.maximum(counts, 1)
+        above = np.flatnonzero((share > AFTERMATH_SHARE) & (counts >= AFTERMATH_MIN_TRACES))
+        settle[source] = (float(edges[above[-1] + 1]) if len(above) else 0.0, share.round(3).tolist())
+    return settle
 
 
 RATES = (0.01, 0.005)
@@ -327,7 +378,12 @@ def replayed(detector: Detector, healthy: list[Path], dataset: Path | None, over
     if dataset is not None:
         spans, between, anomalous = testbed_stream(dataset)
         settled = between_rounds(dataset, ONSET_S)
+        aftermath = aftermath_s(dataset)
+        print("aftermath (s after a fault's end until no slower than calibration; share slow per "
+              f"{AFTERMATH_BIN_S:g}-s bin):", json.dumps(aftermath))
+        recovered = between_rounds(dataset, ONSET_S, {source: s for source, (s, _) in aftermath.items()})
         streams.append((dataset.name, spans, {"between-rounds": between, "between-rounds, settled": settled,
+                                               "between-rounds, recovered": recovered,
                                                "anomalous": anomalous}))
     rows = []
     for _, spans, parts in streams:

@@ -2,13 +2,15 @@
 and the recording relabelled at another quantile for `bmeg train` (issue 12, session 23).
 
     python bench/label_noise.py chance D [--quantiles 0.99,0.995,0.999]
-    python bench/label_noise.py relabel D OUT --quantile 0.999
+    python bench/label_noise.py relabel D OUT --quantile 0.999 [--aftermath]
 
 A node exposed to a fault is a bottleneck when its time passes its operation's fault-free bounds
 (`bmeg.faultinject.testbed.labels`). `chance`: per quantile, the anomalous labels and how many of
 them are expected by chance (per exposed trace, 1 - the product over its exposed nodes of 1 - the
 rate at which its operation passes the same bounds in the calibration period). `relabel`: the
-recording's tables at another quantile, its spans linked (at 0.99 the recorded tables come back).
+recording's tables at another quantile, its spans linked (at 0.99 the recorded tables come back);
+with `--aftermath`, each fault's nodes also exposed after its end for as long as its source's
+traces stay slower than calibration (`bench/healthy.py`'s `aftermath_s`, session 24).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from healthy import aftermath_s
+
 from bmeg.faultinject.scenario import scenario_path
 from bmeg.faultinject.testbed import labels as labelling
 from bmeg.faultinject.testbed.campaign import LabelledRecording, label_recording, load_testbed_scenario
@@ -30,13 +34,14 @@ from bmeg.faultinject.testbed.campaign import LabelledRecording, label_recording
 LINKED = ("spans.parquet", "normal.parquet", "faults.json", "fault_list.json")
 
 
-def labelled(dataset: Path, high: float) -> LabelledRecording:
-    """The recording in `dataset` labelled anew with bounds at the `high` quantile."""
+def labelled(dataset: Path, high: float, aftermath_s: dict[str, float] | None = None) -> LabelledRecording:
+    """The recording in `dataset` labelled anew with bounds at the `high` quantile (and each
+    source's aftermath)."""
     card = json.loads((dataset / "dataset.json").read_text())
     spans = pa.concat_tables([pq.read_table(dataset / "normal.parquet"), pq.read_table(dataset / "spans.parquet")])
     faults = [labelling.AppliedFault(**fault) for fault in json.loads((dataset / "faults.json").read_text())]
     plan, _, _ = load_testbed_scenario(scenario_path(card["scenario"]["name"]))  # its episodes' length
-    return label_recording(spans, faults, card["generation"]["calibration_end_ns"], plan.duration_s, high)
+    return label_recording(spans, faults, card["generation"]["calibration_end_ns"], plan.duration_s, high, aftermath_s)
 
 
 def expected_by_chance(recording: LabelledRecording) -> float:
@@ -64,7 +69,10 @@ def chance(args: argparse.Namespace) -> None:
 
 
 def relabel(args: argparse.Namespace) -> None:
-    recording = labelled(args.dataset, args.quantile)
+    aftermath = {source: s for source, (s, _) in aftermath_s(args.dataset).items()} if args.aftermath else None
+    if aftermath:
+        print("aftermath (s) by source:", aftermath)
+    recording = labelled(args.dataset, args.quantile, aftermath)
     args.out.mkdir(parents=True, exist_ok=True)
     for name in LINKED:
         if not (args.out / name).exists():
@@ -74,7 +82,8 @@ def relabel(args: argparse.Namespace) -> None:
     card = json.loads((args.dataset / "dataset.json").read_text())
     anomalous = int(np.asarray(recording.traces["anomalous"]).sum())
     card.update(anomalous_traces=anomalous, normal_traces=recording.traces.num_rows - anomalous,
-                labels=f"{card['labels']} Relabelled with bounds at p{args.quantile * 100:g} / p{(1 - args.quantile) * 100:g}.")
+                labels=f"{card['labels']} Relabelled with bounds at p{args.quantile * 100:g} / p{(1 - args.quantile) * 100:g}"
+                       + (f", each fault's nodes exposed for its source's aftermath after its end {aftermath}." if aftermath else "."))
     (args.out / "dataset.json").write_text(json.dumps(card, indent=2))
     print(f"{args.out}: {recording.traces.num_rows} traces, {anomalous} anomalous")
 
@@ -89,6 +98,8 @@ def main() -> None:
     second.add_argument("dataset", type=Path)
     second.add_argument("out", type=Path)
     second.add_argument("--quantile", type=float, required=True)
+    second.add_argument("--aftermath", action="store_true",
+                        help="expose each fault's nodes after its end for its source's aftermath (bench/healthy.py)")
     args = parser.parse_args()
     {"chance": chance, "relabel": relabel}[args.command](args)
 

@@ -62,6 +62,21 @@ def test_slow_node_under_a_fault_is_the_bottleneck_and_propagation_is_not():
     assert labels.trace_faults[ids.index(f"{1000:032x}")] == (0,)
 
 
+def test_a_sources_aftermath_exposes_the_nodes_just_after_its_end_and_no_later():
+    rng = np.random.default_rng(1)
+    normal = _normal(100, rng)
+    t0 = 100 * 10 * MS
+    fault = AppliedFault(0, "text-service", "interference", "single", t0, t0 + 100 * MS, {"factor": 4})
+    draining = _trace(1000, t0 + 150 * MS, 20.0)  # 50 ms after the end: within a 0.1-s aftermath
+    later = _trace(1001, t0 + 300 * MS, 20.0)
+    frame = node_frame(_table(normal + [draining, later]))
+    calibration = calibrate(frame, frame.start_ns < t0)
+    ids = frame.forest.trace_ids
+    for aftermath, expected in [(None, set()), ({"network": 1.0}, set()), ({"interference": 0.1}, {f"{1000:032x}"})]:
+        labels = label(frame, [fault], calibration, aftermath)
+        assert {ids[i] for i in np.flatnonzero(labels.trace_anomalous)} == expected
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(min_value=0, max_value=5))
 def test_no_fault_no_label(extra):

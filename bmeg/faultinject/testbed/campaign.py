@@ -278,16 +278,17 @@ class LabelledRecording:
 
 
 def label_recording(spans: pa.Table, faults: list[labelling.AppliedFault], calibration_end: int, episode_s: float,
-                    high: float = labelling.HIGH) -> LabelledRecording:
+                    high: float = labelling.HIGH, aftermath_s: dict[str, float] | None = None) -> LabelledRecording:
     """Label a campaign's spans (those begun before `calibration_end` are its fault-free
-    calibration period) against the faults as they ran, with bounds at the `high` quantile."""
+    calibration period) against the faults as they ran, with bounds at the `high` quantile (and
+    each source's `aftermath_s`, `labelling.label`)."""
     frame = labelling.node_frame(spans)
     forest = frame.forest
     root = forest.parent < 0
     trace_start = np.zeros(forest.num_traces, dtype=np.int64)
     trace_start[forest.trace_index[root]] = frame.start_ns[root]
     calibration = labelling.calibrate(frame, trace_start[forest.trace_index] < calibration_end, high)
-    labels = labelling.label(frame, faults, calibration)
+    labels = labelling.label(frame, faults, calibration, aftermath_s)
     keep = trace_start >= calibration_end  # the dataset holds the campaign's traces, not the calibration's
     span_keep = keep[forest.trace_index]
     table = forest.spans

@@ -138,11 +138,15 @@ def shows(frame: NodeFrame, calibration: Calibration) -> np.ndarray:
         | (frame.inclusive_ns < incl_low) | ~known
 
 
-def label(frame: NodeFrame, faults: list[AppliedFault], calibration: Calibration) -> Labels:
+def label(frame: NodeFrame, faults: list[AppliedFault], calibration: Calibration,
+          aftermath_s: dict[str, float] | None = None) -> Labels:
+    """The rule above; with `aftermath_s`, a node is exposed to a fault also that many seconds
+    after its end, per fault source (a backlog drains after an interference hog is gone)."""
     n = len(frame.key)
     fault_of = np.full(n, -1, dtype=np.int64)
     for position, fault in enumerate(faults):
-        hit = (frame.caller_service == fault.service) & (frame.start_ns >= fault.start_ns) & (frame.start_ns < fault.end_ns)
+        end_ns = fault.end_ns + int((aftermath_s or {}).get(fault.source, 0.0) * 1e9)
+        hit = (frame.caller_service == fault.service) & (frame.start_ns >= fault.start_ns) & (frame.start_ns < end_ns)
         fault_of[hit & frame.is_node & (fault_of < 0)] = position
     exposed = fault_of >= 0
     bottleneck = exposed & shows(frame, calibration)
