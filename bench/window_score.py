@@ -1,4 +1,4 @@
-"""The GNN's window score, normalised four ways, in one run of the root-cause harness:
+"""The GNN's window score, six ways, in one run of the root-cause harness:
 
     python bench/window_score.py --model RUN --traces D/spans.parquet --faults D/fault_list.json \
         --normal D/normal.parquet [--window-minutes 0.1]          # the testbed dataset D
@@ -7,15 +7,20 @@
 Each variant replaces `bmeg.models.window.node_score_shift` (the GNN's per-service window score
 against the normal period) and is scored twice on the same windows: alone (as `bmeg-gnn`) and
 inside bmeg's combined ranker (`combined_ranking`). Variants, per service over its nodes (visits):
-- `diff` (today's): the window's mean node score minus the normal period's mean;
+- `diff` (`node_score_shift`: `bmeg-gnn` until session 24, and still the window GCN's input):
+  the window's mean node score minus the normal period's mean;
 - `z`: that difference over the standard deviation of the service's node scores in the normal
   period (a service whose score varies a lot with no fault must move more);
 - `logit`: the difference of the two means on the log-odds scale (a service the model always
   scores near 1, a large orchestrator, cannot gain much on the plain scale, nor lose it);
 - `quantile`: each window node's score as its quantile among the service's normal node scores,
-  averaged, minus 0.5 (a service's level and spread both taken out).
-All are means over visits, so none rewards a service for being visited often. The self-time
-rule is printed beside them. Prints AC@1 / Avg@5 per fault group.
+  averaged, minus 0.5 (a service's level and spread both taken out);
+- `vote-weighted` (`culprit_vote_shift`, `bmeg-gnn` since session 24): the share of the
+  window's traces visiting the service whose highest-scored service it is (the GNN's per-trace
+  culprit), minus that share in the normal period, each trace's vote weighted by the DGCNN's
+  P(anomalous); `vote`: unweighted.
+All are means over visits (or over the traces visiting), so none rewards a service for being
+visited often. The self-time rule is printed beside them. Prints AC@1 / Avg@5 per fault group.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,7 @@ from bmeg.graphs import SpanForest
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import combined_ranking, node_score_shift, with_normal_baselines
+from bmeg.models.window import combined_ranking, culprit_vote_shift, node_score_shift, with_normal_baselines
 from bmeg.traces.io import read_spans
 
 LOGIT_CLIP = 1e-4
@@ -84,6 +90,7 @@ def quantile_shift(window_scores: Any, normal_scores: Any) -> pd.Series:
 
 VARIANTS: dict[str, Callable[[Any, Any], pd.Series]] = {
     "diff": node_score_shift, "z": z_shift, "logit": logit_shift, "quantile": quantile_shift,
+    "vote": partial(culprit_vote_shift, weighted=False), "vote-weighted": culprit_vote_shift,
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bmeg.models.window import node_score_shift, rank_fusion, standardised_fusion
+from bmeg.models.window import culprit_vote_shift, node_score_shift, rank_fusion, standardised_fusion
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
 from bmeg.graphs import assemble
@@ -124,6 +124,29 @@ def test_window_score_does_not_reward_visits_or_a_high_normal_level():
     shift = node_score_shift(window, normal)
     assert shift.idxmax() == "db"
     assert shift["big"] == pytest.approx(0.05) and shift["db"] == pytest.approx(0.5)
+
+
+def _traces(services: list[str], present: list[list[bool]], top: list[str], anomaly: list[float]) -> SimpleNamespace:
+    """Scores of traces: which services each visits, the one the GNN scores highest, P(anomalous)."""
+    gnn_service = np.array([[1.0 if service == first else 0.1 for service in services] for first in top])
+    return SimpleNamespace(services=services, present=np.array(present), gnn_service=gnn_service,
+                           gnn_anomaly=np.array(anomaly))
+
+
+def test_culprit_votes_count_anomalous_traces_not_visits_or_a_usual_culprit():
+    services = ["front", "db", "cache"]
+    every, no_cache = [True, True, True], [True, True, False]
+    # normally the GNN names the front in most traces; the cache is on a fifth of the paths
+    normal = _traces(services, [every, no_cache, no_cache, no_cache, no_cache], ["front"] * 4 + ["db"], [0.1] * 5)
+    # in the window the anomalous traces name the cache; healthy ones (P 0) still name the front
+    window = _traces(services, [every, every, no_cache, no_cache, no_cache], ["cache", "cache", "front", "front", "front"],
+                     [0.9, 0.9, 0.0, 0.0, 0.0])
+    shift = culprit_vote_shift(window, normal)
+    assert shift.idxmax() == "cache"
+    assert shift["cache"] == pytest.approx(0.9)  # both traces visiting it name it, at 0.9 each
+    assert shift["front"] == pytest.approx(0.0 - 4 * 0.1 / 5)  # the healthy traces' votes weigh nothing
+    # unweighted, each trace's vote counts whole, healthy or not
+    assert culprit_vote_shift(window, normal, weighted=False)["front"] == pytest.approx(3 / 5 - 4 / 5)
 
 
 def test_standardised_fusion_reads_a_lead_that_rank_fusion_does_not():

@@ -13,8 +13,9 @@ see `bmeg.graphs.rpc.rpc_view`) and statistics of a normal period, and returns
   from issue 12, session 20 to session 21), where the run holds a window GCN.
 - `bmeg-gnn-fusion`: `bmeg` with the per-trace GNN's ranking in its rank fusion whatever the run
   holds (`bmeg` before issue 12, session 20), where the run holds a window GCN.
-- `bmeg-gnn`: the GNN alone: each service's mean node score in the window against its mean
-  in the normal period (see `node_score_shift`).
+- `bmeg-gnn`: the GNN alone: how often the GNN names each service the culprit of the window's
+  traces it finds anomalous, against the normal period (`culprit_vote_shift`; session 24, before
+  it each service's mean node score against the normal period's, `node_score_shift`).
 - `bmeg-window-gcn`: a GCN over the window's service graph, trained on windows simulated from
   the twin (`bmeg.models.window_gcn`), where the detector's run directory holds one.
 - `firm-svm`: FIRM's SVM scores on the critical path, averaged over the window.
@@ -39,7 +40,7 @@ import pandas as pd
 
 from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import (combined_ranking, gnn_window_scores, learned_scores, node_score_shift, rank_fusion,
+from bmeg.models.window import (combined_ranking, culprit_vote_shift, gnn_window_scores, learned_scores, rank_fusion,
                                 window_gcn_of, with_normal_baselines)
 from bmeg.models.window_gcn import WindowModel
 
@@ -168,8 +169,9 @@ class FirmSvmRanker:
 
 
 class GnnRanker:
-    """The GNN alone: each service's mean node score in the window against the normal period
-    (`node_score_shift`); no rule, no stage-1 verdict."""
+    """The GNN alone: the services it names the culprits of the window's traces, weighted by
+    how anomalous it finds each, against the normal period (`culprit_vote_shift`); no rule, no
+    stage-1 threshold."""
 
     name = "bmeg-gnn"
 
@@ -177,7 +179,7 @@ class GnnRanker:
         self.scores = scores
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        return _ranking(node_score_shift(self.scores(window), self.scores(normal.forest)))
+        return _ranking(culprit_vote_shift(self.scores(window), self.scores(normal.forest)))
 
 
 class WindowGcnRanker:
