@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bmeg.models.window import culprit_vote_shift, node_score_shift, rank_fusion, standardised_fusion
+from bmeg.models.window import culprit_vote_shift, culprit_votes, node_score_shift, rank_fusion, standardised_fusion
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
 from bmeg.graphs import assemble
@@ -147,6 +147,24 @@ def test_culprit_votes_count_anomalous_traces_not_visits_or_a_usual_culprit():
     assert shift["front"] == pytest.approx(0.0 - 4 * 0.1 / 5)  # the healthy traces' votes weigh nothing
     # unweighted, each trace's vote counts whole, healthy or not
     assert culprit_vote_shift(window, normal, weighted=False)["front"] == pytest.approx(3 / 5 - 4 / 5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=10_000), st.integers(min_value=1, max_value=40), st.integers(1, 4))
+def test_culprit_votes_are_shares_and_do_not_grow_with_more_of_the_same_traffic(seed, traces, copies):
+    rng = np.random.default_rng(seed)
+    services = ["a", "b", "c", "d"]
+    present = rng.random((traces, 4)) < 0.7
+    present[:, 0] = True  # every trace has its entry service
+    scores = SimpleNamespace(services=services, present=present, gnn_service=rng.random((traces, 4)) * present,
+                             gnn_anomaly=rng.random(traces))
+    votes = culprit_votes(scores)
+    assert ((votes >= 0) & (votes <= 1)).all() and set(votes.index) <= set(services)
+    # the same traffic `copies` times over: the same shares, so no shift against itself
+    repeated = SimpleNamespace(**{name: np.concatenate([value] * copies) if name != "services" else value
+                                  for name, value in vars(scores).items()})
+    pd.testing.assert_series_equal(culprit_votes(repeated), votes)
+    assert (culprit_vote_shift(repeated, scores).abs() < 1e-12).all()
 
 
 def test_standardised_fusion_reads_a_lead_that_rank_fusion_does_not():
