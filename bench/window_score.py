@@ -122,6 +122,7 @@ def rankers(detector: Detector, normal: SpanForest) -> list:
 
 def table(summary: dict, names: list[str]) -> None:
     groups = {"latency": summary["latency_faults"], **summary["by_type"], "all": summary["overall"]}
+    groups = {group: methods for group, methods in groups.items() if next(iter(methods.values()))["n"]}  # no faults: no column
     print("method | " + " | ".join(f"{g} ({next(iter(v.values()))['n']})" for g, v in groups.items()))
     for name in names:
         cells = [f"{v[name]['ac1']:.2f} / {v[name]['avg5']:.2f}" for v in groups.values()]
