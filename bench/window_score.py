@@ -1,4 +1,4 @@
-"""The GNN's window score, six ways, in one run of the root-cause harness:
+"""The GNN's window score, seven ways, in one run of the root-cause harness:
 
     python bench/window_score.py --model RUN --traces D/spans.parquet --faults D/fault_list.json \
         --normal D/normal.parquet [--window-minutes 0.1]          # the testbed dataset D
@@ -18,7 +18,8 @@ inside bmeg's combined ranker (`combined_ranking`). Variants, per service over i
 - `vote-weighted` (`culprit_vote_shift`, `bmeg-gnn` since session 24): the share of the
   window's traces visiting the service whose highest-scored service it is (the GNN's per-trace
   culprit), minus that share in the normal period, each trace's vote weighted by the DGCNN's
-  P(anomalous); `vote`: unweighted.
+  P(anomalous); `vote`: unweighted; `vote-soft`: each trace's P(anomalous) split over its
+  services in proportion to their scores instead of one culprit (session 24, not adopted).
 All are means over visits (or over the traces visiting), so none rewards a service for being
 visited often. The self-time rule is printed beside them. Prints AC@1 / Avg@5 per fault group.
 """
@@ -88,9 +89,24 @@ def quantile_shift(window_scores: Any, normal_scores: Any) -> pd.Series:
     return pd.Series(out, dtype=float)
 
 
+def soft_votes(scores: Any) -> pd.Series:
+    """Per service: each trace's P(anomalous) split over its services in proportion to the GNN's
+    per-service scores, summed over the traces visiting the service, over those traces."""
+    service = np.where(scores.present, np.nan_to_num(scores.gnn_service, nan=0.0), 0.0)
+    share = service / np.maximum(service.sum(axis=1, keepdims=True), 1e-12)
+    weight = np.nan_to_num(scores.gnn_anomaly, nan=0.0)[:, None]
+    visits = scores.present.sum(axis=0)
+    return pd.Series((share * weight).sum(axis=0) / np.maximum(visits, 1), index=scores.services)[visits > 0]
+
+
+def soft_vote_shift(window_scores: Any, normal_scores: Any) -> pd.Series:
+    window = soft_votes(window_scores)
+    return window - soft_votes(normal_scores).reindex(window.index).fillna(0.0).to_numpy()
+
+
 VARIANTS: dict[str, Callable[[Any, Any], pd.Series]] = {
     "diff": node_score_shift, "z": z_shift, "logit": logit_shift, "quantile": quantile_shift,
-    "vote": partial(culprit_vote_shift, weighted=False), "vote-weighted": culprit_vote_shift,
+    "vote": partial(culprit_vote_shift, weighted=False), "vote-weighted": culprit_vote_shift, "vote-soft": soft_vote_shift,
 }
 
 
