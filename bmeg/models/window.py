@@ -174,7 +174,7 @@ class WindowRanker:
 
 def gnn_window_scores(detector: Detector, forest: SpanForest) -> Scores:
     """The detector's replayed scores of a window (or of its normal period) with the GNN run on
-    every trace: a window's GNN ranking (`node_score_shift`) is the GNN's, whichever traces the
+    every trace: a window's GNN rankings (`node_score_shift`, `culprit_vote_shift`) are the GNN's, whichever traces the
     router sends to the SVM (a bootstrap whose router took the SVM for the small graphs left the
     GNN's node scores NaN on 96% of a window's traces, and the ranking read the other 4%)."""
     return detector.score(forest, replay=True, all_models=True)
