@@ -11,8 +11,9 @@ see `bmeg.graphs.rpc.rpc_view`) and statistics of a normal period, and returns
   (`bmeg.models.window.combined_ranking`).
 - `bmeg-rank-fusion`: `bmeg` with the window GCN's ranking fused by ranks (`rank_fusion`, `bmeg`
   from issue 12, session 20 to session 21), where the run holds a window GCN.
-- `bmeg-gnn-fusion`: `bmeg` with the per-trace GNN's ranking in its rank fusion whatever the run
-  holds (`bmeg` before issue 12, session 20), where the run holds a window GCN.
+- `bmeg-gnn-fusion`: `bmeg` with the per-trace GNN's mean node score shift (`node_score_shift`,
+  not `bmeg-gnn`'s culprit votes) in its rank fusion whatever the run holds (`bmeg` before issue
+  12, session 20), where the run holds a window GCN.
 - `bmeg-gnn`: the GNN alone: how often the GNN names each service the culprit of the window's
   traces it finds anomalous, against the normal period (`culprit_vote_shift`; session 24, before
   it each service's mean node score against the normal period's, `node_score_shift`).
