@@ -2,7 +2,7 @@
 
     python bench/window_score.py --model RUN --traces D/spans.parquet --faults D/fault_list.json \
         --normal D/normal.parquet [--window-minutes 0.1]          # the testbed dataset D
-    python bench/window_score.py --model RUN --simulated RUN/twin.yaml [--window-seconds 10]
+    python bench/window_score.py --model RUN --simulated RUN/twin.yaml [--window-seconds 10] [--stores]
 
 Each variant replaces `bmeg.models.window.node_score_shift` (the GNN's per-service window score
 against the normal period) and is scored twice on the same windows: alone (as `bmeg-gnn`) and
@@ -19,7 +19,12 @@ inside bmeg's combined ranker (`combined_ranking`). Variants, per service over i
   window's traces visiting the service whose highest-scored service it is (the GNN's per-trace
   culprit), minus that share in the normal period, each trace's vote weighted by the DGCNN's
   P(anomalous); `vote`: unweighted; `vote-soft`: each trace's P(anomalous) split over its
-  services in proportion to their scores instead of one culprit (session 24, not adopted).
+  services in proportion to their scores instead of one culprit (session 24, not adopted);
+  `vote-owner`: `vote-weighted` with each store folded into its one caller (`store_callers`: a
+  trace whose culprit is a store votes for the service whose client spans stand for it), and
+  `vote-owner-T` only where that caller's own time moved by more than T (log2) in the window
+  (session 25, neither adopted: folding cannot name a store, and the twin's simulated store
+  faults are found by `vote-weighted`; `--stores` simulates those).
 All are means over visits (or over the traces visiting), so none rewards a service for being
 visited often. The self-time rule is printed beside them. Prints AC@1 / Avg@5 per fault group.
 """
@@ -41,7 +46,7 @@ from bmeg.evaluation.faults import read_fault_list
 from bmeg.evaluation.rankers import SelfTimeRanker, _DetectorScores, _ranking
 from bmeg.evaluation.rca import report, run_rca
 from bmeg.evaluation.windows import TraceFiles
-from bmeg.graphs import SpanForest
+from bmeg.graphs import SpanForest, store_callers
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats, Ranking
@@ -107,7 +112,12 @@ def soft_vote_shift(window_scores: Any, normal_scores: Any) -> pd.Series:
 VARIANTS: dict[str, Callable[[Any, Any], pd.Series]] = {
     "diff": node_score_shift, "z": z_shift, "logit": logit_shift, "quantile": quantile_shift,
     "vote": partial(culprit_vote_shift, weighted=False), "vote-weighted": culprit_vote_shift, "vote-soft": soft_vote_shift,
+    "vote-owner": culprit_vote_shift,  # with each store folded into its one caller (`GnnVariant.rank`)
+    "vote-owner-0.1": culprit_vote_shift, "vote-owner-0.25": culprit_vote_shift, "vote-owner-0.5": culprit_vote_shift,
 }
+#: the variants whose stores fold into their callers: always, or where the caller's own time
+#: (its server spans' self time, log2) moved by more than the suffix
+FOLDING = {"vote-owner": None, "vote-owner-0.1": 0.1, "vote-owner-0.25": 0.25, "vote-owner-0.5": 0.5}
 
 
 class GnnVariant:
@@ -115,7 +125,15 @@ class GnnVariant:
         self.scores, self.variant, self.name = scores, variant, f"gnn-{variant}"
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        return _ranking(VARIANTS[self.variant](self.scores(window), self.scores(normal.forest)))
+        shift = VARIANTS[self.variant]
+        if self.variant in FOLDING:
+            owners = store_callers(normal.forest) | store_callers(window)
+            moved = FOLDING[self.variant]
+            if moved is not None:
+                own = normal.service_shift_parts(window)["own"]
+                owners = {store: owner for store, owner in owners.items() if own.get(owner, 0.0) > moved}
+            shift = partial(shift, owners=owners)
+        return _ranking(shift(self.scores(window), self.scores(normal.forest)))
 
 
 class BmegVariant:
@@ -133,7 +151,8 @@ class BmegVariant:
 
 def rankers(detector: Detector, normal: SpanForest) -> list:
     scores = _DetectorScores(with_normal_baselines(detector, normal))
-    return [*(BmegVariant(scores, v) for v in VARIANTS), *(GnnVariant(scores, v) for v in VARIANTS), SelfTimeRanker()]
+    return [*(BmegVariant(scores, v) for v in VARIANTS if v not in FOLDING), *(GnnVariant(scores, v) for v in VARIANTS),
+            SelfTimeRanker()]
 
 
 def table(summary: dict, names: list[str]) -> None:
@@ -155,6 +174,7 @@ def main() -> None:
     parser.add_argument("--pod-suffix-parts", type=int, default=2)
     parser.add_argument("--simulated", type=Path, default=None, help="a topology (a twin): simulated faults instead")
     parser.add_argument("--window-seconds", type=float, default=10.0)
+    parser.add_argument("--stores", action="store_true", help="with --simulated: faults on the stores, not the services")
     args = parser.parse_args()
     detector = Detector.load(args.model, device="cpu")
     with tempfile.TemporaryDirectory() as out:
@@ -162,8 +182,9 @@ def main() -> None:
             from bmeg.evaluation.simulated import simulated_faults
             from bmeg.faultinject import load_topology
 
-            sim = simulated_faults(load_topology(args.simulated), Path(out), normal_s=20.0,
-                                   window_s=args.window_seconds, seed=0)
+            spec = load_topology(args.simulated)
+            stores = sorted(name for name, service in spec.services.items() if service.storage) if args.stores else None
+            sim = simulated_faults(spec, Path(out), normal_s=20.0, window_s=args.window_seconds, seed=0, services=stores)
             normal, traces, fault_list, minutes, suffix = sim.normal, sim.traces, sim.fault_list, sim.window_minutes, 0
         else:
             normal, traces, fault_list = read_spans(args.normal), args.traces, args.faults

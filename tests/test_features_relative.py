@@ -149,6 +149,20 @@ def test_culprit_votes_count_anomalous_traces_not_visits_or_a_usual_culprit():
     assert culprit_vote_shift(window, normal, weighted=False)["front"] == pytest.approx(3 / 5 - 4 / 5)
 
 
+def test_a_store_culprit_votes_for_its_caller_when_owners_are_given():
+    services = ["front", "db", "db-redis"]
+    every = [True, True, True]
+    normal = _traces(services, [every] * 4, ["front"] * 4, [0.1] * 4)
+    # a starved db stretches its own client spans to its redis: the GNN names the redis node
+    window = _traces(services, [every] * 4, ["db-redis"] * 3 + ["front"], [0.9] * 4)
+    assert culprit_vote_shift(window, normal).idxmax() == "db-redis"
+    folded = culprit_vote_shift(window, normal, owners={"db-redis": "db"})
+    assert folded.idxmax() == "db" and "db-redis" not in folded.index
+    assert folded["db"] == pytest.approx(3 * 0.9 / 4)
+    # an owner the traces never visit leaves the store its own row
+    assert "db-redis" in culprit_votes(window, owners={"db-redis": "elsewhere"}).index
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(min_value=0, max_value=10_000), st.integers(min_value=1, max_value=40), st.integers(1, 4))
 def test_culprit_votes_are_shares_and_do_not_grow_with_more_of_the_same_traffic(seed, traces, copies):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from builders import spans
 
-from bmeg.graphs import assemble, base_columns, call_graphs, node_services, storage_service
+from bmeg.graphs import assemble, base_columns, call_graphs, node_services, storage_service, store_callers
 from bmeg.graphs.features import self_time_ns
 from bmeg.traces import span_table
 
@@ -77,6 +77,35 @@ def test_node_services_match_the_per_span_rule():
         "post-storage-memcached",
         "post-storage-mongodb",
     ]
+
+
+def test_store_callers_name_the_one_service_whose_client_spans_stand_for_a_store():
+    post = socialnet_store_post()
+    assert store_callers(assemble(post)) == {"post-storage-memcached": "post-storage-service",
+                                             "post-storage-mongodb": "post-storage-service"}
+    # a second caller of the same memcached (peer.service names it): no one caller stands for it
+    shared = span_table({
+        "trace_id": ["p"] * 4 + ["q"] * 2, "span_id": ["1", "2", "3", "4", "5", "6"],
+        "parent_id": [None, "1", "2", "2", None, "5"],
+        "service": ["compose-post-service"] + ["post-storage-service"] * 3 + ["compose-post-service"] * 2,
+        "operation": ["compose_post_server", "store_post_server", "mget", "post_storage_mongo_insert_client",
+                      "compose_post_server", "mget"],
+        "start_ns": [0, 100_000, 150_000, 400_000, 0, 10_000],
+        "duration_ns": [1_000_000, 600_000, 200_000, 250_000, 100_000, 50_000],
+        "kind": ["server", "server", "client", "client", "server", "client"],
+        "peer_service": [None, None, "post-cache", None, None, "post-cache"],
+    })
+    assert store_callers(assemble(shared)) == {"post-storage-mongodb": "post-storage-service"}
+    # an RPC callee named by peer.service has spans of its own: not a store
+    rpc = socialnet_store_post().to_pydict()
+    client = {"trace_id": "p", "span_id": "1c", "parent_id": "1", "service": "compose-post-service",
+              "operation": "store_post_client", "start_ns": 90_000, "duration_ns": 620_000, "kind": "client",
+              "peer_service": "post-storage-service"}
+    rpc = {name: [*values, client.get(name, values[0])] for name, values in rpc.items()}
+    rpc["parent_id"][1] = "1c"
+    callers = store_callers(assemble(span_table(rpc)))
+    assert "post-storage-service" not in callers and callers["post-storage-mongodb"] == "post-storage-service"
+    assert store_callers(assemble(post.slice(0, 0))) == {}
 
 
 def test_base_columns_worked_by_hand():

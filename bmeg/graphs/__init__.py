@@ -12,6 +12,7 @@ from bmeg.graphs.callgraph import (
     operation_key_array,
     operation_keys,
     storage_service,
+    store_callers,
 )
 from bmeg.graphs.critical_path import CriticalPaths, TracePath, critical_paths, trace_paths
 from bmeg.graphs.features import DEFAULT_FEATURES, SERVICE_TIME_ONLY, base_columns
@@ -33,5 +34,6 @@ __all__ = [
     "operation_key_array",
     "operation_keys",
     "storage_service",
+    "store_callers",
     "trace_paths",
 ]

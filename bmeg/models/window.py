@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -486,20 +486,24 @@ def node_score_shift(window_scores: Any, normal_scores: Any) -> pd.Series:
     return window - mean_by_service(normal_scores).reindex(window.index).fillna(0.0).to_numpy()
 
 
-def culprit_votes(scores: Any, weighted: bool = True) -> pd.Series:
+def culprit_votes(scores: Any, weighted: bool = True, owners: Mapping[str, str] | None = None) -> pd.Series:
     """Per service: the share of the traces visiting it whose culprit it is (the service of the
     GNN's highest node score in the trace), each trace's vote weighted by the GNN's P(anomalous)
-    where `weighted`."""
+    where `weighted`. With `owners` (store -> its one caller, `store_callers`) a trace whose
+    culprit is a store votes for the store's caller, and stores get no row."""
     service = np.where(scores.present, np.nan_to_num(scores.gnn_service, nan=-1.0), -np.inf)
+    column = {name: i for i, name in enumerate(scores.services)}
+    voter = np.array([column.get((owners or {}).get(name, name), i) for i, name in enumerate(scores.services)], dtype=int)
     culprit = np.zeros(scores.present.shape)
-    culprit[np.arange(len(service)), service.argmax(axis=1)] = 1.0
+    culprit[np.arange(len(service)), voter[service.argmax(axis=1)]] = 1.0
     weight = np.nan_to_num(scores.gnn_anomaly, nan=0.0)[:, None] if weighted else 1.0
     visits = scores.present.sum(axis=0)
     votes = (culprit * scores.present * weight).sum(axis=0) / np.maximum(visits, 1)
-    return pd.Series(votes, index=scores.services)[visits > 0]
+    return pd.Series(votes, index=scores.services)[(visits > 0) & (voter == np.arange(len(voter)))]
 
 
-def culprit_vote_shift(window_scores: Any, normal_scores: Any, weighted: bool = True) -> pd.Series:
+def culprit_vote_shift(window_scores: Any, normal_scores: Any, weighted: bool = True,
+                       owners: Mapping[str, str] | None = None) -> pd.Series:
     """The GNN's own window ranking (`bmeg-gnn`): per service, its `culprit_votes` in the window
     minus in the normal period (0 where the normal period never saw it).
 
@@ -510,8 +514,8 @@ def culprit_vote_shift(window_scores: Any, normal_scores: Any, weighted: bool = 
     orchestrator) is ranked by what changed. Chosen over `node_score_shift` on the testbed and
     the twin (issue 12, session 24: the GNN alone's latency AC@1 +0.07 to +0.08 on each).
     """
-    window = culprit_votes(window_scores, weighted)
-    return window - culprit_votes(normal_scores, weighted).reindex(window.index).fillna(0.0).to_numpy()
+    window = culprit_votes(window_scores, weighted, owners)
+    return window - culprit_votes(normal_scores, weighted, owners).reindex(window.index).fillna(0.0).to_numpy()
 
 
 def with_normal_baselines(detector: Detector, normal: SpanForest) -> Detector:
