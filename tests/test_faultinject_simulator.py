@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from builders import chain_spec, chain_topology
 
 from bmeg.faultinject import Fault, calibrate, episode_tables, label_episode, parse_topology, simulate, spans_of
+from bmeg.graphs import assemble
+from bmeg.graphs.features import self_time_ns
 from bmeg.traces.schema import SPAN_SCHEMA
 
 
@@ -103,6 +105,33 @@ def test_gc_pauses_move_the_tail_not_the_median():
     paused_d, _ = _durations(paused, "compute_client")
     assert np.median(paused_d) < 1.5 * np.median(calm_d)
     assert np.percentile(paused_d, 99.9) > 3 * np.percentile(calm_d, 99.9)
+
+
+def _mid_times(result) -> tuple[float, float, float]:
+    """Medians (us) of mid's server self time, of its calls to the cache, and of the wait before
+    its server spans start (from its caller's client span's start)."""
+    forest = assemble(spans_of(result))
+    spans = forest.spans.to_pandas().assign(self_ns=self_time_ns(forest))
+    server = spans[(spans.service == "mid") & (spans.kind == "server")]
+    calls = spans[(spans.service == "mid") & (spans.kind == "client") & (spans.peer_service == "cache")]
+    wait = server.start_ns.to_numpy() - spans.set_index("span_id").start_ns.reindex(server.parent_id).to_numpy()
+    return np.median(server.self_ns) / 1e3, np.median(calls.duration_ns) / 1e3, np.median(wait) / 1e3
+
+
+def test_at_wakeup_a_cpu_backlog_lands_where_the_process_stamps_time():
+    # a hog on mid: with `cpu_waits: at-wakeup` mid's self time stays, the wait before its server
+    # spans and its calls to the cache (the answer read when it gets a core) take the backlog, as
+    # on the testbed; without it the backlog lands in mid's self time
+    hog = [Fault("mid", "interference", "single", 0.0, 4.0, {"factor": 20, "slice_ms": 3})]
+    spec = chain_spec(rate=300)
+    calm_self, calm_calls, calm_wait = _mid_times(simulate(parse_topology(spec), [], 4, 5))
+    in_span = _mid_times(simulate(parse_topology(spec), hog, 4, 5))
+    at_wakeup = _mid_times(simulate(parse_topology({**spec, "cpu_waits": "at-wakeup"}), hog, 4, 5))
+    assert in_span[0] > 3 * calm_self and in_span[1] < 2 * calm_calls
+    assert at_wakeup[0] < 1.2 * calm_self
+    assert at_wakeup[1] > 5 * calm_calls and at_wakeup[2] > 20 * calm_wait
+    # fault-free, the short FCFS waits leave the spans too: mid's self time is no longer than in-span
+    assert _mid_times(simulate(parse_topology({**spec, "cpu_waits": "at-wakeup"}), [], 4, 5))[0] < calm_self
 
 
 steps = st.recursive(

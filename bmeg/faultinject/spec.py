@@ -175,6 +175,11 @@ class TopologySpec(_Strict):
     description: str = ""
     workload: Workload
     network: Network = Network()
+    cpu_waits: Literal["at-wakeup"] | None = Field(
+        default=None, description="at-wakeup: a replica's wait for a core delays what its process stamps when it "
+        "runs: a server span's start (its handler's first burst) and a client span's end (the answer read), and a "
+        "burst no longer than a CPU hog's slice runs to its end once started (as the testbed's CPU faults show; "
+        "`bmeg.faultinject.simulator`); unset (the default): the wait lands inside the span")
     requests: dict[str, Request] = Field(min_length=1)
     services: dict[str, Service] = Field(min_length=1)
 
