@@ -2,7 +2,7 @@
 
     python bench/window_score.py --model RUN --traces D/spans.parquet --faults D/fault_list.json \
         --normal D/normal.parquet [--window-minutes 0.1]          # the testbed dataset D
-    python bench/window_score.py --model RUN --simulated RUN/twin.yaml [--window-seconds 10] [--stores]
+    python bench/window_score.py --model RUN --simulated RUN/twin.yaml [--window-seconds 10] [--stores] [--scheduler]
 
 Each variant replaces `bmeg.models.window.node_score_shift` (the GNN's per-service window score
 against the normal period) and is scored twice on the same windows: alone (as `bmeg-gnn`) and
@@ -175,6 +175,8 @@ def main() -> None:
     parser.add_argument("--simulated", type=Path, default=None, help="a topology (a twin): simulated faults instead")
     parser.add_argument("--window-seconds", type=float, default=10.0)
     parser.add_argument("--stores", action="store_true", help="with --simulated: faults on the stores, not the services")
+    parser.add_argument("--scheduler", action="store_true",
+                        help="with --simulated: CPU faults as the kernel's scheduler makes them (a quota, a hog)")
     args = parser.parse_args()
     detector = Detector.load(args.model, device="cpu")
     with tempfile.TemporaryDirectory() as out:
@@ -184,7 +186,8 @@ def main() -> None:
 
             spec = load_topology(args.simulated)
             stores = sorted(name for name, service in spec.services.items() if service.storage) if args.stores else None
-            sim = simulated_faults(spec, Path(out), normal_s=20.0, window_s=args.window_seconds, seed=0, services=stores)
+            sim = simulated_faults(spec, Path(out), normal_s=20.0, window_s=args.window_seconds, seed=0, services=stores,
+                                   scheduler=args.scheduler)
             normal, traces, fault_list, minutes, suffix = sim.normal, sim.traces, sim.fault_list, sim.window_minutes, 0
         else:
             normal, traces, fault_list = read_spans(args.normal), args.traces, args.faults

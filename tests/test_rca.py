@@ -645,3 +645,20 @@ def test_fewer_calls_than_ever_are_odd_more_are_not():
     early = normal.structure_tests(_front_and_rare([None if i % 10 == 0 else i % 3 == 0 for i in range(300)]))
     assert early.loc["front", "p"] < 1e-9 and structure_significant(early)["front"]
     assert not structure_significant(early)["rare"]
+
+
+def test_simulated_faults_draw_cpu_faults_fluid_or_as_the_kernels_scheduler_makes_them(tmp_path):
+    from bmeg.evaluation.simulated import simulated_faults
+
+    def cpu_parameters(scheduler: bool) -> list[dict]:
+        sim = simulated_faults(parse_topology(SPEC), tmp_path / str(scheduler), normal_s=1.0, window_s=1.0,
+                               services=["pay"], scheduler=scheduler)
+        entries = json.loads(sim.fault_list.read_text())["simulated"]
+        return [e["parameters"] for e in entries if e["inject_type"] in ("cpu_contention", "cpu_consumed")]
+
+    fluid, kernel = cpu_parameters(False), cpu_parameters(True)
+    assert len(fluid) == len(kernel) == 2
+    assert {"capacity"} <= set().union(*fluid) and not {"quota", "slice_ms"} & set().union(*fluid)
+    # a CFS quota in place of a smaller core, a hog's slices beside the factor; nothing the simulator cannot run
+    assert {"quota", "slice_ms", "factor"} <= set().union(*kernel)
+    assert not {"capacity", "shared_cgroup"} & set().union(*kernel)

@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from bmeg.faultinject import Fault, TopologySpec, simulate, spans_of
 from bmeg.faultinject.codefaults import CODE_FAULTS, apply_code_fault
-from bmeg.faultinject.scenario import SOURCE_PARAMETERS
+from bmeg.faultinject.scenario import SCHEDULER_PARAMETERS, SOURCE_PARAMETERS, kernel_form_parameters
 from bmeg.traces.io import write_spans
 
 #: Simulated fault sources and the real fault types they stand for.
@@ -49,8 +49,11 @@ class SimulatedFaults:
 
 
 def simulated_faults(spec: TopologySpec, out: Path, normal_s: float = 60.0, window_s: float = 60.0,
-                     seed: int = 0, services: list[str] | None = None) -> SimulatedFaults:
-    """Simulate a normal period and one faulty episode per service and source under `out`."""
+                     seed: int = 0, services: list[str] | None = None, scheduler: bool = False) -> SimulatedFaults:
+    """Simulate a normal period and one faulty episode per service and source under `out`. The
+    CPU faults slow every burst alike (a smaller core, a noisy neighbour) or, with `scheduler`,
+    work as the kernel's scheduler makes them (a CFS quota, a hog's time slices: `kernel_form_parameters`),
+    as the testbed injects them and `bmeg bootstrap` trains on them."""
     rng = np.random.default_rng(seed)
     out = Path(out)
     (out / "traces").mkdir(parents=True, exist_ok=True)
@@ -69,6 +72,8 @@ def simulated_faults(spec: TopologySpec, out: Path, normal_s: float = 60.0, wind
             parameters = {name: float(rng.uniform(lo, hi)) for name, (lo, hi) in SOURCE_PARAMETERS[kind].items()}
             if kind == "network":
                 parameters.pop("bandwidth_kbit")  # a delay fault, as the real lists' network_delay
+            if scheduler and kind in SCHEDULER_PARAMETERS:
+                parameters = kernel_form_parameters(kind, parameters, rng)
             fault = Fault(service, kind, "single", 0.0, window_s, parameters)
             spans = spans_of(simulate(spec, [fault], window_s, episode_seed), start_ns, episode_seed)
         if spans.num_rows == 0:

@@ -145,6 +145,19 @@ class Scenario(_Strict):
         return self
 
 
+#: Scheduler parameters only the testbed reads (the simulator runs no cgroups).
+TESTBED_ONLY_PARAMETERS = {"shared_cgroup"}
+
+
+def kernel_form_parameters(source: str, parameters: dict[str, float], rng: np.random.Generator) -> dict[str, float]:
+    """A CPU fault's parameters (`source` in `SCHEDULER_PARAMETERS`) as the kernel's scheduler
+    makes the fault: a CFS quota in place of a smaller core, a hog's time slices beside the
+    slowdown factor, drawn from their campaign ranges."""
+    drawn = {name: float(rng.uniform(lo, hi)) for name, (lo, hi) in SCHEDULER_PARAMETERS[source].items()
+             if name not in TESTBED_ONLY_PARAMETERS}
+    return {**{k: v for k, v in parameters.items() if k != "capacity"}, **drawn}
+
+
 def parameter_names(source: str) -> set[str]:
     """Every parameter a source takes."""
     return set(SOURCE_PARAMETERS[source]) | set(SCHEDULER_PARAMETERS.get(source, {}))

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from bmeg.faultinject import Fault, TopologySpec, load_topology, simulate, spans_of
 from bmeg.faultinject.codefaults import CODE_FAULTS, apply_code_fault
-from bmeg.faultinject.scenario import SCHEDULER_PARAMETERS, SOURCE_PARAMETERS
+from bmeg.faultinject.scenario import SCHEDULER_PARAMETERS, SOURCE_PARAMETERS, kernel_form_parameters
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError, load_tensor_dict
 from bmeg.models.normal import NormalStats
@@ -51,8 +51,6 @@ CODE_ALONE_WINDOWS = 0.2
 #: start-wait inputs, 0.5 ranked the testbed's faults no better (README, issue 12, session 19), and
 #: 0 keeps the windows of earlier sessions; `bench/window_gcn.py --kernel-form` compares.
 KERNEL_FORM_FAULTS = 0.0
-#: Scheduler parameters only the testbed reads (the simulator runs no cgroups).
-TESTBED_ONLY_PARAMETERS = {"shared_cgroup"}
 #: Traces of a window's normal period and of the window itself (drawn between the two): the
 #: default `WindowShape`; the fixed normal period the detector's baselines come from is the longest.
 NORMAL_TRACES = (300, 1200)
@@ -147,16 +145,8 @@ def _latency_fault(service: str, rng: np.random.Generator, start_s: float, end_s
     if source == "network":
         parameters.pop("bandwidth_kbit")  # a delay, as the real lists' network_delay
     if kernel_form > 0 and source in SCHEDULER_PARAMETERS and rng.random() < kernel_form:  # 0: no draw, main's windows
-        parameters = _kernel_form(source, parameters, rng)
+        parameters = kernel_form_parameters(source, parameters, rng)
     return Fault(service, source, "multiple", start_s, end_s, parameters)
-
-
-def _kernel_form(source: str, parameters: dict[str, float], rng: np.random.Generator) -> dict[str, float]:
-    """A CPU fault's parameters as the kernel's scheduler makes the fault (`SCHEDULER_PARAMETERS`):
-    a CFS quota in place of a smaller core, a hog's time slices beside the slowdown factor."""
-    drawn = {name: float(rng.uniform(lo, hi)) for name, (lo, hi) in SCHEDULER_PARAMETERS[source].items()
-             if name not in TESTBED_ONLY_PARAMETERS}
-    return {**{k: v for k, v in parameters.items() if k != "capacity"}, **drawn}
 
 
 def training_window(detector: Any, normal_spans: pa.Table, window_spans: pa.Table,
