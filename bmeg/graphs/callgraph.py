@@ -122,7 +122,7 @@ def store_callers(forest: SpanForest, services: pa.Array | None = None) -> dict[
     found: dict[str, list[str]] = {}
     for store, caller in zip(pairs["store"].to_pylist(), pairs["caller"].to_pylist(), strict=True):
         found.setdefault(store, []).append(caller)
-    return {store: callers[0] for store, callers in found.items() if len(callers) == 1}
+    return {store: names[0] for store, names in found.items() if len(names) == 1}
 
 
 @dataclass(frozen=True)
