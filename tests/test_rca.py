@@ -662,3 +662,21 @@ def test_simulated_faults_draw_cpu_faults_fluid_or_as_the_kernels_scheduler_make
     # a CFS quota in place of a smaller core, a hog's slices beside the factor; nothing the simulator cannot run
     assert {"quota", "slice_ms", "factor"} <= set().union(*kernel)
     assert not {"capacity", "shared_cgroup"} & set().union(*kernel)
+
+
+def test_rca_sim_runs_the_harness_on_simulated_faults_of_either_cpu_shape(trained_run, tmp_path):
+    from click.testing import CliRunner
+
+    from bmeg.cli import main
+
+    topology = tmp_path / "shop.yaml"
+    topology.write_text(parse_topology(SPEC).to_yaml())
+    result = CliRunner().invoke(main, ["evaluate", "rca-sim", str(topology), "--model", str(trained_run), "--out",
+                                       str(tmp_path / "sim"), "--window-seconds", "1", "--no-published",
+                                       "--cpu-faults", "scheduler", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert {"cpu_contention", "cpu_consumed", "network_delay"} <= {fault["type"] for fault in summary["faults"]}
+    assert summary["latency_faults"]["bmeg"]["n"] == 12  # 4 services x 3 latency sources, each window scored
+    entries = json.loads((tmp_path / "sim" / "fault_list.json").read_text())["simulated"]
+    assert any("quota" in entry["parameters"] for entry in entries)

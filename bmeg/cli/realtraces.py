@@ -252,9 +252,12 @@ def healthy(traces: Path, run_dir: Path, input_format: str | None, as_json: bool
 @click.option("--window-seconds", type=float, default=60.0, show_default=True)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--published/--no-published", default=True, show_default=True)
+@click.option("--cpu-faults", type=click.Choice(["fluid", "scheduler"]), default="fluid", show_default=True,
+              help="How the CPU faults slow a service: every burst alike (a smaller core, a noisy neighbour), or as "
+                   "the kernel's scheduler makes them (a CFS quota, a CPU hog's time slices), as the testbed injects them.")
 @json_option
 def rca_sim(topology: Path, run_dir: Path, out: Path, window_seconds: float, seed: int, published: bool,
-            as_json: bool) -> None:
+            cpu_faults: str, as_json: bool) -> None:
     """The rca harness on faults simulated from TOPOLOGY (one per service and source): synthetic validation."""
     from bmeg.evaluation.faults import read_fault_list
     from bmeg.evaluation.rankers import default_rankers
@@ -265,7 +268,8 @@ def rca_sim(topology: Path, run_dir: Path, out: Path, window_seconds: float, see
     from bmeg.graphs.rpc import rpc_view
     from bmeg.models.detector import Detector
 
-    sim = simulated_faults(load_topology(topology), out, normal_s=2 * window_seconds, window_s=window_seconds, seed=seed)
+    sim = simulated_faults(load_topology(topology), out, normal_s=2 * window_seconds, window_s=window_seconds, seed=seed,
+                           scheduler=cpu_faults == "scheduler")
     normal = rpc_view(sim.normal)
     rankers = default_rankers(Detector.load(run_dir), normal, published)
     files = TraceFiles(sim.traces)
