@@ -420,8 +420,10 @@ class Simulator:
         if visit.fault < 0:
             visit.fault = replica.fault
         if service.storage is None:
-            root = visit.frame is None
-            start = visit.t_arrive if root else self._on_core(replica, t) if self.at_wakeup else t
+            if visit.frame is None:  # the entry's span: from the request's arrival
+                start = visit.t_arrive
+            else:
+                start = self._on_core(replica, t) if self.at_wakeup else t
             visit.span = self._open_span(visit.trace, visit.client_span, service.index, op.name_id,
                                          start, SERVER, replica.index, -1)
         work = next(op.draw)

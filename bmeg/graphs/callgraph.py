@@ -105,17 +105,15 @@ def node_services(
     return pa.array(renamed, pa.string()).take(encoded.indices)
 
 
-def store_callers(forest: SpanForest, services: pa.Array | None = None) -> dict[str, str]:
+def store_callers(forest: SpanForest) -> dict[str, str]:
     """Each store node's calling service, for the stores one service alone calls.
 
-    A store here is a node service with no span of its own (`node_services` with
-    `storage_nodes`, passed as `services` to reuse them): the traces know it only from its
-    caller's client spans, so its time is measured by that caller's process (a starved caller
-    or a wait for a pooled connection stretches the same spans). A store two services call is
-    left out: no one caller stands for it.
+    A store here is a node service (`node_services` with `storage_nodes`) with no span of its
+    own: the traces know it only from its caller's client spans, so its time is measured by
+    that caller's process (a starved caller or a wait for a pooled connection stretches the same
+    spans). A store two services call is left out: no one caller stands for it.
     """
-    if services is None:
-        services = node_services(forest, storage_nodes=True)
+    services = node_services(forest, storage_nodes=True)
     callers = forest.spans["service"].combine_chunks() if forest.num_spans else pa.array([], pa.string())
     stores = pc.invert(pc.is_in(services, value_set=pc.unique(callers)))
     pairs = pa.table({"store": services, "caller": callers}).filter(stores).group_by(["store", "caller"]).aggregate([])
