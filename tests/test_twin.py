@@ -42,6 +42,7 @@ def test_twin_recovers_structure_of_a_known_spec(known_traces):
     assert twin.services["front"].replicas == 2
     assert list(twin.requests.values())[0].entry == "front:get"
     assert twin.workload.rate == pytest.approx(200, rel=0.15)
+    assert twin.cpu_waits == "at-wakeup"  # a CPU backlog lands where a real process stamps time
     (branch,) = twin.services["front"].operations["get"].calls
     assert isinstance(branch, BranchStep)
     shares = {tuple(type(s).__name__ for s in option.steps): option.p for option in branch.branch}

@@ -287,7 +287,8 @@ def test_cpu_faults_take_the_kernels_form_when_asked_and_no_draw_of_it_otherwise
     kernel, _ = drawn(1.0)
     plain, after = drawn(0.0)
     if kernel.source == "saturation":
-        assert "capacity" not in kernel.parameters and 0.6 <= kernel.parameters["quota"] <= 1.0
+        low, high = training.SCHEDULER_PARAMETERS["saturation"]["quota"]
+        assert "capacity" not in kernel.parameters and low <= kernel.parameters["quota"] <= high
     elif kernel.source == "interference":
         assert kernel.parameters["slice_ms"] == 3.0 and 2.0 <= kernel.parameters["factor"] <= 6.0
     else:

@@ -52,7 +52,7 @@ SOURCE_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
 #: 0 beside it, where it slows every service pinned to its CPU as much.
 SCHEDULER_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
     "interference": {"slice_ms": (3.0, 3.0), "shared_cgroup": (0, 0)},
-    "saturation": {"quota": (0.6, 1.0)},
+    "saturation": {"quota": (0.3, 1.0)},
 }
 #: Parameters that are counts, drawn as integers.
 INTEGER_PARAMETERS = {"replicas", "pool_size", "shared_cgroup"}

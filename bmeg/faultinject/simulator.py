@@ -25,16 +25,16 @@ Mechanics (why bottlenecks behave like real ones):
   run again, so a CPU fault slows its client spans to callees it did not touch (as on the
   testbed, where a hogged or throttled service's calls to its stores stretch). A pause does
   not delay the read (the fluid campaigns' and the closed loop's data stay as they were).
-- With the topology's `cpu_waits: at-wakeup` (opt-in), a process stamps a span's times when it
+- With the topology's `cpu_waits: at-wakeup` (what `fit_twin` sets), a process stamps a span's times when it
   runs: a server span opens when its handler's first burst gets a core, and a client span ends
   when the caller gets a core to read the answer, so a replica's backlog of bursts (FCFS on its
   cores, a hog's slice, a spent quota) lands in the wait before its server spans and in its
   client spans, not in its self time; and a burst no longer than a hog's slice runs to its end
   once started (the scheduler lets a woken thread run its slice).
   The testbed's hogged services show it: self time p50 x0.8-1.7, their calls to their stores
-  p50 x3,600-13,800. Unset (the default, and the twins'), the wait lands inside the span: twins
-  trained with it won on the testbed and lost the twin's own simulated CPU faults (README,
-  issue 12, session 25).
+  p50 x3,600-13,800. Unset (the shipped topologies), the wait lands inside the span. Twins
+  trained at-wakeup rank the testbed's CPU faults better and the twin's own fluid-form CPU
+  faults worse (README, issue 12, sessions 25-26).
 
 Times are float nanoseconds from the episode's start. The output is columnar (lists turned
 into numpy arrays) and becomes Arrow tables in `bmeg.faultinject.tables`.

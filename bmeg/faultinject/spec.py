@@ -179,7 +179,7 @@ class TopologySpec(_Strict):
         default=None, description="at-wakeup: a replica's wait for a core delays what its process stamps when it "
         "runs: a server span's start (its handler's first burst) and a client span's end (the answer read), and a "
         "burst no longer than a CPU hog's slice runs to its end once started (as the testbed's CPU faults show; "
-        "`bmeg.faultinject.simulator`); unset (the default): the wait lands inside the span")
+        "`bmeg.faultinject.simulator`; what `fit_twin` sets); unset (the default): the wait lands inside the span")
     requests: dict[str, Request] = Field(min_length=1)
     services: dict[str, Service] = Field(min_length=1)
 
