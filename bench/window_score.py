@@ -26,7 +26,10 @@ inside bmeg's combined ranker (`combined_ranking`). Variants, per service over i
   (session 25, neither adopted: folding cannot name a store, and the twin's simulated store
   faults are found by `vote-weighted`; `--stores` simulates those).
 All are means over visits (or over the traces visiting), so none rewards a service for being
-visited often. The self-time rule is printed beside them. Prints AC@1 / Avg@5 per fault group.
+visited often. The self-time rule is printed beside them, and bmeg as every door ranks (`bmeg`:
+the time shift, its window GCN and the GNN's `vote-weighted` shift in the standardised fusion,
+session 26) and `bmeg-without-votes` (sessions 21-25's: the first two; session 26 measured it as
+`bmeg` against `bmeg-with-votes`). Prints AC@1 / Avg@5 per fault group.
 """
 
 from __future__ import annotations
@@ -43,14 +46,21 @@ import pandas as pd
 
 import bmeg.models.window as window_module
 from bmeg.evaluation.faults import read_fault_list
-from bmeg.evaluation.rankers import SelfTimeRanker, _DetectorScores, _ranking
+from bmeg.evaluation.rankers import BmegRanker, SelfTimeRanker, _DetectorScores, _ranking
 from bmeg.evaluation.rca import report, run_rca
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.graphs import SpanForest, store_callers
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.detector import Detector
 from bmeg.models.normal import NormalStats, Ranking
-from bmeg.models.window import combined_ranking, culprit_vote_shift, node_score_shift, with_normal_baselines
+from bmeg.models.window import (
+    combined_ranking,
+    culprit_vote_shift,
+    node_score_shift,
+    standardised_fusion,
+    window_gcn_of,
+    with_normal_baselines,
+)
 from bmeg.traces.io import read_spans
 
 LOGIT_CLIP = 1e-4
@@ -150,9 +160,12 @@ class BmegVariant:
 
 
 def rankers(detector: Detector, normal: SpanForest) -> list:
-    scores = _DetectorScores(with_normal_baselines(detector, normal))
-    return [*(BmegVariant(scores, v) for v in VARIANTS if v not in FOLDING), *(GnnVariant(scores, v) for v in VARIANTS),
-            SelfTimeRanker()]
+    detector = with_normal_baselines(detector, normal)
+    scores, window_gcn = _DetectorScores(detector), window_gcn_of(detector)
+    fused = [] if window_gcn is None else [BmegRanker(scores, window_gcn),
+                                           BmegRanker(scores, window_gcn, "bmeg-without-votes", standardised_fusion)]
+    return [*fused, *(BmegVariant(scores, v) for v in VARIANTS if v not in FOLDING),
+            *(GnnVariant(scores, v) for v in VARIANTS), SelfTimeRanker()]
 
 
 def table(summary: dict, names: list[str]) -> None:

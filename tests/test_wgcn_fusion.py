@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pandas as pd
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,8 +14,10 @@ from bmeg.evaluation.rankers import WindowGcnRanker, _DetectorScores, default_ra
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError
 from bmeg.models.normal import NormalStats
-from bmeg.models.window import (WindowRanker, combined_ranking, gnn_window_scores, node_score_shift, rank_fusion,
-                                window_gcn_of, window_gcn_scores, with_normal_baselines)
+from bmeg.models.window import (WindowRanker, combined_ranking, culprit_vote_shift, fused_with_votes, gnn_window_scores,
+                                learned_scores,
+                                node_score_shift, rank_fusion, standardised_fusion, window_gcn_of, window_gcn_scores,
+                                window_stages, with_normal_baselines)
 from bmeg.models.window_gcn import FEATURES, WINDOW_GCN_FILE, WindowGCN, rank_window, save_window_gcn, service_features
 from bmeg.traces import span_table
 from builders import many_traces, star_trace, tiny_detector
@@ -102,10 +105,11 @@ def test_bmeg_fuses_the_window_gcn_only_where_the_run_holds_one(tmp_path):
     assert rankers["bmeg"].window_gcn is None  # type: ignore[attr-defined]
     save_window_gcn(_reading("self_time"), tmp_path / WINDOW_GCN_FILE)
     rankers = {ranker.name: ranker for ranker in default_rankers(detector, published=False)}
-    assert {"bmeg", "bmeg-rank-fusion", "bmeg-gnn-fusion", "bmeg-window-gcn"} <= set(rankers)
+    assert {"bmeg", "bmeg-without-votes", "bmeg-rank-fusion", "bmeg-gnn-fusion", "bmeg-window-gcn"} <= set(rankers)
     assert rankers["bmeg"].window_gcn is not None and rankers["bmeg-gnn-fusion"].window_gcn is None  # type: ignore[attr-defined]
     assert rankers["bmeg"].fusion is None  # type: ignore[attr-defined]
     assert rankers["bmeg-rank-fusion"].fusion is rank_fusion  # type: ignore[attr-defined]
+    assert rankers["bmeg-without-votes"].fusion is standardised_fusion  # type: ignore[attr-defined]
     normal = rpc_view(span_table(many_traces(60)))
     assert WindowRanker(detector, normal).window_gcn is not None  # every door's ranker reads it too
     (tmp_path / WINDOW_GCN_FILE).write_bytes(b"not a checkpoint")  # damaged: said, not passed over
@@ -148,3 +152,29 @@ def test_the_harness_runs_the_window_gcn_once_a_window_and_ranks_as_the_library(
         fresh = combined_ranking(stats, window, gnn_window_scores(baselined, window),
                                  gnn_window_scores(baselined, normal), window_gcn_of(detector))
         assert [s for s, _ in got["bmeg"]] == [s for s, _ in fresh]
+
+
+def test_with_a_window_gcn_bmeg_fuses_the_gnns_culprit_votes_as_a_third_ranking(tmp_path):
+    """Given a window GCN, bmeg's fusion is the standardised sum of the time shift, the window
+    GCN's scores and the GNN's culprit votes (issue 12, session 26); without the votes it is
+    `bmeg-without-votes`."""
+    normal = rpc_view(span_table(many_traces(60)))
+    detector = with_normal_baselines(tiny_detector(), normal)
+    stats, model, normal_scores = NormalStats.from_forest(normal), _random(3), gnn_window_scores(detector, normal)
+    for window in (_window(1, 8.0), _window(2, 3.0)):
+        scores = gnn_window_scores(detector, window)
+        stages = window_stages(stats, window, scores, normal_scores, model)
+        learned = learned_scores(stats, window, scores, normal_scores, model)
+        votes = culprit_vote_shift(scores, normal_scores)
+        time = stats.service_shift_parts(window).max(axis=1)
+        assert stages.fused.equals(standardised_fusion(time, learned, votes))
+        two_way = window_stages(stats, window, scores, normal_scores, model, standardised_fusion)
+        assert two_way.fused.equals(standardised_fusion(time, learned))
+
+
+def test_the_gnns_votes_put_first_a_service_the_other_two_rankings_put_a_close_second():
+    time = pd.Series({"caller": 1.0, "callee": 0.9, "other": 0.0})
+    votes = pd.Series({"caller": 0.0, "callee": 0.6, "other": 0.0})
+    assert standardised_fusion(time, time).index[0] == "caller"
+    assert fused_with_votes(votes)(time, time).index[0] == "callee"
+    assert fused_with_votes(pd.Series(dtype=float))(time, time).index.tolist() == ["caller", "callee", "other"]  # no votes: no change

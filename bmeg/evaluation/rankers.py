@@ -5,10 +5,13 @@ see `bmeg.graphs.rpc.rpc_view`) and statistics of a normal period, and returns
 `[(service, score), ...]`, most suspicious first.
 
 - `bmeg`: the fusion of a learned window ranking (the window GCN's where the detector's run
-  directory holds one, as `bmeg bootstrap` writes it, fused by standardised scores; else the
-  GNN's, fused by ranks) and how far each service's own time moved from the normal period, with
+  directory holds one, as `bmeg bootstrap` writes it, fused by standardised scores with the
+  GNN's culprit votes as a third ranking; else the GNN's, fused by ranks) and how far each
+  service's own time moved from the normal period, with
   code faults and decisive call gaps first: the window ranker every door of the product uses
   (`bmeg.models.window.combined_ranking`).
+- `bmeg-without-votes`: `bmeg` without the GNN's culprit votes in its fusion (`bmeg` from issue
+  12, session 21 to session 25), where the run holds a window GCN.
 - `bmeg-rank-fusion`: `bmeg` with the window GCN's ranking fused by ranks (`rank_fusion`, `bmeg`
   from issue 12, session 20 to session 21), where the run holds a window GCN.
 - `bmeg-gnn-fusion`: `bmeg` with the per-trace GNN's mean node score shift (`node_score_shift`,
@@ -42,7 +45,7 @@ import pandas as pd
 from bmeg.graphs import SpanForest
 from bmeg.models.normal import NormalStats, Ranking
 from bmeg.models.window import (combined_ranking, culprit_vote_shift, gnn_window_scores, learned_scores, rank_fusion,
-                                window_gcn_of, with_normal_baselines)
+                                standardised_fusion, window_gcn_of, with_normal_baselines)
 from bmeg.models.window_gcn import WindowModel
 
 
@@ -227,6 +230,7 @@ def default_rankers(detector=None, normal: SpanForest | None = None, published: 
     scores = _DetectorScores(detector)
     window_gcn = window_gcn_of(detector)
     learned: list[Ranker] = [] if window_gcn is None else [
+        BmegRanker(scores, window_gcn, "bmeg-without-votes", standardised_fusion),
         BmegRanker(scores, window_gcn, "bmeg-rank-fusion", rank_fusion),
         BmegRanker(scores, None, "bmeg-gnn-fusion"), WindowGcnRanker(scores, window_gcn)]
     return [BmegRanker(scores, window_gcn), GnnRanker(scores), *learned, FirmSvmRanker(detector), *baselines]

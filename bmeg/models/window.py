@@ -362,7 +362,8 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     period (`NormalStats.service_shift_parts`, call gaps split between caller and callee) and a
     learned window ranking: given `window_gcn`, the window GCN's (`window_gcn_scores`), fused by
     standardised scores (`standardised_fusion`, which reads how far each ranking puts a service
-    ahead; issue 12, session 21); else the GNN's own (`node_score_shift` of the detector's scores
+    ahead; issue 12, session 21) with the GNN's culprit votes as a third ranking
+    (`culprit_vote_shift`, `fused_with_votes`; session 26); else the GNN's own (`node_score_shift` of the detector's scores
     of the window and of the normal period), fused by ranks (`rank_fusion`). Neither is a product,
     so a low learned score cannot bury the service the time shift puts far ahead. Services
     whose structure moved beyond their own normal noise (`structure_changed`: a code fault) come
@@ -393,7 +394,7 @@ class WindowStages:
 
     parts: pd.DataFrame  # `NormalStats.service_shift_parts` of the window: own / caller / callee / wait (log2)
     learned: pd.Series  # the learned ranking's scores (`node_score_shift`, or the window GCN's logits)
-    fused: pd.Series  # the fusion of the largest part and `learned`, best first
+    fused: pd.Series  # the fusion of the largest part and `learned` (and the GNN's votes), best first
     structure: pd.Series  # per service of `fused`: its structure shift (calls + errors parts; 0 where none)
     gates: pd.DataFrame  # bool per service of `fused`, a column per structure gate (`GATES`)
     decisive: str | None  # `decisive_shift` of the call gaps (where a gate fired on it too, the gate placed it)
@@ -407,7 +408,8 @@ def window_stages(normal: NormalStats, window: SpanForest, window_scores: Any, n
     """`combined_ranking` of a window (its arguments), as `WindowStages`."""
     if learned is None:
         learned = learned_scores(normal, window, window_scores, normal_scores, window_gcn)
-    fusion = fusion or (rank_fusion if window_gcn is None else standardised_fusion)
+    if fusion is None:
+        fusion = rank_fusion if window_gcn is None else fused_with_votes(culprit_vote_shift(window_scores, normal_scores))
     return ranked_stages(normal.service_shift_parts(window), learned, normal.structure_parts(window),
                          normal.structure_tests(window), normal.structure_noise, normal.error_noise, fusion)
 
@@ -568,6 +570,16 @@ def standardised_fusion(*scores: pd.Series) -> pd.Series:
         total += (values - values.mean()) / spread if spread > 0 else 0.0
     first = scores[0].rank(ascending=False, method="first").reindex(index).fillna(len(index) + 1)
     return total.iloc[np.lexsort((first.to_numpy(), -total.to_numpy()))]
+
+
+def fused_with_votes(votes: pd.Series) -> Callable[[pd.Series, pd.Series], pd.Series]:
+    """bmeg's fusion given a window GCN: `standardised_fusion` of the time shift, the window GCN's
+    scores and the GNN's culprit votes (`culprit_vote_shift`), equal weights: on the testbed the
+    votes put first some network delays and CPU faults that the other two put second (README,
+    issue 12, session 26)."""
+    def fusion(time: pd.Series, learned: pd.Series) -> pd.Series:
+        return standardised_fusion(time, learned, votes)
+    return fusion
 
 
 def decisive_shift(shift: pd.Series, lead: float = DECISIVE_LEAD) -> str | None:
