@@ -6,7 +6,8 @@
 
 Each variant replaces `bmeg.models.window.node_score_shift` (the GNN's per-service window score
 against the normal period) and is scored twice on the same windows: alone (as `bmeg-gnn`) and
-inside bmeg's combined ranker (`combined_ranking`). Variants, per service over its nodes (visits):
+inside bmeg's combined ranker as it fused the GNN before the window GCN (`combined_ranking`
+with no window GCN: `bmeg-VARIANT`). Variants, per service over its nodes (visits):
 - `diff` (`node_score_shift`: `bmeg-gnn` until session 24, and still the window GCN's input):
   the window's mean node score minus the normal period's mean;
 - `z`: that difference over the standard deviation of the service's node scores in the normal
