@@ -25,8 +25,8 @@ Mechanics (why bottlenecks behave like real ones):
   run again, so a CPU fault slows its client spans to callees it did not touch (as on the
   testbed, where a hogged or throttled service's calls to its stores stretch). A pause does
   not delay the read (the fluid campaigns' and the closed loop's data stay as they were).
-- With the topology's `cpu_waits: at-wakeup` (what `fit_twin` sets), a process stamps a span's times when it
-  runs: a server span opens when its handler's first burst gets a core, and a client span ends
+- With the topology's `cpu_waits: at-wakeup` (what `fit_twin` sets), a process stamps a span's
+  times when it runs: a server span opens when its handler's first burst gets a core, and a client span ends
   when the caller gets a core to read the answer, so a replica's backlog of bursts (FCFS on its
   cores, a hog's slice, a spent quota) lands in the wait before its server spans and in its
   client spans, not in its self time; and a burst no longer than a hog's slice runs to its end

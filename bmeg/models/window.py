@@ -363,8 +363,9 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     learned window ranking: given `window_gcn`, the window GCN's (`window_gcn_scores`), fused by
     standardised scores (`standardised_fusion`, which reads how far each ranking puts a service
     ahead; issue 12, session 21) with the GNN's culprit votes as a third ranking
-    (`culprit_vote_shift`, `fused_with_votes`; session 26); else the GNN's own (`node_score_shift` of the detector's scores
-    of the window and of the normal period), fused by ranks (`rank_fusion`). Neither is a product,
+    (`culprit_vote_shift`, `fused_with_votes`; session 26); else the GNN's own (`node_score_shift`
+    of the detector's scores of the window and of the normal period), fused by ranks
+    (`rank_fusion`). Neither is a product,
     so a low learned score cannot bury the service the time shift puts far ahead. Services
     whose structure moved beyond their own normal noise (`structure_changed`: a code fault) come
     before the others, by how far it moved, and so do services where errors began beyond their
