@@ -13,12 +13,13 @@ shifts, the decisive service, the time shift's parts (own / caller / callee / wa
 `NormalStats.service_shift_parts`), the call edges' gap shifts (caller, callee, mean log2:
 `NormalStats.call_edge_shifts`) and the GNN's score shift (the harness report, with a `stages`
 entry per fault; log2 shifts to 3 decimals; `learned`: the window GCN's logits where the run
-holds one, as bmeg fuses them, else the GNN's score shift). `analyse`, for each latency fault the rule names
+holds one, as bmeg fuses them, else the GNN's score shift; `votes`: the GNN's culprit votes bmeg
+fuses beside them, null where it fuses none). `analyse`, for each latency fault the rule names
 first and bmeg does not (both with the window's other faulty services removed, the harness's
 `rank_others_removed`), says which stage put bmeg's first there: a structure gate
 (`structure_changed`, `errors_began` or `structure_significant`), the decisive call gap
-(`decisive_shift`), or the rank fusion (and there, whether the time shift alone or the GNN alone
-had the fault first), and which part of the first's time shift lifted it (its own self time, or
+(`decisive_shift`), or the fusion (and there, which of the rankings it fused had the fault first:
+the time shift, the learned ranking, the GNN's culprit votes), and which part of the first's time shift lifted it (its own self time, or
 a call gap as the caller or the callee, or the start waits of the calls into it). Counts by stage and by fault source, per file. Files
 recorded before session 18 (the stages' inputs, rebuilt here then) are not read.
 """
@@ -57,16 +58,20 @@ class RecordingBmeg:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         got = window_stages(normal, window, self.scores(window), self.scores(normal.forest), self.window_gcn,
-                            learned=self.scores.learned(window, normal, self.window_gcn))
+                            learned=self.scores.learned(window, normal, self.window_gcn),
+                            votes=self.scores.votes(window, normal))
         self.stages.append(recorded(got, normal.call_edge_shifts(window)))
         return got.ranking
 
 
 def recorded(got: WindowStages, edges: pd.Series) -> dict:
     """A window's `WindowStages` and call edges (`NormalStats.call_edge_shifts`) in compact JSON
-    form: log2 shifts to 3 decimals, learned scores to 4 significant digits, no NaN."""
+    form: log2 shifts to 3 decimals, learned scores and votes to 4 significant digits, no NaN."""
     def rounded(series: pd.Series, digits: int = 3) -> dict[str, float]:
         return {str(k): round(float(v), digits) for k, v in series.dropna().items()}
+
+    def significant(series: pd.Series) -> dict[str, float]:
+        return {str(k): float(f"{v:.4g}") for k, v in series.dropna().items()}
 
     return {"ranking": [[service, got.stage[service]] for service, _ in got.ranking],
             "decisive": got.decisive,
@@ -74,7 +79,8 @@ def recorded(got: WindowStages, edges: pd.Series) -> dict:
             "structure": rounded(got.structure[got.structure != 0]),
             "parts": {column: rounded(got.parts[column]) for column in got.parts.columns},
             "edges": [[str(caller), str(callee), round(float(v), 3)] for (caller, callee), v in edges.dropna().items()],
-            "learned": {str(k): float(f"{v:.4g}") for k, v in got.learned.dropna().items()}}
+            "learned": significant(got.learned),
+            "votes": None if got.votes is None else significant(got.votes)}
 
 
 def record(args: argparse.Namespace) -> None:
@@ -115,15 +121,15 @@ def stage_of(fault: dict) -> tuple[str, str]:
     lifted = f"its {table.loc[top].idxmax()} part" if top in table.index and table.loc[top].notna().any() else "no time shift"
     if stage == STAGE_DECISIVE:
         return f"decisive call gap ({lifted})", top
-    parts = table.max(axis=1).drop(list(others), errors="ignore")
-    learned = pd.Series(stages["learned"], dtype=float).drop(list(others), errors="ignore")
     if fault["service"] == top:
         return "fusion", top
-    if parts.idxmax() == fault["service"]:
-        return "fusion: the GNN outvoted the time shift", top
-    if learned.idxmax() == fault["service"]:
-        return f"fusion: the time shift ({lifted}) outvoted the GNN", top
-    return f"fusion: neither had it first (the first by {lifted})", top
+    fused = {"time shift": table.max(axis=1), "learned ranking": stages["learned"], "GNN's votes": stages.get("votes") or {}}
+    had_it = [name for name, scores in fused.items()
+              if not (ranked := pd.Series(scores, dtype=float).drop(list(others), errors="ignore").dropna()).empty
+              and ranked.idxmax() == fault["service"]]
+    if had_it:
+        return f"fusion: outvoted, the {' and the '.join(had_it)} had it first (the first by {lifted})", top
+    return f"fusion: none had it first (the first by {lifted})", top
 
 
 def analyse(paths: list[Path]) -> None:

@@ -14,7 +14,7 @@ from bmeg.evaluation.rankers import WindowGcnRanker, _DetectorScores, default_ra
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.checkpoint import CheckpointError
 from bmeg.models.normal import NormalStats
-from bmeg.models.window import (WindowRanker, combined_ranking, culprit_vote_shift, fused_with_votes, gnn_window_scores,
+from bmeg.models.window import (WindowRanker, combined_ranking, culprit_vote_shift, gnn_window_scores,
                                 learned_scores,
                                 node_score_shift, rank_fusion, standardised_fusion, window_gcn_of, window_gcn_scores,
                                 window_stages, with_normal_baselines)
@@ -133,22 +133,25 @@ def test_the_window_gcn_ranker_ranks_by_the_scores_the_fusion_reads(seed):
 
 def test_the_harness_runs_the_window_gcn_once_a_window_and_ranks_as_the_library(tmp_path, monkeypatch):
     """bmeg, bmeg-rank-fusion and bmeg-window-gcn read one computation of the window GCN's
-    scores per window, and bmeg's ranking is `combined_ranking`'s computed afresh."""
+    scores per window, bmeg and bmeg-gnn one of the GNN's votes, and bmeg's ranking is
+    `combined_ranking`'s computed afresh."""
     import bmeg.evaluation.rankers as rankers_module
 
     normal = rpc_view(span_table(many_traces(60)))
     detector = replace(tiny_detector(), run_dir=tmp_path)
     model = _random(7)
     save_window_gcn(model, tmp_path / WINDOW_GCN_FILE)
-    calls = []
-    counted = rankers_module.learned_scores
+    calls, vote_calls = [], []
+    counted, counted_votes = rankers_module.learned_scores, rankers_module.culprit_vote_shift
     monkeypatch.setattr(rankers_module, "learned_scores", lambda *args: calls.append(1) or counted(*args))
+    monkeypatch.setattr(rankers_module, "culprit_vote_shift", lambda *args: vote_calls.append(1) or counted_votes(*args))
     rankers = {r.name: r for r in default_rankers(detector, normal, published=False)}
     stats = NormalStats.from_forest(normal)
     baselined = with_normal_baselines(detector, normal)
     for count, window in enumerate((_window(1, 8.0), _window(0, 8.0, extra_call=True)), start=1):
-        got = {name: rankers[name].rank(window, stats) for name in ("bmeg", "bmeg-rank-fusion", "bmeg-window-gcn")}
-        assert len(calls) == count
+        got = {name: rankers[name].rank(window, stats)
+               for name in ("bmeg", "bmeg-gnn", "bmeg-rank-fusion", "bmeg-window-gcn")}
+        assert len(calls) == len(vote_calls) == count
         fresh = combined_ranking(stats, window, gnn_window_scores(baselined, window),
                                  gnn_window_scores(baselined, normal), window_gcn_of(detector))
         assert [s for s, _ in got["bmeg"]] == [s for s, _ in fresh]
@@ -168,13 +171,18 @@ def test_with_a_window_gcn_bmeg_fuses_the_gnns_culprit_votes_as_a_third_ranking(
         votes = culprit_vote_shift(scores, normal_scores)
         time = stats.service_shift_parts(window).max(axis=1)
         assert stages.fused.equals(standardised_fusion(time, learned, votes))
+        assert stages.votes is not None and stages.votes.equals(votes)  # what it fused, to explain it
         two_way = window_stages(stats, window, scores, normal_scores, model, standardised_fusion)
-        assert two_way.fused.equals(standardised_fusion(time, learned))
+        assert two_way.fused.equals(standardised_fusion(time, learned)) and two_way.votes is None
+        held = window_stages(stats, window, scores, normal_scores, model, votes=votes * 0)  # the caller's votes
+        assert held.fused.equals(standardised_fusion(time, learned, votes * 0))
+    assert window_stages(stats, window, scores, normal_scores).votes is None  # no window GCN: no votes
 
 
 def test_the_gnns_votes_put_first_a_service_the_other_two_rankings_put_a_close_second():
     time = pd.Series({"caller": 1.0, "callee": 0.9, "other": 0.0})
     votes = pd.Series({"caller": 0.0, "callee": 0.6, "other": 0.0})
     assert standardised_fusion(time, time).index[0] == "caller"
-    assert fused_with_votes(votes)(time, time).index[0] == "callee"
-    assert fused_with_votes(pd.Series(dtype=float))(time, time).index.tolist() == ["caller", "callee", "other"]  # no votes: no change
+    assert standardised_fusion(time, time, votes).index[0] == "callee"
+    no_votes = pd.Series(dtype=float)
+    assert standardised_fusion(time, time, no_votes).index.tolist() == ["caller", "callee", "other"]  # no change

@@ -126,3 +126,20 @@ def test_the_bench_keeps_the_stages_and_edges_in_compact_json_and_reads_them_bac
     # the delayed calls' start waits lift svc2 as much as their gaps (`wait_parts`): either part is the callee's
     assert bench.stage_of({**fault, "others": ["svc0"]}) in {("decisive call gap (its callee part)", "svc2"),
                                                              ("decisive call gap (its wait part)", "svc2")}
+    assert kept["votes"] is None  # no window GCN: bmeg fuses no votes
+    # a fusion that put another first: which of the fused rankings had the fault first
+    parts = {"own": {"a": 1.0, "b": 0.5}, "caller": {}, "callee": {}, "wait": {}}
+    fused = {"ranking": [["a", STAGE_FUSION], ["b", STAGE_FUSION]], "gates": {}, "parts": parts,
+             "learned": {"a": 1.0, "b": 0.0}, "votes": {"a": 0.0, "b": 1.0}}
+    assert bench.stage_of({"others": [], "stages": fused, "service": "b"}) == (
+        "fusion: outvoted, the GNN's votes had it first (the first by its own part)", "a")
+    assert bench.stage_of({"others": [], "stages": {**fused, "votes": None}, "service": "b"})[0].startswith("fusion: none")
+
+
+@settings(max_examples=50)
+@given(inputs=stage_inputs())
+def test_votes_given_are_fused_as_a_third_ranking_and_kept(inputs):
+    parts, learned, shape, tests, noise, errors = inputs
+    votes = learned.iloc[::-1].set_axis(learned.index)
+    got = ranked_stages(parts, learned, shape, tests, noise, errors, standardised_fusion, votes)
+    assert got.votes is votes and got.fused.equals(standardised_fusion(parts.max(axis=1), learned, votes))

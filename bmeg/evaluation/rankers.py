@@ -127,24 +127,34 @@ class TraceRCARanker:
 
 
 class _DetectorScores:
-    """The detector's scores of one window, and a window GCN's, computed once for every
-    detector-based ranker."""
+    """The detector's scores of one window, a window GCN's and the GNN's culprit votes, computed
+    once for every detector-based ranker."""
 
     def __init__(self, detector):
         self.detector = detector
         # the two forests used last: a window and the normal period, which every window is
         # compared with (keeping only the last one re-scored the normal period twice per window)
         self._held: dict[int, tuple[SpanForest, object]] = {}
-        self._learned: tuple[tuple[SpanForest, NormalStats, WindowModel | None], pd.Series] | None = None
+        self._kept: dict[str, tuple[tuple, pd.Series]] = {}
 
     def learned(self, window: SpanForest, normal: NormalStats, window_gcn: WindowModel | None) -> pd.Series:
         """The learned ranking bmeg fuses (`learned_scores`: `window_gcn`'s scores of `window`
-        against `normal`, the GNN's shift where None), kept for the last window: bmeg, its
-        rank-fusion variant and the window GCN alone read the same."""
-        key = (window, normal, window_gcn)
-        if self._learned is None or any(a is not b for a, b in zip(self._learned[0], key)):
-            self._learned = (key, learned_scores(normal, window, self(window), self(normal.forest), window_gcn))
-        return self._learned[1]
+        against `normal`, the GNN's shift where None): bmeg, its rank-fusion variant and the
+        window GCN alone read the same."""
+        return self._last("learned", (window, normal, window_gcn),
+                          lambda: learned_scores(normal, window, self(window), self(normal.forest), window_gcn))
+
+    def votes(self, window: SpanForest, normal: NormalStats) -> pd.Series:
+        """The GNN's culprit votes of `window` against `normal` (`culprit_vote_shift`): the GNN
+        alone ranks by them, bmeg fuses them."""
+        return self._last("votes", (window, normal), lambda: culprit_vote_shift(self(window), self(normal.forest)))
+
+    def _last(self, name: str, key: tuple, compute: Callable[[], pd.Series]) -> pd.Series:
+        """`compute()`, kept for the last window: computed again only when `key`'s objects change."""
+        kept = self._kept.get(name)
+        if kept is None or any(a is not b for a, b in zip(kept[0], key)):
+            self._kept[name] = kept = (key, compute())
+        return kept[1]
 
     def __call__(self, window: SpanForest):
         held = self._held.pop(id(window), None)
@@ -183,7 +193,7 @@ class GnnRanker:
         self.scores = scores
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
-        return _ranking(culprit_vote_shift(self.scores(window), self.scores(normal.forest)))
+        return _ranking(self.scores.votes(window, normal))
 
 
 class WindowGcnRanker:
@@ -211,7 +221,8 @@ class BmegRanker:
 
     def rank(self, window: SpanForest, normal: NormalStats) -> Ranking:
         return combined_ranking(normal, window, self.scores(window), self.scores(normal.forest), self.window_gcn,
-                                self.fusion, self.scores.learned(window, normal, self.window_gcn))
+                                self.fusion, self.scores.learned(window, normal, self.window_gcn),
+                                self.scores.votes(window, normal))
 
 
 def default_rankers(detector=None, normal: SpanForest | None = None, published: bool = True) -> list[Ranker]:

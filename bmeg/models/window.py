@@ -357,15 +357,15 @@ def _traces(spans: pa.Table, trace_ids: np.ndarray) -> SpanForest:
 
 def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
                      window_gcn: WindowModel | None = None, fusion: Callable[..., pd.Series] | None = None,
-                     learned: pd.Series | None = None) -> Ranking:
+                     learned: pd.Series | None = None, votes: pd.Series | None = None) -> Ranking:
     """B-MEG on a window: a fusion of how far each service's own time moved from the normal
     period (`NormalStats.service_shift_parts`, call gaps split between caller and callee) and a
     learned window ranking: given `window_gcn`, the window GCN's (`window_gcn_scores`), fused by
     standardised scores (`standardised_fusion`, which reads how far each ranking puts a service
-    ahead; issue 12, session 21) with the GNN's culprit votes as a third ranking
-    (`culprit_vote_shift`, `fused_with_votes`; session 26); else the GNN's own (`node_score_shift`
-    of the detector's scores of the window and of the normal period), fused by ranks
-    (`rank_fusion`). Neither is a product,
+    ahead; issue 12, session 21) with the GNN's culprit votes as a third ranking, equal weights
+    (`culprit_vote_shift`: on the testbed they put first some network delays and CPU faults the
+    other two put second; session 26); else the GNN's own (`node_score_shift` of the detector's
+    scores of the window and of the normal period), fused by ranks (`rank_fusion`). Neither is a product,
     so a low learned score cannot bury the service the time shift puts far ahead. Services
     whose structure moved beyond their own normal noise (`structure_changed`: a code fault) come
     before the others, by how far it moved, and so do services where errors began beyond their
@@ -376,10 +376,11 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     operation, which moves the service's shares less than the floors). Then a
     decisive time shift of a call gap (`decisive_shift` of the caller and callee parts) comes
     before the fusion's order. Which of the three stages placed each service, and what they
-    read: `window_stages`. `fusion` replaces the fusion chosen so (the harness compares
-    `rank_fusion` with a window GCN so: `bmeg-rank-fusion`); `learned`, the window GCN's scores
-    of this window where the caller holds them already (`learned_scores`)."""
-    return window_stages(normal, window, window_scores, normal_scores, window_gcn, fusion, learned).ranking
+    read: `window_stages`. `fusion` replaces the fusion chosen so, votes and all (the harness
+    compares `rank_fusion` with a window GCN so: `bmeg-rank-fusion`); `learned` and `votes`, the
+    window GCN's scores and the GNN's culprit votes of this window where the caller holds them
+    already (`learned_scores`, `culprit_vote_shift`)."""
+    return window_stages(normal, window, window_scores, normal_scores, window_gcn, fusion, learned, votes).ranking
 
 
 #: The stages of `combined_ranking`, in the order they place services (`WindowStages.stage`): a
@@ -395,7 +396,8 @@ class WindowStages:
 
     parts: pd.DataFrame  # `NormalStats.service_shift_parts` of the window: own / caller / callee / wait (log2)
     learned: pd.Series  # the learned ranking's scores (`node_score_shift`, or the window GCN's logits)
-    fused: pd.Series  # the fusion of the largest part and `learned` (and the GNN's votes), best first
+    votes: pd.Series | None  # the GNN's culprit votes fused as a third ranking (`culprit_vote_shift`), or none
+    fused: pd.Series  # the fusion of the largest part, `learned` and `votes`, best first
     structure: pd.Series  # per service of `fused`: its structure shift (calls + errors parts; 0 where none)
     gates: pd.DataFrame  # bool per service of `fused`, a column per structure gate (`GATES`)
     decisive: str | None  # `decisive_shift` of the call gaps (where a gate fired on it too, the gate placed it)
@@ -405,14 +407,17 @@ class WindowStages:
 
 def window_stages(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
                   window_gcn: WindowModel | None = None, fusion: Callable[..., pd.Series] | None = None,
-                  learned: pd.Series | None = None) -> WindowStages:
+                  learned: pd.Series | None = None, votes: pd.Series | None = None) -> WindowStages:
     """`combined_ranking` of a window (its arguments), as `WindowStages`."""
     if learned is None:
         learned = learned_scores(normal, window, window_scores, normal_scores, window_gcn)
-    if fusion is None:
-        fusion = rank_fusion if window_gcn is None else fused_with_votes(culprit_vote_shift(window_scores, normal_scores))
+    if fusion is None and window_gcn is not None:
+        fusion = standardised_fusion
+        votes = culprit_vote_shift(window_scores, normal_scores) if votes is None else votes
+    else:
+        votes = None  # a fusion given in place of bmeg's fuses two rankings, as does bmeg's without a window GCN
     return ranked_stages(normal.service_shift_parts(window), learned, normal.structure_parts(window),
-                         normal.structure_tests(window), normal.structure_noise, normal.error_noise, fusion)
+                         normal.structure_tests(window), normal.structure_noise, normal.error_noise, fusion, votes)
 
 
 def learned_scores(normal: NormalStats, window: SpanForest, window_scores: Any, normal_scores: Any,
@@ -425,13 +430,14 @@ def learned_scores(normal: NormalStats, window: SpanForest, window_scores: Any, 
 
 def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, tests: pd.DataFrame,
                   structure_noise: pd.Series, error_noise: pd.Series,
-                  fusion: Callable[..., pd.Series] | None = None) -> WindowStages:
+                  fusion: Callable[..., pd.Series] | None = None, votes: pd.Series | None = None) -> WindowStages:
     """`combined_ranking`'s stages from what it reads of a window: the time shift's `parts`
     (`NormalStats.service_shift_parts`), the `learned` scores, the structure's `shape`
     (`NormalStats.structure_parts`) and `tests` (`NormalStats.structure_tests`), and the normal
     period's noise of both (`NormalStats.structure_noise`, `NormalStats.error_noise`); `fusion`
-    orders what no gate placed (`standardised_fusion` or, by default, `rank_fusion`)."""
-    fused = (fusion or rank_fusion)(parts.max(axis=1), learned)
+    orders what no gate placed (`standardised_fusion` or, by default, `rank_fusion`) from the
+    largest part, `learned` and, given them, the GNN's culprit `votes`."""
+    fused = (fusion or rank_fusion)(parts.max(axis=1), learned, *([] if votes is None else [votes]))
     shape = shape.reindex(fused.index)
     structure = shape[["calls", "errors"]].sum(axis=1).fillna(0.0)
     gates = pd.DataFrame(dict(zip(GATES, (structure_changed(structure, structure_noise),
@@ -444,7 +450,8 @@ def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, 
     stage[changed[changed].index] = STAGE_STRUCTURE
     if decisive in order.index and not changed.get(decisive, False):
         stage[decisive] = STAGE_DECISIVE
-    return WindowStages(parts=parts, learned=learned, fused=fused, structure=structure, gates=gates.astype(bool),
+    return WindowStages(parts=parts, learned=learned, votes=votes, fused=fused, structure=structure,
+                        gates=gates.astype(bool),
                         decisive=decisive, ranking=[(str(service), float(score)) for service, score in order.items()],
                         stage=stage)
 
@@ -571,16 +578,6 @@ def standardised_fusion(*scores: pd.Series) -> pd.Series:
         total += (values - values.mean()) / spread if spread > 0 else 0.0
     first = scores[0].rank(ascending=False, method="first").reindex(index).fillna(len(index) + 1)
     return total.iloc[np.lexsort((first.to_numpy(), -total.to_numpy()))]
-
-
-def fused_with_votes(votes: pd.Series) -> Callable[[pd.Series, pd.Series], pd.Series]:
-    """bmeg's fusion given a window GCN: `standardised_fusion` of the time shift, the window GCN's
-    scores and the GNN's culprit votes (`culprit_vote_shift`), equal weights: on the testbed the
-    votes put first some network delays and CPU faults that the other two put second (README,
-    issue 12, session 26)."""
-    def fusion(time: pd.Series, learned: pd.Series) -> pd.Series:
-        return standardised_fusion(time, learned, votes)
-    return fusion
 
 
 def decisive_shift(shift: pd.Series, lead: float = DECISIVE_LEAD) -> str | None:
