@@ -41,6 +41,12 @@ def test_a_network_fault_is_refused_without_the_opt_in():
         campaign.run([Fault(TARGET, "network", "single", 0, 1, {"delay_ms": 50})])  # before any API call
 
 
+def test_an_inbound_network_delay_is_refused_before_any_change():
+    campaign = KubernetesCampaign(client.ApiClient(), "nowhere", CATALOGUE, allow_privileged=True, sleep=lambda s: None)
+    with pytest.raises(ValueError, match="inbound network delay needs a proxy"):
+        campaign.run([Fault(TARGET, "network", "single", 0, 1, {"delay_ms": 50, "inbound": 1})])
+
+
 def _namespace(api, name: str, level: str) -> str:
     """`name` enforcing Pod Security `level`, with the target's Deployment and one of its pods (no
     controller-manager runs here to make pods from Deployments)."""

@@ -97,6 +97,39 @@ def test_small_cache_sends_lookups_to_the_database():
     assert result.visit_cache_fault.sum() > 0
 
 
+def _call_gaps(result, client: str, server: str, from_s: float, to_s: float) -> tuple[float, float]:
+    """Median (wait before the server span starts, wait after it ends) of the calls whose client
+    span is `client` and server span `server`, opened between from_s and to_s."""
+    clients = np.flatnonzero((result.span_operation == result.operations.index(client))
+                             & (result.span_start > from_s * 1e9) & (result.span_start < to_s * 1e9))
+    server_id = result.operations.index(server)
+    child = {parent: span for span, parent in enumerate(result.span_parent)
+             if parent >= 0 and result.span_operation[span] == server_id}
+    pairs = [(c, child[c]) for c in clients if c in child]
+    before = [result.span_start[s] - result.span_start[c] for c, s in pairs]
+    after = [result.span_end[c] - result.span_end[s] for c, s in pairs]
+    return float(np.median(before)), float(np.median(after))
+
+
+@pytest.mark.parametrize("inbound", [0.0, 1.0])
+def test_a_network_delay_shows_where_its_form_puts_it(inbound):
+    """Outbound (tc netem): what mid sends is late, its answers to front and its calls to leaf;
+    inbound (a proxy in front of mid): the requests into mid, and nothing mid sends. Either way
+    the label names mid alone."""
+    topology = chain_topology(rate=100)
+    delay = {"delay_ms": 20.0, "inbound": inbound}
+    result = simulate(topology, [Fault("mid", "network", "single", 1.0, 3.0, delay)], 3, 4)
+    into_mid = _call_gaps(result, "work_client", "work_server", 1.2, 2.8)
+    from_mid = _call_gaps(result, "compute_client", "compute", 1.2, 2.8)
+    late = 20e6 * 0.9
+    if inbound:
+        assert into_mid[0] > late and into_mid[1] < 1e6 and from_mid[0] < 1e6
+    else:
+        assert into_mid[0] < 1e6 and into_mid[1] > late and from_mid[0] > late
+    labels = label_episode(result, calibrate(topology, 0, duration_s=5))
+    assert {result.services[s] for s in result.span_service[labels.span_bottleneck]} == {"mid"}
+
+
 def test_gc_pauses_move_the_tail_not_the_median():
     topology = chain_topology()
     fault = Fault("leaf", "background", "single", 0.0, 10.0, {"pause_ms": 30, "every_ms": 1000})

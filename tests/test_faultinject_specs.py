@@ -74,6 +74,15 @@ def test_unknown_topology_name_lists_the_known_ones():
         load_topology("no-such-app")
 
 
+def test_a_campaign_may_draw_network_delays_in_both_forms():
+    campaign = {"every_s": 2, "burst_s": 1, "sources": {"network": {"delay_ms": [20, 50], "inbound": [0, 1]}}}
+    scenario = parse_scenario(_scenario(duration_s=60, faults=[], campaign=campaign))
+    faults = plan_faults(scenario, load_topology("socialnet"), np.random.default_rng(0))
+    assert {f.parameter("inbound") for f in faults} == {0.0, 1.0}
+    shipped = plan_faults(load_scenario("single-scheduler"), load_topology("socialnet"), np.random.default_rng(0))
+    assert {f.parameter("inbound") for f in shipped if f.source == "network"} == {0.0}  # the default: outbound
+
+
 @pytest.mark.parametrize("name", ["single", "multiple", "cascading"])
 def test_shipped_scenarios_plan_faults_of_their_kind(name):
     scenario = load_scenario(name)
@@ -102,6 +111,8 @@ def _scenario(**overrides) -> dict:
         ({"faults": [{"service": "leaf", "source": "interference", "start_s": 1, "duration_s": 2}]}, "interference needs one of the parameters ['factor']"),
         ({"faults": [{"service": "leaf", "source": "network", "start_s": 1, "duration_s": 2, "parameters": {"factor": 2}}]}, "network takes parameters"),
         ({"faults": [{"service": "leaf", "source": "interference", "start_s": 1, "duration_s": 2, "parameters": {"factor": 0.5}}]}, "factor 0.5 must be >= 1"),
+        ({"faults": [{"service": "leaf", "source": "network", "start_s": 1, "duration_s": 2, "parameters": {"delay_ms": 9, "inbound": 0.5}}]}, "inbound 0.5 must be 0 or 1"),
+        ({"faults": [], "campaign": {"every_s": 5, "burst_s": 4, "sources": {"network": {"delay_ms": [9, 9], "inbound": [0, 2]}}}}, "inbound 2.0 must be 0 or 1"),
         ({"faults": []}, "needs `faults`, a `campaign`, or both"),
         ({"faults": [], "campaign": {"every_s": 5, "burst_s": 10, "sources": {"interference": {}}}}, "rounds overlap"),
         ({"kind": "multiple", "faults": [], "campaign": {"every_s": 20, "sources": {"interference": {}}}}, "needs faults_per_round with max >= 2"),

@@ -20,12 +20,15 @@ RECORDED = {
     # a visit takes its replica's fault from its arrival (visit_fault); the labels changed too (a
     # faulted miss of a cache that misses often when healthy no longer counts, `bmeg.faultinject.labels`)
     3: "c85ff2abf721a89c",
+    # a network delay may be inbound (on the requests its service receives); the episode gained one,
+    # the others' output is unchanged (without it the digest is still version 3's)
+    4: "4d65489961d26569",
 }
 
 
 def _episode_digest() -> str:
     """A small episode with every kind of fault the simulator's mechanics treat apart (fluid and
-    scheduler-shaped CPU faults, a pause, a network delay), spans rounded to whole microseconds
+    scheduler-shaped CPU faults, a pause, network delays of both forms), spans rounded to whole microseconds
     so that a last-bit difference in floating point is no change."""
     faults = [
         Fault("mid", "saturation", "single", 0.5, 1.0, {"quota": 0.6}),
@@ -34,6 +37,7 @@ def _episode_digest() -> str:
         Fault("leaf", "interference", "single", 1.5, 2.0, {"factor": 3}),
         Fault("mid", "background", "single", 2.1, 2.6, {"pause_ms": 50, "every_ms": 200}),
         Fault("leaf", "network", "single", 2.4, 2.8, {"delay_ms": 5}),
+        Fault("mid", "network", "single", 2.5, 2.9, {"delay_ms": 4, "jitter_ms": 1, "inbound": 1}),
     ]
     result = simulate(chain_topology(), faults, 3, 0)
     digest = hashlib.sha256()

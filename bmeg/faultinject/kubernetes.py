@@ -92,6 +92,9 @@ class KubernetesCampaign:
             if fault.source not in SUPPORTED_SOURCES:
                 raise ValueError(f"fault on {fault.service}: {fault.source!r} faults are not supported on "
                                  f"Kubernetes by this backend (supported: {', '.join(SUPPORTED_SOURCES)})")
+            if fault.source == "network" and fault.parameter("inbound"):
+                raise ValueError(f"fault on {fault.service}: an inbound network delay needs a proxy in front of "
+                                 "the service; this backend's tc netem delays what the pod sends (inbound: 0)")
             if fault.source in PRIVILEGED_SOURCES and not self.allow_privileged:
                 raise ValueError(f"fault on {fault.service}: {fault.source!r} faults need NET_ADMIN as root in the "
                                  "target's pods (tc), beyond the restricted Pod Security profile; allow them "

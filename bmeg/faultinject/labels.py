@@ -3,7 +3,8 @@
 The rule (also written into every dataset card, see `LABEL_RULE`):
 - A *visit* is one operation at one service replica in one trace. Its *local time* is what the
   service itself added: waiting for a worker, CPU (including waiting for a core and GC
-  pauses) and the delay a network fault adds to the messages it sends; time waiting on its
+  pauses) and the delay a network fault adds to the messages it sends (an inbound one: to the
+  requests it receives); time waiting on its
   downstream calls is excluded, so propagated latency does not count.
 - A visit is a **bottleneck** when its replica was under an injected fault at the time (when the
   visit arrived there, started or ended: one that queued during the fault and started after it

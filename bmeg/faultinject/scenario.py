@@ -54,8 +54,16 @@ SCHEDULER_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
     "interference": {"slice_ms": (3.0, 3.0), "shared_cgroup": (0, 0)},
     "saturation": {"quota": (0.3, 1.0)},
 }
-#: Parameters that are counts, drawn as integers.
-INTEGER_PARAMETERS = {"replicas", "pool_size", "shared_cgroup"}
+#: Where a fault reaches the service, and their ranges: `inbound` 1 delays the requests the
+#: service receives (a proxy or a mesh's sidecar in front of it, as the testbed's front proxy
+#: does), 0 (the default) what it sends (tc netem on its interface: its calls and its answers). A
+#: campaign may draw both (`inbound: [0, 1]`); the shipped ones do not: twins trained on both
+#: forms ranked the testbed's delays no better (README, issue 12, session 27).
+FORM_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {"network": {"inbound": (0, 1)}}
+#: Parameters that are 0 or 1.
+FLAG_PARAMETERS = {"shared_cgroup", "inbound"}
+#: Parameters that are counts or flags, drawn as integers.
+INTEGER_PARAMETERS = {"replicas", "pool_size", *FLAG_PARAMETERS}
 #: Which parameters a source needs at least one of.
 NEEDS_ONE_OF = {
     "interference": ("factor",),
@@ -64,7 +72,7 @@ NEEDS_ONE_OF = {
     "misconfiguration": ("pool_size", "hit_ratio"),
     "background": ("pause_ms",),
 }
-DEFAULTS = {"jitter_ms": 0.0, "every_ms": 500.0}
+DEFAULTS = {"jitter_ms": 0.0, "every_ms": 500.0, "inbound": 0.0}
 
 
 class _Strict(BaseModel):
@@ -115,6 +123,7 @@ class Campaign(_Strict):
                 if lo > hi:
                     raise ValueError(f"sources.{source}.{name}: range [{lo}, {hi}] has min above max")
                 _check_value(name, lo)
+                _check_value(name, hi)
         stray = set(self.targets) - set(self.sources)
         if stray:
             raise ValueError(f"targets: {sorted(stray)} are not among the campaign's sources {sorted(self.sources)}")
@@ -160,7 +169,7 @@ def kernel_form_parameters(source: str, parameters: dict[str, float], rng: np.ra
 
 def parameter_names(source: str) -> set[str]:
     """Every parameter a source takes."""
-    return set(SOURCE_PARAMETERS[source]) | set(SCHEDULER_PARAMETERS.get(source, {}))
+    return set(SOURCE_PARAMETERS[source]) | set(SCHEDULER_PARAMETERS.get(source, {})) | set(FORM_PARAMETERS.get(source, {}))
 
 
 def _check_parameters(source: str, names: set[str]) -> None:
@@ -178,7 +187,9 @@ def _check_value(name: str, value: float) -> None:
         raise ValueError(f"{name} {value} must lie in [0, 1]")
     if name != "hit_ratio" and value < 0:
         raise ValueError(f"{name} {value} must not be negative")
-    if name in INTEGER_PARAMETERS and value < 1:
+    if name in FLAG_PARAMETERS and value not in (0, 1):
+        raise ValueError(f"{name} {value} must be 0 or 1")
+    if name in INTEGER_PARAMETERS - FLAG_PARAMETERS and value < 1:
         raise ValueError(f"{name} {value} must be at least 1")
 
 

@@ -8,7 +8,9 @@ Mechanics (why bottlenecks behave like real ones):
   Because bursts are requested in time order, a burst's start and end are known at once
   from the cores' next-free times (a small heap), which keeps the event count low.
 - An operation does half its self time, then its steps (calls, parallel groups, branches,
-  cache lookups), then the other half. Every message pays a network delay.
+  cache lookups), then the other half. Every message pays a network delay. A network fault
+  delays what its service sends (its calls and answers, as tc netem on its interface does) or,
+  `inbound`, the requests it receives (a proxy in front of it, as the testbed's).
 - Faults change replica or service state between their start and end events. A saturation
   fault's `capacity` shrinks the replica's cores (a fraction of a core slows every burst
   alike); its `quota` instead sets a CFS bandwidth quota (`bmeg.faultinject.cpu`) of `quota` x
@@ -69,7 +71,7 @@ from bmeg.faultinject.spec import (
 #: runs (`bmeg.evaluation.bootstrap.cached_run_dir`) are keyed by it, so a stale one is never
 #: reused. `tests/test_simulator_version.py` fails when a small episode's output changes and
 #: the version did not.
-SIMULATOR_VERSION = 3
+SIMULATOR_VERSION = 4
 
 SERVER, CLIENT = 0, 1
 SAMPLE_BLOCK = 4096
@@ -115,7 +117,7 @@ class Replica:
 
 class ServiceState:
     __slots__ = ("index", "name", "spec", "storage", "replicas", "active", "next_rr", "queue_cap",
-                 "net_delay", "net_jitter", "bytes_per_ns", "hit_override")
+                 "net_delay", "net_jitter", "net_inbound", "bytes_per_ns", "hit_override")
 
     def __init__(self, index: int, name: str, spec, first_instance: int):
         self.index = index
@@ -128,6 +130,7 @@ class ServiceState:
         self.queue_cap = spec.queue
         self.net_delay = 0.0  # extra delay (ns) on every message this service sends
         self.net_jitter = 0.0
+        self.net_inbound = False  # the delay is on the requests it receives instead
         self.bytes_per_ns = 0.0  # 0: no bandwidth limit
         self.hit_override: float | None = None  # a cache's hit ratio under misconfiguration
 
@@ -493,8 +496,9 @@ class Simulator:
     def _send(self, service: ServiceState, replica: Replica, t: float, size: int, visit: Visit) -> float:
         """When a message sent at t arrives; delay added by a network fault counts as the sender's."""
         arrive = t + next(self.network)
-        if service.net_delay or service.bytes_per_ns:
-            extra = service.net_delay + service.net_jitter * (2 * next(self.uniform) - 1)
+        outbound = not service.net_inbound
+        if (service.net_delay and outbound) or service.bytes_per_ns:
+            extra = self._delay(service) if outbound else 0.0
             if service.bytes_per_ns:
                 replica.link_free = max(replica.link_free, t) + size / service.bytes_per_ns
                 extra += replica.link_free - t
@@ -502,6 +506,10 @@ class Simulator:
             visit.extra += extra
             arrive += extra
         return arrive
+
+    def _delay(self, service: ServiceState) -> float:
+        """A network fault's delay on one message: the delay +- a uniform jitter."""
+        return service.net_delay + service.net_jitter * (2 * next(self.uniform) - 1)
 
     def _returned(self, visit: Visit, t: float) -> None:
         if visit.done:  # the caller already gave up (timeout)
@@ -583,7 +591,12 @@ class Simulator:
                 visit.on_miss = step.on_miss
         elif step.timeout_ns:
             self._at(t + step.timeout_ns, self._timeout, visit)
-        self._at(self._send(source, caller.replica, t, self.request_bytes, caller), self._visit_arrives, visit)
+        arrive = self._send(source, caller.replica, t, self.request_bytes, caller)
+        if callee.net_inbound:  # a delay in front of the callee: the time is the callee's (labels)
+            delay = max(self._delay(callee), 0.0)
+            visit.extra += delay
+            arrive += delay
+        self._at(arrive, self._visit_arrives, visit)
 
     def _open_span(self, trace, parent, service, operation, start, kind, instance, peer) -> int:
         self.span_trace.append(trace)
@@ -659,8 +672,10 @@ class Simulator:
     def _network(self, fault: Fault, service: ServiceState, t: float, on: bool) -> None:
         if not on:
             service.net_delay = service.net_jitter = service.bytes_per_ns = 0.0
+            service.net_inbound = False
             return
         service.net_delay = (fault.parameter("delay_ms") or 0.0) * 1e6
+        service.net_inbound = bool(fault.parameter("inbound")) and service.net_delay > 0
         service.net_jitter = fault.parameter("jitter_ms") * 1e6
         kbit = fault.parameter("bandwidth_kbit")
         service.bytes_per_ns = kbit * 1e3 / 8 / 1e9 if kbit else 0.0
