@@ -143,6 +143,15 @@ def test_scheduler_campaigns_plan_quota_and_hog_faults():
         assert cpu and all("quota" in f.parameters or "slice_ms" in f.parameters for f in cpu)
 
 
+def test_a_bootstrap_shards_one_episode_holds_dozens_of_faults():
+    """A bootstrap's latency shard keeps its traces from one episode: with ten faults the GNN's
+    testbed ranking swung with which services drew them (README, issue 12, session 27)."""
+    topology = load_topology("socialnet")
+    counts = {name: len(plan_faults(load_scenario(name), topology, np.random.default_rng(0)))
+              for name in ("single-scheduler", "multiple-scheduler")}
+    assert counts["single-scheduler"] >= 20 and counts["multiple-scheduler"] >= 40
+
+
 def test_a_negative_quota_is_refused():
     scenario = {"name": "bad", "kind": "single", "duration_s": 5,
                 "faults": [{"service": "leaf", "source": "saturation", "start_s": 1, "duration_s": 1,
