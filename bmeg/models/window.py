@@ -451,9 +451,8 @@ def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, 
     if decisive in order.index and not changed.get(decisive, False):
         stage[decisive] = STAGE_DECISIVE
     return WindowStages(parts=parts, learned=learned, votes=votes, fused=fused, structure=structure,
-                        gates=gates.astype(bool),
-                        decisive=decisive, ranking=[(str(service), float(score)) for service, score in order.items()],
-                        stage=stage)
+                        gates=gates.astype(bool), decisive=decisive,
+                        ranking=[(str(service), float(score)) for service, score in order.items()], stage=stage)
 
 
 def staged_order(fused: pd.Series, gated: pd.Series, decisive: str | None) -> pd.Series:
