@@ -54,12 +54,12 @@ SCHEDULER_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
     "interference": {"slice_ms": (3.0, 3.0), "shared_cgroup": (0, 0)},
     "saturation": {"quota": (0.3, 1.0)},
 }
-#: Where a fault reaches the service, and their ranges: `inbound` 1 delays the requests the
+#: Where a fault reaches the service, by source (flags): `inbound` 1 delays the requests the
 #: service receives (a proxy or a mesh's sidecar in front of it, as the testbed's front proxy
 #: does), 0 (the default) what it sends (tc netem on its interface: its calls and its answers). A
 #: campaign may draw both (`inbound: [0, 1]`); the shipped ones do not: twins trained on both
 #: forms ranked the testbed's delays no better (README, issue 12, session 27).
-FORM_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {"network": {"inbound": (0, 1)}}
+FORM_PARAMETERS: dict[str, set[str]] = {"network": {"inbound"}}
 #: Parameters that are 0 or 1.
 FLAG_PARAMETERS = {"shared_cgroup", "inbound"}
 #: Parameters that are counts or flags, drawn as integers.
@@ -169,7 +169,7 @@ def kernel_form_parameters(source: str, parameters: dict[str, float], rng: np.ra
 
 def parameter_names(source: str) -> set[str]:
     """Every parameter a source takes."""
-    return set(SOURCE_PARAMETERS[source]) | set(SCHEDULER_PARAMETERS.get(source, {})) | set(FORM_PARAMETERS.get(source, {}))
+    return set(SOURCE_PARAMETERS[source]) | set(SCHEDULER_PARAMETERS.get(source, {})) | FORM_PARAMETERS.get(source, set())
 
 
 def _check_parameters(source: str, names: set[str]) -> None:
