@@ -365,3 +365,35 @@ def test_since_reads_unix_seconds_and_iso_times_to_the_nanosecond():
     for hostile in ("nan", "inf", "1e400", "-5", "9999-01-01", "noon", ""):
         with pytest.raises(click.BadParameter):
             _time_ns(hostile)
+
+
+def test_a_bagged_bootstrap_adds_node_classifiers_from_further_draws_and_leaves_stage_1(bootstrapped, tmp_path):
+    """`node_draws` 2: the node stage is the first run's classifier (the same weights as without
+    bagging) and one more trained on a further draw of the twin's faults; stage 1 and its
+    calibration are the unbagged run's. A bagged run is refused as a warm start (its members
+    are not one classifier to go on from)."""
+    import torch
+
+    from bmeg.models.features import FeatureEncoder
+    from bmeg.models.gcn_node import GCNNodeEnsemble
+    from bmeg.training.pipeline import pretrained_stages
+
+    _, normal_file, _, _, _ = bootstrapped
+    runs = {}
+    for draws in (1, 2):
+        runs[draws], metrics = bootstrap(normal_file, tmp_path / f"draws-{draws}", traces=400, epochs=2, progress=False,
+                                         window_gcn_windows=0, node_draws=draws)
+        assert metrics.get("node_draws", 1) == draws
+    single, bagged = runs[1], Detector.load(tmp_path / "draws-2", device="cpu")
+    assert isinstance(bagged.gcn, GCNNodeEnsemble) and len(bagged.gcn.members) == 2
+    assert (tmp_path / "draws-2" / "draws" / "1").is_dir()
+    for name, tensor in single.gcn.state_dict().items():
+        assert torch.equal(tensor.cpu(), bagged.gcn.members[0].state_dict()[name])
+    assert any(not torch.equal(a, b) for a, b in zip(bagged.gcn.members[0].state_dict().values(),
+                                                     bagged.gcn.members[1].state_dict().values()))
+    assert bagged.thresholds == single.thresholds
+    assert bagged.metrics["calibration"] == single.metrics["calibration"]
+    with pytest.raises(ValueError, match="2 node classifiers"):
+        pretrained_stages(tmp_path / "draws-2", FeatureEncoder(BOOTSTRAP_FEATURES))
+    with pytest.raises(ValueError, match="node_draws"):
+        bootstrap(normal_file, tmp_path / "none", node_draws=0)

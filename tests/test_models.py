@@ -20,7 +20,7 @@ from bmeg.models.dgcnn import DGCNN
 from bmeg.graphs.critical_path import critical_paths
 from bmeg.models import features
 from bmeg.models.features import FeatureEncoder
-from bmeg.models.gcn_node import GCNNodeClassifier
+from bmeg.models.gcn_node import GCNNodeClassifier, GCNNodeEnsemble, node_classifier
 from bmeg.models.graphset import GraphSet
 from bmeg.models.inference import predict_proba
 from bmeg.models.history import StreamHistory
@@ -84,6 +84,52 @@ def test_repr_names_the_sizes():
         "DGCNN(6, hidden_channels=16, k=12, dense_channels=64, dropout=0.5)")
     assert repr(GCNNodeClassifier(6, hidden_channels=32, dropout=0.1)) == (
         "GCNNodeClassifier(6, hidden_channels=32, dropout=0.1)")
+
+
+def test_a_node_ensemble_gives_the_mean_of_its_members_probabilities():
+    """Bagged over draws, the node stage's P(bottleneck) is its members' mean: the ensemble's
+    output is the log of that mean, so the softmax every caller takes gives it back."""
+    graphs = [Data(x=torch.randn(n, 6), edge_index=torch.tensor([[0] * (n - 1), list(range(1, n))])) for n in (3, 9)]
+    batch = Batch.from_data_list(graphs)
+    torch.manual_seed(5)
+    members = [GCNNodeClassifier(6).eval() for _ in range(3)]
+    ensemble = GCNNodeEnsemble(members).eval()
+    with torch.no_grad():
+        expected = torch.stack([torch.softmax(m(batch.x, batch.edge_index).double(), -1) for m in members]).mean(0)
+        got = torch.softmax(ensemble(batch.x, batch.edge_index).double(), -1)
+        alone = torch.softmax(GCNNodeEnsemble(members[:1])(batch.x, batch.edge_index), -1)
+        first = torch.softmax(members[0](batch.x, batch.edge_index).double(), -1)
+    assert got.shape == (12, 2) and torch.allclose(got, expected, atol=1e-12)
+    assert torch.allclose(alone, first, atol=1e-12)  # one member reads as itself
+    assert repr(ensemble) == "GCNNodeEnsemble(3 x GCNNodeClassifier(6, hidden_channels=64, dropout=0.2))"
+
+
+def test_a_saved_runs_node_stage_is_built_from_its_hyperparameters():
+    assert type(node_classifier(6)) is GCNNodeClassifier and node_classifier(6, hidden_channels=8).hidden_channels == 8
+    ensemble = node_classifier(6, members=3, hidden_channels=8)
+    assert isinstance(ensemble, GCNNodeEnsemble) and [m.hidden_channels for m in ensemble.members] == [8, 8, 8]
+    with pytest.raises(ValueError, match="at least one"):
+        node_classifier(6, members=0)
+    with pytest.raises(ValueError, match="at least one"):
+        GCNNodeEnsemble([])
+
+
+def test_a_detector_with_a_node_ensemble_saves_and_loads_with_the_same_scores(tmp_path):
+    from dataclasses import replace
+
+    from bmeg.models.detector import Detector
+
+    torch.manual_seed(2)
+    tiny = tiny_detector()
+    members = [GCNNodeClassifier(tiny.encoder.num_features).eval() for _ in range(3)]
+    bagged = replace(tiny, gcn=GCNNodeEnsemble(members).eval(), hparams={**tiny.hparams, "gcn": {"members": 3}})
+    bagged.save(tmp_path)
+    loaded = Detector.load(tmp_path, device="cpu")
+    assert isinstance(loaded.gcn, GCNNodeEnsemble) and len(loaded.gcn.members) == 3
+    forest = assemble(span_table(many_traces(6)))
+    before, after = bagged.score(forest), loaded.score(forest)
+    np.testing.assert_allclose(after.gnn_node, before.gnn_node)
+    assert not np.allclose(before.gnn_node, tiny.score(forest).gnn_node)  # the members, not the first alone
 
 
 def test_minibatch_matches_the_forest_graphs():

@@ -10,7 +10,7 @@ from bmeg.cli.output import json_option, print_json, print_table
 from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS
 from bmeg.faultinject.family import FamilyParams
 from bmeg.models.features import BOOTSTRAP_FEATURES, VARIANTS
-from bmeg.training.config import TRAINING_WINDOWS, FitConfig
+from bmeg.training.config import NODE_DRAWS, TRAINING_WINDOWS, FitConfig
 
 format_option = click.option("--format", "input_format", default=None, help="Trace format (default: detected).")
 
@@ -78,11 +78,15 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 @click.option("--window-gcn-windows", type=click.IntRange(min=0), default=TRAINING_WINDOWS, show_default=True,
               help="Windows simulated from the twin that the window GCN trains on (0: no window GCN; the window "
                    "ranker then fuses the per-trace GNN's ranking).")
+@click.option("--node-draws", type=click.IntRange(min=1), default=NODE_DRAWS, show_default=True,
+              help="Draws of the twin's training faults the node stage is bagged over: one node classifier each, "
+                   "their P(bottleneck) averaged.")
 @format_option
 @json_option
 def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: int, features: str, held_back: float,
               false_alarm_rate: float, confidence: float, pretrained: Path | None, cpu_faults: str,
-              hard_negatives: float, window_gcn_windows: int, input_format: str | None, as_json: bool) -> None:
+              hard_negatives: float, window_gcn_windows: int, node_draws: int, input_format: str | None,
+              as_json: bool) -> None:
     """Train a model with no labels: twin from NORMAL_TRACES, synthetic faults, training."""
     from bmeg.cli.models import metrics_rows
     from bmeg.evaluation.bootstrap import bootstrap as run_bootstrap
@@ -92,7 +96,8 @@ def bootstrap(normal_traces: Path, out: Path, traces: int, epochs: int, seed: in
                                    input_format=input_format, progress=not as_json, features=features,
                                    held_back=held_back, false_alarm_rate=false_alarm_rate,
                                    confidence=confidence or None, pretrained=pretrained, cpu_faults=cpu_faults,
-                                   hard_negatives=hard_negatives, window_gcn_windows=window_gcn_windows)
+                                   hard_negatives=hard_negatives, window_gcn_windows=window_gcn_windows,
+                                   node_draws=node_draws)
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     if as_json:

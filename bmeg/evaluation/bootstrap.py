@@ -33,12 +33,15 @@ from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
 from bmeg.paths import NORMAL_TRACES_FILE
 from bmeg.training.calibration import DEFAULT_CONFIDENCE, DEFAULT_FALSE_ALARM_RATE
-from bmeg.training.config import TRAINING_WINDOWS, FitConfig
+from bmeg.training.config import NODE_DRAWS, TRAINING_WINDOWS, FitConfig
 from bmeg.training.window_gcn import train_window_gcn
 from bmeg.traces.io import read_spans, write_spans
 
 #: The later share of the normal traces held back to calibrate stage 1 on.
 HELD_BACK = 0.25
+#: A further draw's seed is the bootstrap's plus this many times its index: far from the seeds
+#: other bootstraps draw with, so that two runs' draws do not share faults.
+DRAW_SEED_STRIDE = 1000
 
 
 def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, imbalance: float = 0.3,
@@ -46,19 +49,24 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
               features: str = BOOTSTRAP_FEATURES, held_back: float = HELD_BACK,
               false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE,
               pretrained: str | Path | None = None, cpu_faults: str = DEFAULT_CPU_FAULTS,
-              hard_negatives: float = FitConfig.hard_negatives, window_gcn_windows: int = TRAINING_WINDOWS):
+              hard_negatives: float = FitConfig.hard_negatives, window_gcn_windows: int = TRAINING_WINDOWS,
+              node_draws: int = NODE_DRAWS):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
     or any run on the same features) both GNN stages start from its weights and specialise on the
     twin. `cpu_faults` picks the training campaigns' CPU faults (`CPU_FAULT_SCENARIOS`);
     `hard_negatives`, the node stage's weight of a bottleneck's client spans (`FitConfig`);
     `window_gcn_windows`, how many simulated windows the window GCN trains on (0: none, and the
-    window ranker fuses the per-trace GNN's ranking instead)."""
+    window ranker fuses the per-trace GNN's ranking instead); `node_draws`, how many draws of the
+    training faults the node stage is bagged over (each one more classifier, `bagged_node_stage`)."""
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
+    from bmeg.training.pipeline import TrainConfig, bagged_node_stage
 
     if cpu_faults not in CPU_FAULT_SCENARIOS:
         raise ValueError(f"cpu_faults must be one of {', '.join(CPU_FAULT_SCENARIOS)}, not {cpu_faults!r}")
+    if node_draws < 1:
+        raise ValueError(f"node_draws must be at least 1, not {node_draws}")
     if pretrained is not None:  # refuse a run on other features before the data are made
         from bmeg.models.features import FeatureEncoder
         from bmeg.training.pipeline import pretrained_stages
@@ -77,6 +85,15 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
                           scenarios=CPU_FAULT_SCENARIOS[cpu_faults])
     detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features,
                               hard_negatives=hard_negatives, pretrained=None if pretrained is None else str(pretrained))
+    if node_draws > 1:
+        draws = [out / "draws" / str(index) for index in range(1, node_draws)]
+        for index, folder in enumerate(draws, start=1):
+            write_training_shards(folder, twin_file, traces, imbalance, seed + DRAW_SEED_STRIDE * index, progress,
+                                  scenarios=CPU_FAULT_SCENARIOS[cpu_faults])
+        fit = FitConfig(epochs=epochs, hard_negatives=hard_negatives, progress=progress)
+        config = TrainConfig(seed=seed, features=features, fit=fit, pretrained=None if pretrained is None else str(pretrained))
+        detector = bagged_node_stage(detector, draws, config)
+        metrics["node_draws"] = node_draws
     detector = with_normal_baselines(detector, rpc_view(fitting))
     detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate, confidence)
     metrics["calibration"] = calibration.to_dict()

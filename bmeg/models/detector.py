@@ -34,7 +34,7 @@ from bmeg.models.checkpoint import CheckpointError, load_checkpoint, save_checkp
 from bmeg.models.crowd import CrowdRule
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
-from bmeg.models.gcn_node import GCNNodeClassifier
+from bmeg.models.gcn_node import GCNNodeClassifier, GCNNodeEnsemble, node_classifier
 from bmeg.models.graphset import GraphSet
 from bmeg.models.history import Observation, StreamHistory
 from bmeg.models.inference import limit_cpu_threads, predict_proba, resolve_device
@@ -105,7 +105,7 @@ class Detector:
     application: str
     encoder: FeatureEncoder
     dgcnn: DGCNN
-    gcn: GCNNodeClassifier
+    gcn: GCNNodeClassifier | GCNNodeEnsemble  # an ensemble: bagged over draws of the twin's faults
     vectorizer: TraceVectorizer
     svm: TraceSVM  # the router's per-trace fallback
     firm: FirmSVM  # FIRM's culprit finder over a window
@@ -451,7 +451,7 @@ class Detector:
             encoder = FeatureEncoder.from_state(state["encoder"])
             hparams = state["hparams"]
             dgcnn = DGCNN(encoder.num_features, **hparams["dgcnn"])
-            gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
+            gcn = node_classifier(encoder.num_features, **hparams["gcn"])
             dgcnn.load_state_dict(state["dgcnn"])
             gcn.load_state_dict(state["gcn"])
             vectorizer = TraceVectorizer.from_state(state["vectorizer"])

@@ -1,10 +1,13 @@
 """Stage 2: which nodes of an anomalous trace are the bottlenecks? A GCN node classifier.
 
 Three GCN layers, a feed-forward layer, and a two-class output per node (not a bottleneck,
-bottleneck). Inductive: each trace is a stand-alone graph.
+bottleneck). Inductive: each trace is a stand-alone graph. A bootstrapped run may hold several,
+each trained on its own draw of the twin's faults (`GCNNodeEnsemble`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -70,3 +73,38 @@ class GCNNodeClassifier(nn.Module):
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.in_channels}, hidden_channels={self.hidden_channels}, "
                 f"dropout={self.dropout})")
+
+
+class GCNNodeEnsemble(nn.Module):
+    r"""Node classifiers trained on separate draws of training faults, read as one: a node's
+    P(bottleneck) is the mean of theirs (bagging). A twin simulates a few dozen faults a draw, and
+    which services drew them moved one classifier's testbed ranking 0.69-0.98 between seeds
+    (README, issue 12, sessions 27-28); the mean of several draws' classifiers moves less.
+
+    Shapes as `GCNNodeClassifier`; the output is the log of the members' mean probabilities,
+    so that a softmax of it (as every caller takes) gives that mean.
+    """
+
+    def __init__(self, members: Sequence[GCNNodeClassifier]):
+        super().__init__()
+        if not members:
+            raise ValueError("an ensemble needs at least one node classifier")
+        self.members = nn.ModuleList(members)
+
+    def forward(self, x: Tensor, edges: Tensor) -> Tensor:
+        adj_t = as_gcn_adjacency(edges, x.size(0))
+        # in float64: a member's logit gap above ~17 would round its P to 1.0 in float32
+        probabilities = torch.stack([torch.softmax(member(x, adj_t).double(), dim=-1) for member in self.members])
+        return probabilities.mean(dim=0).log()
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({len(self.members)} x {self.members[0]!r})"
+
+
+def node_classifier(in_channels: int, members: int = 1, **hparams) -> GCNNodeClassifier | GCNNodeEnsemble:
+    """The node stage of a saved run's hyperparameters: one classifier, or an ensemble of `members`."""
+    if members < 1:
+        raise ValueError(f"a node stage has at least one classifier, not {members}")
+    if members == 1:
+        return GCNNodeClassifier(in_channels, **hparams)
+    return GCNNodeEnsemble([GCNNodeClassifier(in_channels, **hparams) for _ in range(members)])

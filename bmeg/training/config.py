@@ -15,6 +15,9 @@ from bmeg.models.features import VARIANTS
 #: Simulated training windows of a run's window GCN (`bmeg.training.window_gcn`; round 2's,
 #: README issue 12 session 15).
 TRAINING_WINDOWS = 200
+#: Draws of the twin's training faults a bootstrap bags its node stage over (one node classifier
+#: each, `bmeg.models.gcn_node.GCNNodeEnsemble`; 1: one classifier, as before issue 12 session 28).
+NODE_DRAWS = 1
 #: The losses of `bmeg.training.trainer.fit` (its docstring says what each does).
 LOSSES = ("weighted", "focal", "sampling", "plain")
 
@@ -65,4 +68,4 @@ class TrainConfig:
     fit: FitConfig = field(default_factory=FitConfig)
 
 
-__all__ = ["LOSSES", "VARIANTS", "FitConfig", "TrainConfig"]
+__all__ = ["LOSSES", "NODE_DRAWS", "TRAINING_WINDOWS", "VARIANTS", "FitConfig", "TrainConfig"]

@@ -36,12 +36,12 @@ import pyarrow as pa
 import torch
 
 from bmeg.datasets.loader import Dataset, load_by_source, load_dataset, stratified_pick, with_normals_of
-from bmeg.graphs import SpanForest, assemble, critical_paths, node_services, operation_keys
+from bmeg.graphs import CriticalPaths, SpanForest, assemble, critical_paths, node_services, operation_keys
 from bmeg.graphs.features import self_time_ns
 from bmeg.models.detector import Detector, Scores
 from bmeg.models.dgcnn import DGCNN
 from bmeg.models.features import FeatureEncoder
-from bmeg.models.gcn_node import GCNNodeClassifier
+from bmeg.models.gcn_node import GCNNodeClassifier, GCNNodeEnsemble
 from bmeg.models.graphset import GraphSet
 from bmeg.models.inference import resolve_device
 from bmeg.models.router import Router, checked_sources, choose, loss_words, source_losses_of, worse_sources
@@ -144,8 +144,7 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
     paths = critical_paths(forest)
     normal_train = data.train[data.y[data.train] == 0]
     encoder = FeatureEncoder(config.features).fit(_subforest(forest, normal_train))
-    graphs = GraphSet.from_forest(forest, encoder.transform(forest, paths, context=data.context), data.y, data.node_y)
-    graphs = replace(graphs, node_emphasis=callee_emphasis(forest.parent, data.node_y, fit_config.hard_negatives))
+    graphs = _training_graphs(data, encoder, fit_config, paths)
 
     torch.manual_seed(config.seed)
     sizes = np.diff(forest.trace_offsets)
@@ -155,11 +154,7 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
     if config.pretrained is not None:
         hparams, dgcnn, gcn = pretrained_stages(config.pretrained, encoder)
     histories = {"dgcnn": fit(dgcnn, graphs, data.train, data.val, "graph", fit_config, "stage 1 (DGCNN)")}
-
-    def anomalous(part: np.ndarray) -> np.ndarray:
-        return part[data.y[part] == 1]
-
-    histories["gcn"] = fit(gcn, graphs, anomalous(data.train), anomalous(data.val), "node", fit_config, "stage 2 (GCN)")
+    histories["gcn"] = _fit_node_stage(gcn, graphs, data, fit_config, "stage 2 (GCN)")
 
     services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
     keys = operation_keys(forest, services)
@@ -189,6 +184,42 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
     return detector, histories, raw
 
 
+def _training_graphs(data: Labelled, encoder: FeatureEncoder, fit_config: FitConfig,
+                     paths: CriticalPaths | None = None) -> GraphSet:
+    """The labelled traces as graphs of `encoder`'s features, with the node stage's emphasis."""
+    forest = data.forest
+    x = encoder.transform(forest, critical_paths(forest) if paths is None else paths, context=data.context)
+    graphs = GraphSet.from_forest(forest, x, data.y, data.node_y)
+    return replace(graphs, node_emphasis=callee_emphasis(forest.parent, data.node_y, fit_config.hard_negatives))
+
+
+def _fit_node_stage(gcn: GCNNodeClassifier, graphs: GraphSet, data: Labelled, fit_config: FitConfig, what: str):
+    """Stage 2 learns where the bottleneck is inside the anomalous traces only."""
+    def anomalous(part: np.ndarray) -> np.ndarray:
+        return part[data.y[part] == 1]
+
+    return fit(gcn, graphs, anomalous(data.train), anomalous(data.val), "node", fit_config, what)
+
+
+def bagged_node_stage(detector: Detector, draws: list[Path], config: TrainConfig) -> Detector:
+    """`detector` with its node stage bagged over draws of training faults (`GCNNodeEnsemble`):
+    its own classifier and one more trained on each dataset folder of `draws` (other draws of
+    the same application's faults), on the detector's features; stage 1 is left as it is."""
+    if isinstance(detector.gcn, GCNNodeEnsemble):
+        raise ValueError("the detector's node stage is bagged already")
+    members: list[GCNNodeClassifier] = [detector.gcn]
+    for index, folder in enumerate(draws, start=1):
+        data = label(load_dataset(folder), config.seed)
+        torch.manual_seed(config.seed + index)
+        gcn = (GCNNodeClassifier(detector.encoder.num_features, **detector.hparams["gcn"]) if config.pretrained is None
+               else pretrained_stages(config.pretrained, detector.encoder)[2])  # each member starts where the first did
+        graphs = _training_graphs(data, detector.encoder, config.fit)
+        _fit_node_stage(gcn, graphs, data, config.fit, f"stage 2 (GCN), draw {index + 1} of {len(draws) + 1}")
+        members.append(gcn.to(detector.device).eval())
+    hparams = {**detector.hparams, "gcn": {**detector.hparams["gcn"], "members": len(members)}}
+    return replace(detector, gcn=GCNNodeEnsemble(members), hparams=hparams)
+
+
 def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder) -> tuple[dict, DGCNN, GCNNodeClassifier]:
     """Both GNN stages of a saved run, to go on training from (warm start), with their
     hyperparameters (the DGCNN's sort-pooling k included: its layers' shapes depend on it).
@@ -198,6 +229,9 @@ def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder) -> tuple[dic
     if pretrained.encoder.names != encoder.names:
         raise ValueError(f"{run_dir} was trained on the features {pretrained.encoder.names}, not {encoder.names}: "
                          "pretrain with the same --features")
+    if isinstance(pretrained.gcn, GCNNodeEnsemble):
+        raise ValueError(f"{run_dir} holds {len(pretrained.gcn.members)} node classifiers (a bagged bootstrap): "
+                         "start from a run with one, such as `bmeg pretrain`'s")
     hparams = {name: dict(pretrained.hparams[name]) for name in ("dgcnn", "gcn")}
     return hparams, pretrained.dgcnn.train(), pretrained.gcn.train()
 
