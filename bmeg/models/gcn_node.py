@@ -78,8 +78,9 @@ class GCNNodeClassifier(nn.Module):
 class GCNNodeEnsemble(nn.Module):
     r"""Node classifiers trained on separate draws of training faults, read as one: a node's
     P(bottleneck) is the mean of theirs (bagging). A twin simulates a few dozen faults a draw, and
-    which services drew them moved one classifier's testbed ranking 0.69-0.98 between seeds
-    (README, issue 12, sessions 27-28); the mean of several draws' classifiers moves less.
+    which services drew them moved one classifier's testbed ranking 0.60-0.98 between seeds.
+    Measured with three draws (README, issue 12, session 28): the spread between seeds narrowed
+    a little, the mean did not rise, so `bmeg bootstrap` keeps one unless told (`--node-draws`).
 
     Shapes as `GCNNodeClassifier`; the output is the log of the members' mean probabilities,
     so that a softmax of it (as every caller takes) gives that mean.

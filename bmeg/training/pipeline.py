@@ -61,7 +61,7 @@ from bmeg.training.labelled import Labelled
 from bmeg.training.metrics import threshold_for_precision
 from bmeg.training.plots import plot_run
 from bmeg.training.config import FitConfig, TrainConfig
-from bmeg.training.trainer import callee_emphasis, fit, process_group
+from bmeg.training.trainer import History, callee_emphasis, fit, process_group
 from bmeg.traces.schema import span_keys
 
 
@@ -193,7 +193,8 @@ def _training_graphs(data: Labelled, encoder: FeatureEncoder, fit_config: FitCon
     return replace(graphs, node_emphasis=callee_emphasis(forest.parent, data.node_y, fit_config.hard_negatives))
 
 
-def _fit_node_stage(gcn: GCNNodeClassifier, graphs: GraphSet, data: Labelled, fit_config: FitConfig, what: str):
+def _fit_node_stage(gcn: GCNNodeClassifier, graphs: GraphSet, data: Labelled, fit_config: FitConfig,
+                    what: str) -> History:
     """Stage 2 learns where the bottleneck is inside the anomalous traces only."""
     def anomalous(part: np.ndarray) -> np.ndarray:
         return part[data.y[part] == 1]
