@@ -83,6 +83,26 @@ def test_a_campaign_may_draw_network_delays_in_both_forms():
     assert {f.parameter("inbound") for f in shipped if f.source == "network"} == {0.0}  # the default: outbound
 
 
+def test_a_balanced_campaign_deals_every_source_once_in_each_run_of_faults():
+    """`balanced_sources`: each run of five consecutive faults holds each of five sources once
+    (an episode's few dozen faults hold each about equally often); without it, sources are drawn
+    independently, and an episode of 25 holds some far more often than others."""
+    sources = {"interference": {"factor": [4, 25]}, "saturation": {"quota": [0.3, 1.0]},
+               "network": {"delay_ms": [20, 50]}, "misconfiguration": {"pool_size": [1, 2]},
+               "background": {"pause_ms": [50, 200], "every_ms": [300, 1000]}}
+    counts = {}
+    for balanced in (True, False):
+        campaign = {"every_s": 2, "burst_s": 1, "sources": sources, "balanced_sources": balanced}
+        scenario = parse_scenario(_scenario(duration_s=52, faults=[], campaign=campaign))
+        faults = plan_faults(scenario, load_topology("socialnet"), np.random.default_rng(3))
+        assert len(faults) == 25
+        if balanced:
+            for start in range(0, 25, 5):
+                assert sorted(f.source for f in faults[start:start + 5]) == sorted(sources)
+        counts[balanced] = sorted(sum(f.source == source for f in faults) for source in sources)
+    assert counts[True] == [5] * 5 and counts[False] != [5] * 5
+
+
 @pytest.mark.parametrize("name", ["single", "multiple", "cascading"])
 def test_shipped_scenarios_plan_faults_of_their_kind(name):
     scenario = load_scenario(name)
@@ -114,6 +134,8 @@ def _scenario(**overrides) -> dict:
         ({"faults": [{"service": "leaf", "source": "network", "start_s": 1, "duration_s": 2, "parameters": {"delay_ms": 9, "inbound": 0.5}}]}, "inbound 0.5 must be 0 or 1"),
         ({"faults": [], "campaign": {"every_s": 5, "burst_s": 4, "sources": {"network": {"delay_ms": [9, 9], "inbound": [0, 2]}}}}, "inbound 2.0 must be 0 or 1"),
         ({"faults": []}, "needs `faults`, a `campaign`, or both"),
+        ({"faults": [], "campaign": {"every_s": 5, "burst_s": 4, "balanced_sources": True, "sources": {"interference": {}},
+                                     "targets": {"interference": ["leaf"]}}}, "cannot use it"),
         ({"faults": [], "campaign": {"every_s": 5, "burst_s": 10, "sources": {"interference": {}}}}, "rounds overlap"),
         ({"kind": "multiple", "faults": [], "campaign": {"every_s": 20, "sources": {"interference": {}}}}, "needs faults_per_round with max >= 2"),
     ],

@@ -7,6 +7,7 @@ A scenario file (`bmeg/faultinject/campaigns/*.yaml`, or the user's own) lists e
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -109,6 +110,9 @@ class Campaign(_Strict):
     targets: dict[Source, list[str]] = Field(
         default_factory=dict, description="per source, the only services it may hit (default: any candidate); "
         "with targets, each fault draws its source first, then its service")
+    balanced_sources: bool = Field(
+        default=False, description="draw sources from a shuffled deck: every run of len(sources) consecutive faults "
+        "holds each source once, so an episode's few dozen faults hold each about equally often (no targets)")
 
     @model_validator(mode="after")
     def _ranges_make_sense(self) -> Campaign:
@@ -127,6 +131,8 @@ class Campaign(_Strict):
         stray = set(self.targets) - set(self.sources)
         if stray:
             raise ValueError(f"targets: {sorted(stray)} are not among the campaign's sources {sorted(self.sources)}")
+        if self.balanced_sources and self.targets:
+            raise ValueError("balanced_sources deals every source to any service: a campaign with targets cannot use it")
         span = self.burst_s + (high - 1) * self.shift_s
         if span > self.every_s:
             raise ValueError(f"rounds overlap: a round lasts {span} s (burst_s + shifts) but every_s is {self.every_s}")
@@ -312,6 +318,7 @@ def _campaign_faults(scenario: Scenario, topology: TopologySpec, rng: np.random.
     reached = campaign.services or sorted({service for chain in chains for service in chain})
     candidates = [service for service in reached if _sources_for(campaign, service)]
     caches = cache_services(topology) & set(candidates)
+    deck = _source_deck(sorted(campaign.sources), rng) if campaign.balanced_sources else None
     for round_start in np.arange(campaign.start_s, scenario.duration_s, campaign.every_s):
         low, high = campaign.faults_per_round
         count = int(rng.integers(low, high + 1))
@@ -322,12 +329,18 @@ def _campaign_faults(scenario: Scenario, topology: TopologySpec, rng: np.random.
         else:
             targets = [(service, None) for service in rng.choice(candidates, size=min(count, len(candidates)), replace=False)]
         for order, (service, source) in enumerate(targets):
-            source = source or str(rng.choice(_sources_for(campaign, service)))
+            source = source or (next(deck) if deck is not None else str(rng.choice(_sources_for(campaign, service))))
             parameters = _draw_parameters(source, campaign.sources[source], service in caches, rng)
             start = float(round_start) + order * campaign.shift_s
             if start < scenario.duration_s:
                 end = min(start + campaign.burst_s, scenario.duration_s)
                 yield Fault(str(service), source, scenario.kind, start, end, parameters)
+
+
+def _source_deck(sources: list[str], rng: np.random.Generator) -> Iterator[str]:
+    """Sources dealt from a deck shuffled anew whenever it runs out (`balanced_sources`)."""
+    while True:
+        yield from (str(source) for source in rng.permutation(sources))
 
 
 def _sources_then_services(campaign: Campaign, candidates: list[str], count: int, rng) -> list[tuple[str, str]]:
