@@ -108,8 +108,10 @@ def test_a_saved_runs_node_stage_is_built_from_its_hyperparameters():
     assert type(node_classifier(6)) is GCNNodeClassifier and node_classifier(6, hidden_channels=8).hidden_channels == 8
     ensemble = node_classifier(6, members=3, hidden_channels=8)
     assert isinstance(ensemble, GCNNodeEnsemble) and [m.hidden_channels for m in ensemble.members] == [8, 8, 8]
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ValueError, match="1 to 32 classifiers, not 0"):
         node_classifier(6, members=0)
+    with pytest.raises(ValueError, match="not 1000000"):  # a hostile run's hparams: refused before any is built
+        node_classifier(6, members=10**6)
     with pytest.raises(ValueError, match="at least one"):
         GCNNodeEnsemble([])
 

@@ -102,10 +102,15 @@ class GCNNodeEnsemble(nn.Module):
         return f"{self.__class__.__name__}({len(self.members)} x {self.members[0]!r})"
 
 
+#: The most node classifiers a saved run may hold: its hyperparameters are read before its
+#: weights, and an untrusted run claiming millions would be built before it failed to load.
+MAX_MEMBERS = 32
+
+
 def node_classifier(in_channels: int, members: int = 1, **hparams) -> GCNNodeClassifier | GCNNodeEnsemble:
     """The node stage of a saved run's hyperparameters: one classifier, or an ensemble of `members`."""
-    if members < 1:
-        raise ValueError(f"a node stage has at least one classifier, not {members}")
+    if not 1 <= members <= MAX_MEMBERS:
+        raise ValueError(f"a node stage has 1 to {MAX_MEMBERS} classifiers, not {members}")
     if members == 1:
         return GCNNodeClassifier(in_channels, **hparams)
     return GCNNodeEnsemble([GCNNodeClassifier(in_channels, **hparams) for _ in range(members)])

@@ -26,6 +26,7 @@ writes the run directory. Each machine's local rank 0 loads (or generates) the d
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -209,11 +210,13 @@ def bagged_node_stage(detector: Detector, draws: list[Path], config: TrainConfig
     if isinstance(detector.gcn, GCNNodeEnsemble):
         raise ValueError("the detector's node stage is bagged already")
     members: list[GCNNodeClassifier] = [detector.gcn]
+    # each member starts where the first did: the pretrained weights, read once
+    start = None if config.pretrained is None else pretrained_stages(config.pretrained, detector.encoder)[2]
     for index, folder in enumerate(draws, start=1):
         data = label(load_dataset(folder), config.seed)
         torch.manual_seed(config.seed + index)
-        gcn = (GCNNodeClassifier(detector.encoder.num_features, **detector.hparams["gcn"]) if config.pretrained is None
-               else pretrained_stages(config.pretrained, detector.encoder)[2])  # each member starts where the first did
+        gcn = (GCNNodeClassifier(detector.encoder.num_features, **detector.hparams["gcn"]) if start is None
+               else copy.deepcopy(start))
         graphs = _training_graphs(data, detector.encoder, config.fit)
         _fit_node_stage(gcn, graphs, data, config.fit, f"stage 2 (GCN), draw {index + 1} of {len(draws) + 1}")
         members.append(gcn.to(detector.device).eval())
