@@ -1,0 +1,87 @@
+"""Where a CPU fault's time lands in the faulty service's spans, on a recording or a simulation:
+
+    python bench/contention_spans.py DATASET [DATASET ...] [--source interference] [--json OUT]
+
+DATASET is a folder with `spans.parquet` and `traces.parquet` (per-trace labels): a testbed
+recording (`bmeg generate --backend testbed`) or a simulated one (`bmeg generate`, e.g. from a
+bootstrap's `twin.yaml`). For every service that `--source` faults hit (default `interference`,
+a CPU hog), the log2 shift of the medians between the traces labelled with that fault on it and
+the dataset's fault-free traces, of: its server spans' self time (`self`), its client spans to
+stores (`store_calls`: a store has no server span, so this span is the store's node in a call
+graph), its client spans to services (`service_calls`) and those services' server spans
+(`callee_servers`), and the client spans that call it (`calls_in`, by their peer service: all a
+store shows). Printed per dataset and service, with the traces it had.
+
+Why: a hog in the service's cgroup starves its threads, so it reads each answer late and its
+client spans stretch more than its self time; where the callee is a store, that stretch looks
+like the store's own (README, issue 12, sessions 29-30: on the testbed the hogged services'
+store calls moved log2 +4.1..+12.3 at the median, their self time -1.1..+5.5; a twin with
+3-ms hog slices moved them +1.1..+2.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
+from bmeg.graphs import assemble
+
+PARTS = ("self", "store_calls", "service_calls", "callee_servers", "calls_in")
+
+
+def span_parts(spans: pd.DataFrame, service: str) -> dict[str, float]:
+    """Median ns of each part (`PARTS`) of `service`'s spans in `spans` (NaN where it has none)."""
+    mine = spans[spans["service"] == service]
+    client = mine[mine["kind"] == "client"]
+    to_service = client["callee_ns"].notna()
+    values = {"self": mine.loc[mine["kind"] == "server", "self_ns"], "store_calls": client.loc[~to_service, "duration_ns"],
+              "service_calls": client.loc[to_service, "duration_ns"], "callee_servers": client["callee_ns"].dropna(),
+              "calls_in": spans.loc[(spans["kind"] == "client") & (spans["peer_service"] == service), "duration_ns"]}
+    return {part: float(v.median()) if len(v) else float("nan") for part, v in values.items()}
+
+
+def shifts(folder: Path, source: str) -> pd.DataFrame:
+    """Per service `source` faults hit in the dataset at `folder`: the traces labelled so, and
+    each part's log2 shift of the median against the fault-free traces."""
+    traces = pq.read_table(folder / "traces.parquet", columns=["trace_id", "fault_source", "fault_services"]).to_pandas()
+    forest = assemble(pq.read_table(folder / "spans.parquet"), on_bad_trace="drop")
+    spans = forest.spans.select(["trace_id", "service", "kind", "peer_service"]).to_pandas()
+    spans["duration_ns"], spans["self_ns"] = forest.duration_ns, forest.self_time_ns
+    called = np.flatnonzero((forest.parent >= 0) & (spans["kind"].to_numpy() == "server"))
+    spans["callee_ns"] = np.nan  # a client span's callee's server span (none for a store)
+    spans.loc[forest.parent[called], "callee_ns"] = forest.duration_ns[called]
+    fault_free = spans["trace_id"].isin(traces.loc[traces["fault_source"] == "none", "trace_id"]).to_numpy()
+    hit = traces[traces["fault_source"] == source].explode("fault_services")
+    rows = []
+    for service, labelled in hit.groupby("fault_services"):
+        faulty = spans["trace_id"].isin(labelled["trace_id"]).to_numpy()
+        normal, during = span_parts(spans[fault_free], service), span_parts(spans[faulty], service)
+        rows.append({"service": service, "traces": len(labelled),
+                     **{part: float(np.log2(during[part] / normal[part])) if normal[part] > 0 and during[part] > 0
+                        else float("nan") for part in PARTS}})
+    return pd.DataFrame(rows, columns=["service", "traces", *PARTS])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("datasets", nargs="+", type=Path)
+    parser.add_argument("--source", default="interference", help="the fault source whose targets are read")
+    parser.add_argument("--json", type=Path, help="write the tables here as JSON")
+    args = parser.parse_args()
+    out = {}
+    for folder in args.datasets:
+        table = shifts(folder, args.source)
+        out[str(folder)] = table.to_dict(orient="records")
+        print(f"{folder} ({args.source}: log2 shift of the median against fault-free traces)")
+        print(table.round(2).to_string(index=False) if len(table) else "  no such faults")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
