@@ -9,8 +9,8 @@ a CPU hog), the log2 shift of the medians between the traces labelled with that 
 the dataset's fault-free traces, of: its server spans' self time (`self`), its client spans to
 stores (`store_calls`: a store has no server span, so this span is the store's node in a call
 graph), its client spans to services (`service_calls`) and those services' server spans
-(`callee_servers`), and the client spans that call it (`calls_in`, by their peer service: all a
-store shows). Printed per dataset and service, with the traces it had.
+(`callee_servers`), and the client spans that call it (`calls_in`: those its server spans
+answered, and those naming it as their peer service: all a store shows). Printed per dataset and service, with the traces it had.
 
 Why: a hog in the service's cgroup starves its threads, so it reads each answer late and its
 client spans stretch more than its self time; where the callee is a store, that stretch looks
@@ -55,6 +55,7 @@ def shifts(folder: Path, source: str) -> pd.DataFrame:
     called = np.flatnonzero((forest.parent >= 0) & (spans["kind"].to_numpy() == "server"))
     spans["callee_ns"] = np.nan  # a client span's callee's server span (none for a store)
     spans.loc[forest.parent[called], "callee_ns"] = forest.duration_ns[called]
+    spans.loc[forest.parent[called], "peer_service"] = spans["service"].to_numpy()[called]  # who answered it
     fault_free = spans["trace_id"].isin(traces.loc[traces["fault_source"] == "none", "trace_id"]).to_numpy()
     hit = traces[traces["fault_source"] == source].explode("fault_services")
     rows = []

@@ -37,4 +37,5 @@ def test_a_hog_on_a_service_stretches_its_store_calls_and_not_its_callees(tmp_pa
     row = table.loc["user-timeline-service"]
     # it reads its stores' answers late (a slice's milliseconds on sub-ms calls); its callee is untouched
     assert row["store_calls"] > 2 and row["service_calls"] > 1 and abs(row["callee_servers"]) < 1
+    assert row["calls_in"] > 1  # and its callers wait on it (the requests it takes in late)
     assert bench.shifts(tmp_path / "data", "network").empty  # no such faults: an empty table
