@@ -12,6 +12,11 @@ graph), its client spans to services (`service_calls`) and those services' serve
 (`callee_servers`), and the client spans that call it (`calls_in`: those its server spans
 answered, and those naming it as their peer service: all a store shows). Printed per dataset and service, with the traces it had.
 
+With `--model RUN` (a `bmeg bootstrap` or `bmeg train` run), also what that model reads there: the
+medians, over the same labelled traces, of its node features' z-scores (`FEATURE_ZSCORES`, those
+its encoder has) at the service's store nodes (`store:` columns) and at its own server node
+(`server:`), encoded as a recorded stream is (each trace's history from the earlier ones).
+
 Why: a hog in the service's cgroup starves its threads, so it reads each answer late and its
 client spans stretch more than its self time; where the callee is a store, that stretch looks
 like the store's own (README, issue 12, sessions 29-30: on the testbed the hogged services'
@@ -23,15 +28,20 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from bmeg.graphs import assemble
+from bmeg.graphs import SpanForest, assemble, node_services
+from bmeg.graphs.critical_path import critical_paths
+from bmeg.models.detector import Detector
 
 PARTS = ("self", "store_calls", "service_calls", "callee_servers", "calls_in")
+#: the node features read with `--model`, where the model's encoder has them
+FEATURE_ZSCORES = ("z_log_duration_us", "z_log_self_time_us", "z_log_wait_us", "z_duration_beyond_siblings")
 
 
 def span_parts(spans: pd.DataFrame, service: str) -> dict[str, float]:
@@ -45,9 +55,28 @@ def span_parts(spans: pd.DataFrame, service: str) -> dict[str, float]:
     return {part: float(v.median()) if len(v) else float("nan") for part, v in values.items()}
 
 
-def shifts(folder: Path, source: str) -> pd.DataFrame:
+def feature_medians(detector: Detector, forest: SpanForest) -> Callable[[np.ndarray, str], dict[str, float]]:
+    """A reader of the detector's node features over the forest: for a row mask and a service, the
+    medians of `FEATURE_ZSCORES` at its store nodes and at its server node."""
+    services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+    x = detector.encoder.transform(forest, critical_paths(forest), services)
+    names = [name for name in FEATURE_ZSCORES if name in detector.encoder.names]
+    columns = [detector.encoder.names.index(name) for name in names]
+    emitter = forest.spans["service"].to_numpy(zero_copy_only=False)
+    kind = forest.spans["kind"].to_numpy(zero_copy_only=False)
+
+    def medians(rows: np.ndarray, service: str) -> dict[str, float]:
+        nodes = {"store": rows & (emitter == service) & (kind == "client") & (services != service),
+                 "server": rows & (emitter == service) & (kind == "server")}
+        return {f"{role}:{name}": float(np.median(x[mask, column])) if mask.any() else float("nan")
+                for role, mask in nodes.items() for name, column in zip(names, columns)}
+    return medians
+
+
+def shifts(folder: Path, source: str, detector: Detector | None = None) -> pd.DataFrame:
     """Per service `source` faults hit in the dataset at `folder`: the traces labelled so, and
-    each part's log2 shift of the median against the fault-free traces."""
+    each part's log2 shift of the median against the fault-free traces (with `detector`, the
+    medians of its features there too: `feature_medians`)."""
     traces = pq.read_table(folder / "traces.parquet", columns=["trace_id", "fault_source", "fault_services"]).to_pandas()
     forest = assemble(pq.read_table(folder / "spans.parquet"), on_bad_trace="drop")
     spans = forest.spans.select(["trace_id", "service", "kind", "peer_service"]).to_pandas()
@@ -58,25 +87,29 @@ def shifts(folder: Path, source: str) -> pd.DataFrame:
     spans.loc[forest.parent[called], "peer_service"] = spans["service"].to_numpy()[called]  # who answered it
     fault_free = spans["trace_id"].isin(traces.loc[traces["fault_source"] == "none", "trace_id"]).to_numpy()
     hit = traces[traces["fault_source"] == source].explode("fault_services")
+    read = None if detector is None else feature_medians(detector, forest)
     rows = []
     for service, labelled in hit.groupby("fault_services"):
         faulty = spans["trace_id"].isin(labelled["trace_id"]).to_numpy()
         normal, during = span_parts(spans[fault_free], service), span_parts(spans[faulty], service)
         rows.append({"service": service, "traces": len(labelled),
                      **{part: float(np.log2(during[part] / normal[part])) if normal[part] > 0 and during[part] > 0
-                        else float("nan") for part in PARTS}})
-    return pd.DataFrame(rows, columns=["service", "traces", *PARTS])
+                        else float("nan") for part in PARTS},
+                     **({} if read is None else read(faulty, service))})
+    return pd.DataFrame(rows, columns=list(rows[0]) if rows else ["service", "traces", *PARTS])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("datasets", nargs="+", type=Path)
     parser.add_argument("--source", default="interference", help="the fault source whose targets are read")
+    parser.add_argument("--model", type=Path, help="a run: also the medians of its node features' z-scores")
     parser.add_argument("--json", type=Path, help="write the tables here as JSON")
     args = parser.parse_args()
+    detector = None if args.model is None else Detector.load(args.model, device="cpu")
     out = {}
     for folder in args.datasets:
-        table = shifts(folder, args.source)
+        table = shifts(folder, args.source, detector)
         out[str(folder)] = table.to_dict(orient="records")
         print(f"{folder} ({args.source}: log2 shift of the median against fault-free traces)")
         print(table.round(2).to_string(index=False) if len(table) else "  no such faults")
