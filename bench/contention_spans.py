@@ -1,6 +1,6 @@
 """Where a CPU fault's time lands in the faulty service's spans, on a recording or a simulation:
 
-    python bench/contention_spans.py DATASET [DATASET ...] [--source interference] [--json OUT]
+    python bench/contention_spans.py DATASET [DATASET ...] [--source interference] [--model RUN] [--json OUT]
 
 DATASET is a folder with `spans.parquet` and `traces.parquet` (per-trace labels): a testbed
 recording (`bmeg generate --backend testbed`) or a simulated one (`bmeg generate`, e.g. from a
@@ -10,7 +10,8 @@ the dataset's fault-free traces, of: its server spans' self time (`self`), its c
 stores (`store_calls`: a store has no server span, so this span is the store's node in a call
 graph), its client spans to services (`service_calls`) and those services' server spans
 (`callee_servers`), and the client spans that call it (`calls_in`: those its server spans
-answered, and those naming it as their peer service: all a store shows). Printed per dataset and service, with the traces it had.
+answered, and those naming it as their peer service: all a store shows). Printed per dataset
+and service, with the traces it had.
 
 With `--model RUN` (a `bmeg bootstrap` or `bmeg train` run), also what that model reads there: the
 medians, over the same labelled traces, of its node features' z-scores (`FEATURE_ZSCORES`, those
