@@ -49,29 +49,44 @@ def span_parts(spans: pd.DataFrame, service: str) -> dict[str, float]:
     """Median ns of each part (`PARTS`) of `service`'s spans in `spans` (NaN where it has none)."""
     mine = spans[spans["service"] == service]
     client = mine[mine["kind"] == "client"]
-    to_service = client["callee_ns"].notna()
-    values = {"self": mine.loc[mine["kind"] == "server", "self_ns"], "store_calls": client.loc[~to_service, "duration_ns"],
-              "service_calls": client.loc[to_service, "duration_ns"], "callee_servers": client["callee_ns"].dropna(),
-              "calls_in": spans.loc[(spans["kind"] == "client") & (spans["peer_service"] == service), "duration_ns"]}
+    values = {"self": mine.loc[mine["kind"] == "server", "self_ns"],
+              "store_calls": client.loc[client["callee_ns"].isna(), "duration_ns"],
+              "service_calls": client.loc[client["callee_ns"].notna(), "duration_ns"],
+              "callee_servers": client["callee_ns"].dropna(),
+              "calls_in": spans.loc[spans["answered_by"] == service, "duration_ns"]}
     return {part: float(v.median()) if len(v) else float("nan") for part, v in values.items()}
 
 
-def feature_medians(detector: Detector, forest: SpanForest) -> Callable[[np.ndarray, str], dict[str, float]]:
-    """A reader of the detector's node features over the forest: for a row mask and a service, the
-    medians of `FEATURE_ZSCORES` at its store nodes and at its server node."""
-    services = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
-    x = detector.encoder.transform(forest, critical_paths(forest), services)
+def feature_medians(detector: Detector, forest: SpanForest, nodes: np.ndarray) -> Callable[[np.ndarray, str], dict[str, float]]:
+    """A reader of the detector's node features over the forest (`nodes`: each span's node
+    service, stores split out): for a row mask and a service, the medians of `FEATURE_ZSCORES`
+    at its store nodes and at its server node."""
+    x = detector.encoder.transform(forest, critical_paths(forest), nodes)
     names = [name for name in FEATURE_ZSCORES if name in detector.encoder.names]
     columns = [detector.encoder.names.index(name) for name in names]
     emitter = forest.spans["service"].to_numpy(zero_copy_only=False)
     kind = forest.spans["kind"].to_numpy(zero_copy_only=False)
 
     def medians(rows: np.ndarray, service: str) -> dict[str, float]:
-        nodes = {"store": rows & (emitter == service) & (kind == "client") & (services != service),
-                 "server": rows & (emitter == service) & (kind == "server")}
+        mine = rows & (emitter == service)
+        roles = {"store": mine & (kind == "client") & (nodes != service), "server": mine & (kind == "server")}
         return {f"{role}:{name}": float(np.median(x[mask, column])) if mask.any() else float("nan")
-                for role, mask in nodes.items() for name, column in zip(names, columns)}
+                for role, mask in roles.items() for name, column in zip(names, columns)}
     return medians
+
+
+def span_table(forest: SpanForest, nodes: np.ndarray) -> pd.DataFrame:
+    """Per span: trace, service, kind, node service, duration, self time, the duration of the
+    server span a client span reached (`callee_ns`, NaN for a store), and who answered a client
+    span (`answered_by`: that server span's service, or the store the span stands for)."""
+    spans = forest.spans.select(["trace_id", "service", "kind"]).to_pandas()
+    spans["node"], spans["duration_ns"], spans["self_ns"] = nodes, forest.duration_ns, forest.self_time_ns
+    spans["answered_by"] = spans["node"].where(spans["node"] != spans["service"])
+    spans["callee_ns"] = np.nan
+    called = np.flatnonzero((forest.parent >= 0) & (spans["kind"].to_numpy() == "server"))
+    spans.loc[forest.parent[called], "callee_ns"] = forest.duration_ns[called]
+    spans.loc[forest.parent[called], "answered_by"] = spans["service"].to_numpy()[called]
+    return spans
 
 
 def shifts(folder: Path, source: str, detector: Detector | None = None) -> pd.DataFrame:
@@ -80,19 +95,15 @@ def shifts(folder: Path, source: str, detector: Detector | None = None) -> pd.Da
     medians of its features there too: `feature_medians`)."""
     traces = pq.read_table(folder / "traces.parquet", columns=["trace_id", "fault_source", "fault_services"]).to_pandas()
     forest = assemble(pq.read_table(folder / "spans.parquet"), on_bad_trace="drop")
-    spans = forest.spans.select(["trace_id", "service", "kind", "peer_service"]).to_pandas()
-    spans["duration_ns"], spans["self_ns"] = forest.duration_ns, forest.self_time_ns
-    called = np.flatnonzero((forest.parent >= 0) & (spans["kind"].to_numpy() == "server"))
-    spans["callee_ns"] = np.nan  # a client span's callee's server span (none for a store)
-    spans.loc[forest.parent[called], "callee_ns"] = forest.duration_ns[called]
-    spans.loc[forest.parent[called], "peer_service"] = spans["service"].to_numpy()[called]  # who answered it
-    fault_free = spans["trace_id"].isin(traces.loc[traces["fault_source"] == "none", "trace_id"]).to_numpy()
+    nodes = node_services(forest, storage_nodes=True).to_numpy(zero_copy_only=False)
+    spans = span_table(forest, nodes)
+    fault_free = spans[spans["trace_id"].isin(traces.loc[traces["fault_source"] == "none", "trace_id"])]
     hit = traces[traces["fault_source"] == source].explode("fault_services")
-    read = None if detector is None else feature_medians(detector, forest)
+    read = None if detector is None else feature_medians(detector, forest, nodes)
     rows = []
     for service, labelled in hit.groupby("fault_services"):
         faulty = spans["trace_id"].isin(labelled["trace_id"]).to_numpy()
-        normal, during = span_parts(spans[fault_free], service), span_parts(spans[faulty], service)
+        normal, during = span_parts(fault_free, service), span_parts(spans[faulty], service)
         rows.append({"service": service, "traces": len(labelled),
                      **{part: float(np.log2(during[part] / normal[part])) if normal[part] > 0 and during[part] > 0
                         else float("nan") for part in PARTS},
