@@ -34,10 +34,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bmeg.graphs import SpanForest, assemble, node_services
 from bmeg.graphs.critical_path import critical_paths
+from bmeg.models.checkpoint import CheckpointError
 from bmeg.models.detector import Detector
 
 PARTS = ("self", "store_calls", "service_calls", "callee_servers", "calls_in")
@@ -57,10 +59,12 @@ def span_parts(spans: pd.DataFrame, service: str) -> dict[str, float]:
     return {part: float(v.median()) if len(v) else float("nan") for part, v in values.items()}
 
 
-def feature_medians(detector: Detector, forest: SpanForest, nodes: np.ndarray) -> Callable[[np.ndarray, str], dict[str, float]]:
+def feature_medians(detector: Detector, forest: SpanForest, nodes: np.ndarray,
+                    store_calls: np.ndarray) -> Callable[[np.ndarray, str], dict[str, float]]:
     """A reader of the detector's node features over the forest (`nodes`: each span's node
-    service, stores split out): for a row mask and a service, the medians of `FEATURE_ZSCORES`
-    at its store nodes and at its server node."""
+    service, stores split out; `store_calls`: the client spans that reached no server span):
+    for a row mask and a service, the medians of `FEATURE_ZSCORES` at its store calls and at
+    its server spans."""
     x = detector.encoder.transform(forest, critical_paths(forest), nodes)
     names = [name for name in FEATURE_ZSCORES if name in detector.encoder.names]
     columns = [detector.encoder.names.index(name) for name in names]
@@ -69,7 +73,7 @@ def feature_medians(detector: Detector, forest: SpanForest, nodes: np.ndarray) -
 
     def medians(rows: np.ndarray, service: str) -> dict[str, float]:
         mine = rows & (emitter == service)
-        roles = {"store": mine & (kind == "client") & (nodes != service), "server": mine & (kind == "server")}
+        roles = {"store": mine & store_calls, "server": mine & (kind == "server")}
         return {f"{role}:{name}": float(np.median(x[mask, column])) if mask.any() else float("nan")
                 for role, mask in roles.items() for name, column in zip(names, columns)}
     return medians
@@ -99,7 +103,8 @@ def shifts(folder: Path, source: str, detector: Detector | None = None) -> pd.Da
     spans = span_table(forest, nodes)
     fault_free = spans[spans["trace_id"].isin(traces.loc[traces["fault_source"] == "none", "trace_id"])]
     hit = traces[traces["fault_source"] == source].explode("fault_services")
-    read = None if detector is None else feature_medians(detector, forest, nodes)
+    store_calls = ((spans["kind"] == "client") & spans["callee_ns"].isna()).to_numpy()
+    read = None if detector is None else feature_medians(detector, forest, nodes, store_calls)
     rows = []
     for service, labelled in hit.groupby("fault_services"):
         faulty = spans["trace_id"].isin(labelled["trace_id"]).to_numpy()
@@ -118,10 +123,13 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a run: also the medians of its node features' z-scores")
     parser.add_argument("--json", type=Path, help="write the tables here as JSON")
     args = parser.parse_args()
-    detector = None if args.model is None else Detector.load(args.model, device="cpu")
+    try:  # a missing or unreadable file, or a run that is not a model: one line, not a traceback
+        detector = None if args.model is None else Detector.load(args.model, device="cpu")
+        tables = {folder: shifts(folder, args.source, detector) for folder in args.datasets}
+    except (OSError, pa.ArrowException, CheckpointError) as error:
+        parser.error(str(error))
     out = {}
-    for folder in args.datasets:
-        table = shifts(folder, args.source, detector)
+    for folder, table in tables.items():
         out[str(folder)] = table.to_dict(orient="records")
         print(f"{folder} ({args.source}: log2 shift of the median against fault-free traces)")
         print(table.round(2).to_string(index=False) if len(table) else "  no such faults")
