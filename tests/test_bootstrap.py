@@ -397,3 +397,32 @@ def test_a_bagged_bootstrap_adds_node_classifiers_from_further_draws_and_leaves_
         pretrained_stages(tmp_path / "draws-2", FeatureEncoder(BOOTSTRAP_FEATURES))
     with pytest.raises(ValueError, match="node_draws"):
         bootstrap(normal_file, tmp_path / "none", node_draws=0)
+
+
+def test_a_bootstrap_whose_node_classifier_reads_asinh_keeps_it_and_older_runs_read_raw(bootstrapped, tmp_path):
+    """`node_inputs="asinh"`: the saved run's node classifier reads asinh of its features after
+    loading; a run saved before the choice (no `inputs` in its hyperparameters) reads them raw;
+    a warm start from a run that reads them otherwise, an unknown choice and the command line's
+    unknown choice are refused."""
+    import torch
+
+    from bmeg.models.features import FeatureEncoder
+    from bmeg.training.pipeline import pretrained_stages
+
+    _, normal_file, _, _, _ = bootstrapped
+    bootstrap(normal_file, tmp_path / "asinh", traces=400, epochs=1, progress=False, window_gcn_windows=0,
+              node_inputs="asinh")
+    loaded = Detector.load(tmp_path / "asinh", device="cpu")
+    assert loaded.gcn.inputs == "asinh" and loaded.hparams["gcn"]["inputs"] == "asinh"
+    older = replace(loaded, hparams={**loaded.hparams, "gcn": {}}).save(tmp_path / "older")
+    assert Detector.load(older.run_dir, device="cpu").gcn.inputs == "raw"
+    x = torch.randn(5, loaded.encoder.num_features) * 30
+    edges = torch.tensor([[0, 0, 1, 1], [1, 2, 3, 4]])
+    raw = Detector.load(older.run_dir, device="cpu").gcn
+    assert torch.allclose(loaded.gcn(x, edges), raw(torch.asinh(x), edges), atol=1e-5)
+    with pytest.raises(ValueError, match="reads its features asinh, not raw"):
+        pretrained_stages(tmp_path / "asinh", FeatureEncoder(BOOTSTRAP_FEATURES))
+    with pytest.raises(ValueError, match="node_inputs"):
+        bootstrap(normal_file, tmp_path / "none", node_inputs="log")
+    command = CliRunner().invoke(main, ["bootstrap", str(normal_file), "--out", str(tmp_path / "cli"), "--node-inputs", "log"])
+    assert command.exit_code == 2 and "'log' is not one of 'raw', 'asinh'" in command.output

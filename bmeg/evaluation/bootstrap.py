@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bmeg.datasets.family import CPU_FAULT_SCENARIOS, DEFAULT_CPU_FAULTS, generate_family, write_training_shards
 from bmeg.faultinject.family import FamilyParams
-from bmeg.models.features import BOOTSTRAP_FEATURES
+from bmeg.models.features import BOOTSTRAP_FEATURES, NODE_INPUTS
 from bmeg.models.window import with_normal_baselines
 from bmeg.faultinject.twin import fit_twin
 from bmeg.graphs.rpc import rpc_view
@@ -50,7 +50,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
               false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE,
               pretrained: str | Path | None = None, cpu_faults: str = DEFAULT_CPU_FAULTS,
               hard_negatives: float = FitConfig.hard_negatives, window_gcn_windows: int = TRAINING_WINDOWS,
-              node_draws: int = NODE_DRAWS):
+              node_draws: int = NODE_DRAWS, node_inputs: str = "raw"):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
     or any run on the same features) both GNN stages start from its weights and specialise on the
@@ -58,7 +58,9 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     `hard_negatives`, the node stage's weight of a bottleneck's client spans (`FitConfig`);
     `window_gcn_windows`, how many simulated windows the window GCN trains on (0: none, and the
     window ranker fuses the per-trace GNN's ranking instead); `node_draws`, how many draws of the
-    training faults the node stage is bagged over (each one more classifier, `bagged_node_stage`)."""
+    training faults the node stage is bagged over (each one more classifier, `bagged_node_stage`);
+    `node_inputs`, how the node classifier reads its features (`NODE_INPUTS`: "asinh" helps
+    where the real deviations outgrow the twin's, README, issue 12, session 31)."""
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
     from bmeg.training.pipeline import TrainConfig, bagged_node_stage
@@ -67,11 +69,13 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
         raise ValueError(f"cpu_faults must be one of {', '.join(CPU_FAULT_SCENARIOS)}, not {cpu_faults!r}")
     if node_draws < 1:
         raise ValueError(f"node_draws must be at least 1, not {node_draws}")
+    if node_inputs not in NODE_INPUTS:
+        raise ValueError(f"node_inputs must be one of {', '.join(NODE_INPUTS)}, not {node_inputs!r}")
     if pretrained is not None:  # refuse a run on other features before the data are made
         from bmeg.models.features import FeatureEncoder
         from bmeg.training.pipeline import pretrained_stages
 
-        pretrained_stages(pretrained, FeatureEncoder(features))
+        pretrained_stages(pretrained, FeatureEncoder(features), node_inputs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fitting, healthy = split_by_time(read_spans(normal_traces, format=input_format), held_back)
@@ -84,14 +88,16 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     write_training_shards(out / "data", twin_file, traces, imbalance, seed, progress,
                           scenarios=CPU_FAULT_SCENARIOS[cpu_faults])
     detector, metrics = train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features,
-                              hard_negatives=hard_negatives, pretrained=None if pretrained is None else str(pretrained))
+                              hard_negatives=hard_negatives, pretrained=None if pretrained is None else str(pretrained),
+                              node_inputs=node_inputs)
     if node_draws > 1:
         draws = [out / "draws" / str(index) for index in range(1, node_draws)]
         for index, folder in enumerate(draws, start=1):
             write_training_shards(folder, twin_file, traces, imbalance, seed + DRAW_SEED_STRIDE * index, progress,
                                   scenarios=CPU_FAULT_SCENARIOS[cpu_faults])
         fit = FitConfig(epochs=epochs, hard_negatives=hard_negatives, progress=progress)
-        config = TrainConfig(seed=seed, features=features, fit=fit, pretrained=None if pretrained is None else str(pretrained))
+        config = TrainConfig(seed=seed, features=features, fit=fit, pretrained=None if pretrained is None else str(pretrained),
+                             node_inputs=node_inputs)
         detector = bagged_node_stage(detector, draws, config)
         metrics["node_draws"] = node_draws
     detector = with_normal_baselines(detector, rpc_view(fitting))
@@ -106,7 +112,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
 
 def pretrain_on_family(out: str | Path, apps: int = 12, traces: int = 3000, epochs: int = 5, seed: int = 0,
                        params: FamilyParams = FamilyParams(), imbalance: float = 0.3, features: str = BOOTSTRAP_FEATURES,
-                       progress: bool = True):
+                       node_inputs: str = "raw", progress: bool = True):
     """Train both GNN stages on a randomised family of `apps` synthetic applications
     (`bmeg.datasets.family.generate_family`, data under `out/data`), to start a bootstrap from
     (`bootstrap(pretrained=out)`); returns (Detector, metrics). Only the GNN stages are meant
@@ -116,7 +122,7 @@ def pretrain_on_family(out: str | Path, apps: int = 12, traces: int = 3000, epoc
     out = Path(out)
     generate_family(out / "data", apps, traces, imbalance, seed, params, progress)
     return train(str(out / "data"), out=out, epochs=epochs, seed=seed, progress=progress, features=features,
-                 svm_max_services=-1)
+                 node_inputs=node_inputs, svm_max_services=-1)
 
 
 def cached_run_dir(normal_traces: str | Path, input_format: str | None = None,

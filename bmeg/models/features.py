@@ -73,6 +73,9 @@ RELATIVE_COLUMNS = (
     "z_explained_share", "children_delta", "repeated_delta",
     "error", "error_origin", "z_cp_share",
 )
+#: How the node classifier reads these features (`bmeg.models.gcn_node`): as they are, or
+#: through asinh (linear near 0, logarithmic far out; README, issue 12, session 31).
+NODE_INPUTS = ("raw", "asinh")
 #: Where a z-score is capped: a node 50 robust deviations off is as off as it matters.
 Z_LIMIT = 50.0
 #: The smallest spread of a baseline, in log units (~5%), so constant operations don't explode.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_SCENARIO, DEFAULT_TRACES
-from bmeg.models.features import VARIANTS
+from bmeg.models.features import NODE_INPUTS, VARIANTS
 
 #: Simulated training windows of a run's window GCN (`bmeg.training.window_gcn`; round 2's,
 #: README issue 12 session 15).
@@ -56,6 +56,7 @@ class TrainConfig:
     scenario: str = DEFAULT_SCENARIO
     seed: int = 0
     features: str = "full"  # one of bmeg.models.features.VARIANTS
+    node_inputs: str = "raw"  # how the node classifier reads them, one of NODE_INPUTS
     min_precision: float = 0.8  # stage-1 threshold: best recall at this precision
     firm_window: int = 100  # traces over which FIRM's RI and CI are computed
     svm_C: float = 0.1  # the trace SVM's regularisation
@@ -68,4 +69,4 @@ class TrainConfig:
     fit: FitConfig = field(default_factory=FitConfig)
 
 
-__all__ = ["LOSSES", "NODE_DRAWS", "TRAINING_WINDOWS", "VARIANTS", "FitConfig", "TrainConfig"]
+__all__ = ["LOSSES", "NODE_DRAWS", "NODE_INPUTS", "TRAINING_WINDOWS", "VARIANTS", "FitConfig", "TrainConfig"]

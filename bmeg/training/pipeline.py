@@ -149,11 +149,11 @@ def _fit_models(data: Labelled, config: TrainConfig, application: str) -> tuple[
 
     torch.manual_seed(config.seed)
     sizes = np.diff(forest.trace_offsets)
-    hparams = {"dgcnn": {"k": int(max(10, np.percentile(sizes, 60)))}, "gcn": {}}
+    hparams: dict[str, dict] = {"dgcnn": {"k": int(max(10, np.percentile(sizes, 60)))}, "gcn": {"inputs": config.node_inputs}}
     dgcnn = DGCNN(encoder.num_features, **hparams["dgcnn"])
     gcn = GCNNodeClassifier(encoder.num_features, **hparams["gcn"])
     if config.pretrained is not None:
-        hparams, dgcnn, gcn = pretrained_stages(config.pretrained, encoder)
+        hparams, dgcnn, gcn = pretrained_stages(config.pretrained, encoder, config.node_inputs)
     histories = {"dgcnn": fit(dgcnn, graphs, data.train, data.val, "graph", fit_config, "stage 1 (DGCNN)")}
     histories["gcn"] = _fit_node_stage(gcn, graphs, data, fit_config, "stage 2 (GCN)")
 
@@ -211,7 +211,7 @@ def bagged_node_stage(detector: Detector, draws: list[Path], config: TrainConfig
         raise ValueError("the detector's node stage is bagged already")
     members: list[GCNNodeClassifier] = [detector.gcn]
     # each member starts where the first did: the pretrained weights, read once
-    start = None if config.pretrained is None else pretrained_stages(config.pretrained, detector.encoder)[2]
+    start = None if config.pretrained is None else pretrained_stages(config.pretrained, detector.encoder, gcn_inputs(detector))[2]
     for index, folder in enumerate(draws, start=1):
         data = label(load_dataset(folder), config.seed)
         torch.manual_seed(config.seed + index)
@@ -224,11 +224,18 @@ def bagged_node_stage(detector: Detector, draws: list[Path], config: TrainConfig
     return replace(detector, gcn=GCNNodeEnsemble(members), hparams=hparams)
 
 
-def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder) -> tuple[dict, DGCNN, GCNNodeClassifier]:
+def gcn_inputs(detector: Detector) -> str:
+    """How `detector`'s node classifier reads its features (runs saved before the choice: raw)."""
+    return detector.hparams["gcn"].get("inputs", "raw")
+
+
+def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder,
+                      node_inputs: str = "raw") -> tuple[dict, DGCNN, GCNNodeClassifier]:
     """Both GNN stages of a saved run, to go on training from (warm start), with their
     hyperparameters (the DGCNN's sort-pooling k included: its layers' shapes depend on it).
-    The run must have been trained on the same feature columns; the encoder's baselines are
-    not taken (they are the pretraining applications', and each run fits its own)."""
+    The run must have been trained on the same feature columns, its node classifier reading
+    them as `node_inputs` does; the encoder's baselines are not taken (they are the
+    pretraining applications', and each run fits its own)."""
     pretrained = Detector.load(run_dir, device="cpu")
     if pretrained.encoder.names != encoder.names:
         raise ValueError(f"{run_dir} was trained on the features {pretrained.encoder.names}, not {encoder.names}: "
@@ -236,6 +243,9 @@ def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder) -> tuple[dic
     if isinstance(pretrained.gcn, GCNNodeEnsemble):
         raise ValueError(f"{run_dir} holds {len(pretrained.gcn.members)} node classifiers (a bagged bootstrap): "
                          "start from a run with one, such as `bmeg pretrain`'s")
+    if gcn_inputs(pretrained) != node_inputs:
+        raise ValueError(f"{run_dir}'s node classifier reads its features {gcn_inputs(pretrained)}, not {node_inputs}: "
+                         f"pretrain with the same node inputs")
     hparams = {name: dict(pretrained.hparams[name]) for name in ("dgcnn", "gcn")}
     return hparams, pretrained.dgcnn.train(), pretrained.gcn.train()
 
