@@ -82,8 +82,8 @@ def test_reset_parameters_resets_every_weight_reproducibly(make):
 def test_repr_names_the_sizes():
     assert repr(DGCNN(6, hidden_channels=16, k=12, dense_channels=64, dropout=0.5)) == (
         "DGCNN(6, hidden_channels=16, k=12, dense_channels=64, dropout=0.5)")
-    assert repr(GCNNodeClassifier(6, hidden_channels=32, dropout=0.1)) == (
-        "GCNNodeClassifier(6, hidden_channels=32, dropout=0.1)")
+    assert repr(GCNNodeClassifier(6, hidden_channels=32, dropout=0.1, inputs="asinh")) == (
+        "GCNNodeClassifier(6, hidden_channels=32, dropout=0.1, inputs='asinh')")
 
 
 def test_a_node_ensemble_gives_the_mean_of_its_members_probabilities():
@@ -101,7 +101,7 @@ def test_a_node_ensemble_gives_the_mean_of_its_members_probabilities():
         first = torch.softmax(members[0](batch.x, batch.edge_index).double(), -1)
     assert got.shape == (12, 2) and torch.allclose(got, expected, atol=1e-12)
     assert torch.allclose(alone, first, atol=1e-12)  # one member reads as itself
-    assert repr(ensemble) == "GCNNodeEnsemble(3 x GCNNodeClassifier(6, hidden_channels=64, dropout=0.2))"
+    assert repr(ensemble) == "GCNNodeEnsemble(3 x GCNNodeClassifier(6, hidden_channels=64, dropout=0.2, inputs='raw'))"
 
 
 def test_a_saved_runs_node_stage_is_built_from_its_hyperparameters():
