@@ -211,7 +211,7 @@ def bagged_node_stage(detector: Detector, draws: list[Path], config: TrainConfig
         raise ValueError("the detector's node stage is bagged already")
     members: list[GCNNodeClassifier] = [detector.gcn]
     # each member starts where the first did: the pretrained weights, read once
-    start = None if config.pretrained is None else pretrained_stages(config.pretrained, detector.encoder, gcn_inputs(detector))[2]
+    start = None if config.pretrained is None else pretrained_stages(config.pretrained, detector.encoder, detector.gcn.inputs)[2]
     for index, folder in enumerate(draws, start=1):
         data = label(load_dataset(folder), config.seed)
         torch.manual_seed(config.seed + index)
@@ -222,11 +222,6 @@ def bagged_node_stage(detector: Detector, draws: list[Path], config: TrainConfig
         members.append(gcn.to(detector.device).eval())
     hparams = {**detector.hparams, "gcn": {**detector.hparams["gcn"], "members": len(members)}}
     return replace(detector, gcn=GCNNodeEnsemble(members), hparams=hparams)
-
-
-def gcn_inputs(detector: Detector) -> str:
-    """How `detector`'s node classifier reads its features (runs saved before the choice: raw)."""
-    return detector.hparams["gcn"].get("inputs", "raw")
 
 
 def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder,
@@ -243,9 +238,9 @@ def pretrained_stages(run_dir: str | Path, encoder: FeatureEncoder,
     if isinstance(pretrained.gcn, GCNNodeEnsemble):
         raise ValueError(f"{run_dir} holds {len(pretrained.gcn.members)} node classifiers (a bagged bootstrap): "
                          "start from a run with one, such as `bmeg pretrain`'s")
-    if gcn_inputs(pretrained) != node_inputs:
-        raise ValueError(f"{run_dir}'s node classifier reads its features {gcn_inputs(pretrained)}, not {node_inputs}: "
-                         f"pretrain with the same node inputs")
+    if pretrained.gcn.inputs != node_inputs:
+        raise ValueError(f"{run_dir}'s node classifier reads its features {pretrained.gcn.inputs}, not {node_inputs}: "
+                         "pretrain with the same node inputs")
     hparams = {name: dict(pretrained.hparams[name]) for name in ("dgcnn", "gcn")}
     return hparams, pretrained.dgcnn.train(), pretrained.gcn.train()
 
