@@ -406,6 +406,7 @@ def test_a_bootstrap_whose_node_classifier_reads_asinh_keeps_it_and_older_runs_r
     unknown choice are refused."""
     import torch
 
+    from bmeg.models.checkpoint import CheckpointError
     from bmeg.models.features import FeatureEncoder
     from bmeg.training.pipeline import pretrained_stages
 
@@ -416,6 +417,10 @@ def test_a_bootstrap_whose_node_classifier_reads_asinh_keeps_it_and_older_runs_r
     assert loaded.gcn.inputs == "asinh" and loaded.hparams["gcn"]["inputs"] == "asinh"
     older = replace(loaded, hparams={**loaded.hparams, "gcn": {}}).save(tmp_path / "older")
     assert Detector.load(older.run_dir, device="cpu").gcn.inputs == "raw"
+    for hostile in ("log", ["asinh"], {"inputs": "asinh"}, "x" * 100_000):
+        forged = replace(loaded, hparams={**loaded.hparams, "gcn": {"inputs": hostile}}).save(tmp_path / "forged")
+        with pytest.raises(CheckpointError, match="inputs must be one of"):
+            Detector.load(forged.run_dir, device="cpu")
     x = torch.randn(5, loaded.encoder.num_features) * 30
     edges = torch.tensor([[0, 0, 1, 1], [1, 2, 3, 4]])
     raw = Detector.load(older.run_dir, device="cpu").gcn
