@@ -55,8 +55,8 @@ def twin_fit(normal_traces: Path, out: Path, name: str, check_seconds: float, in
 node_inputs_option = click.option(
     "--node-inputs", type=click.Choice(NODE_INPUTS), default="raw", show_default=True,
     help="How the node classifier reads its features: as they are, or through asinh (logarithmic far out: "
-         "on four real testbed recordings the GNN alone's latency AC@1 0.82 -> 0.88, on a fresh one only "
-         "0.90 -> 0.91; on the twins' own faults 0.87 -> 0.81; README, issue 12, sessions 31-32).")
+         "the GNN alone's latency AC@1 on the three testbed recordings it was developed on 0.79 -> 0.87, on a "
+         "fresh one only 0.90 -> 0.91; on the twins' own faults 0.87 -> 0.81; README, issue 12, sessions 31-32).")
 
 
 @click.command("bootstrap")
