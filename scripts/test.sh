@@ -6,7 +6,7 @@ export PATH="$PWD/$venv/bin:$PATH"
 export BMEG_PYTHON="$PWD/$venv/bin/python"
 
 # Lint and type check first: seconds, and a failure there says more than a test would.
-ruff check bmeg tests bench
+ruff check bmeg tests bench notebooks
 mypy
 
 # The real Kafka broker and Kubernetes API server (DESIGN.md section 6), and Chromium for the
