@@ -140,7 +140,8 @@ def test_background_pauses_stop_the_target_and_always_resume_it(bed):
     assert system.process_state(record.pid) == "T"  # left stopped...
     reloaded = TestbedState.load(testbed.run)
     undo_all(testbed, reloaded)  # ...until the next start repairs it from the state file
-    assert system.process_state(record.pid) == "S"
+    # resumed: running for a moment after SIGCONT (seen once on a loaded machine), then back in its sleep
+    assert system.process_state(record.pid) in ("R", "S")
     assert not reloaded.faults and not TestbedState.load(testbed.run).faults
 
 
