@@ -4,6 +4,7 @@ data (`bmeg.datasets.family`) and the warm start of a bootstrap from a family-pr
 from __future__ import annotations
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -94,6 +95,26 @@ def test_a_family_dataset_loads_as_one_dataset_of_distinct_applications(tmp_path
         assert services & set(spec.services), f"{spec.name} has no traces"
         assert all(name.startswith(spec.name + "-") for name in spec.services)
     assert not set(members[0].services) & set(members[1].services)
+
+
+@pytest.mark.parametrize("stores, shards", [
+    (True, {"single-scheduler", "multiple-scheduler", "callers-scheduler", "code"}),
+    (False, {"single-scheduler", "multiple-scheduler", "code"}),  # no service calls a store
+])
+def test_the_training_shards_starve_store_callers_where_the_application_has_them(tmp_path, stores, shards):
+    from builders import SHOP_SPEC, chain_spec
+
+    from bmeg.datasets.family import CPU_FAULT_SCENARIOS, write_training_shards
+
+    spec_file = tmp_path / "app.yaml"
+    spec_file.write_text(yaml.safe_dump(chain_spec(100) if stores else SHOP_SPEC))
+    folders = write_training_shards(tmp_path / "data", spec_file, 400, 0.3, 0, progress=False,
+                                    scenarios=CPU_FAULT_SCENARIOS["scheduler"])
+    assert {folder.name for folder in folders} == shards
+    if stores:  # the third shard's faults hit the one service that calls a store (mid: a cache, a db)
+        traces = pq.read_table(tmp_path / "data" / "callers-scheduler" / "traces.parquet").to_pandas()
+        faulty = traces.loc[traces["anomalous"], "fault_services"]
+        assert len(faulty) and {service for services in faulty for service in services} == {"mid"}
 
 
 def test_training_starts_from_the_pretrained_weights(tmp_path):

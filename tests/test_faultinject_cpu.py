@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from builders import chain_topology
+from builders import SHOP_SPEC, chain_topology
 
 from bmeg.faultinject import Fault, simulate
 from bmeg.faultinject.cpu import throttle, timeshare
-from bmeg.faultinject.scenario import load_scenario, parse_scenario, plan_faults
+from bmeg.faultinject.scenario import load_scenario, parse_scenario, plan_faults, store_callers
 from bmeg.faultinject.spec import load_topology
 
 
@@ -137,7 +137,7 @@ def test_a_cpu_quota_or_hog_on_the_caller_makes_its_client_spans_end_late():
 
 def test_scheduler_campaigns_plan_quota_and_hog_faults():
     topology = load_topology("socialnet")
-    for name in ("single-scheduler", "multiple-scheduler"):
+    for name in ("single-scheduler", "multiple-scheduler", "callers-scheduler"):
         faults = plan_faults(load_scenario(name), topology, np.random.default_rng(0))
         cpu = [f for f in faults if f.source in ("saturation", "interference")]
         assert cpu and all("quota" in f.parameters or "slice_ms" in f.parameters for f in cpu)
@@ -148,8 +148,27 @@ def test_a_bootstrap_shards_one_episode_holds_dozens_of_faults():
     testbed ranking swung with which services drew them (README, issue 12, session 27)."""
     topology = load_topology("socialnet")
     counts = {name: len(plan_faults(load_scenario(name), topology, np.random.default_rng(0)))
-              for name in ("single-scheduler", "multiple-scheduler")}
-    assert counts["single-scheduler"] >= 20 and counts["multiple-scheduler"] >= 40
+              for name in ("single-scheduler", "multiple-scheduler", "callers-scheduler")}
+    assert counts["single-scheduler"] >= 20 and counts["multiple-scheduler"] >= 40 and counts["callers-scheduler"] >= 20
+
+
+def test_the_callers_campaign_starves_only_services_that_call_stores():
+    topology = load_topology("socialnet")
+    callers = store_callers(topology)
+    stores = {name for name, service in topology.services.items() if service.storage}
+    assert "post-storage-service" in callers and not callers & stores and "nginx-web-server" not in callers
+    faults = plan_faults(load_scenario("callers-scheduler"), topology, np.random.default_rng(0))
+    assert {f.service for f in faults} <= callers and len({f.service for f in faults}) >= 4
+    assert {f.source for f in faults} == {"interference", "saturation"}
+
+
+def test_a_callers_campaign_plans_no_fault_where_no_service_calls_a_store():
+    from bmeg.faultinject.spec import parse_topology
+
+    shop = parse_topology(SHOP_SPEC)
+    assert store_callers(shop) == set()
+    assert plan_faults(load_scenario("callers-scheduler"), shop, np.random.default_rng(0)) == []
+    assert store_callers(chain_topology()) == {"mid"}  # a cache lookup and a call on its miss
 
 
 def test_a_negative_quota_is_refused():

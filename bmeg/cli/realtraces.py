@@ -78,7 +78,8 @@ node_inputs_option = click.option(
               help="Run directory (`bmeg pretrain`) whose GNN weights training starts from.")
 @click.option("--cpu-faults", type=click.Choice(sorted(CPU_FAULT_SCENARIOS)), default=DEFAULT_CPU_FAULTS, show_default=True,
               help="How the training faults slow a CPU: every burst alike (fluid), or as the kernel's scheduler "
-                   "does (a CFS quota's periods, a CPU hog's time slices).")
+                   "does (a CFS quota's periods, a CPU hog's time slices; with a third shard of them on the "
+                   "services that call stores).")
 @click.option("--hard-negatives", type=click.FloatRange(min=1.0), default=FitConfig.hard_negatives, show_default=True,
               help="How many times more the node stage's loss weighs a non-bottleneck node whose parent is a "
                    "bottleneck (its client spans; 1: as much as any other; tried at 4, not better: README, issue 12, "

@@ -16,15 +16,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from bmeg.datasets.generate import generate_dataset
 from bmeg.faultinject.codefaults import code_fault_dataset
 from bmeg.faultinject.family import FamilyParams, random_topology
+from bmeg.faultinject.scenario import load_scenario, plan_faults
 from bmeg.faultinject.spec import load_topology
 
 #: The latency campaigns of the training shards, a shard each, beside a shard of code faults,
 #: by how the CPU faults work: `fluid` (a CPU limit or a neighbour slows every burst alike) or
-#: `scheduler` (a CFS quota and a CPU hog's time slices, `bmeg.faultinject.cpu`).
-CPU_FAULT_SCENARIOS = {"fluid": ("single", "multiple"), "scheduler": ("single-scheduler", "multiple-scheduler")}
+#: `scheduler` (a CFS quota and a CPU hog's time slices, `bmeg.faultinject.cpu`; and a third shard
+#: of them on the services that call stores, README, "Issue 12, session 34").
+CPU_FAULT_SCENARIOS = {"fluid": ("single", "multiple"),
+                       "scheduler": ("single-scheduler", "multiple-scheduler", "callers-scheduler")}
 #: The CPU-fault model `bmeg bootstrap` trains on unless told otherwise: `scheduler` since
 #: session 11 (README, "Issue 12, session 11"), ahead of `fluid` on the testbed's single faults.
 DEFAULT_CPU_FAULTS = "scheduler"
@@ -36,8 +41,11 @@ SEED_STRIDE = 1000
 def write_training_shards(out: str | Path, topology: str | Path, traces: int, imbalance: float, seed: int,
                           progress: bool = True, prefix: str = "", scenarios: tuple[str, ...] = SCENARIOS) -> list[Path]:
     """The latency-campaign shards (one per scenario) and the code-fault shard of `topology` (a
-    spec file) under `out` (`<prefix><shard>/`); returns their folders."""
+    spec file) under `out` (`<prefix><shard>/`); returns their folders. A campaign that can hit no
+    service of the topology (`callers-scheduler` where no service calls a store) has no shard."""
     out = Path(out)
+    spec = load_topology(topology)
+    scenarios = tuple(name for name in scenarios if plan_faults(load_scenario(name), spec, np.random.default_rng(0)))
     shard_traces = traces // (len(scenarios) + 1)
     folders = []
     for index, scenario in enumerate(scenarios):  # a seed each: the shards' trace ids must differ
@@ -45,7 +53,7 @@ def write_training_shards(out: str | Path, topology: str | Path, traces: int, im
         generate_dataset(folders[-1], topology=topology, traces=shard_traces, imbalance=imbalance,
                          seed=seed * len(scenarios) + index, scenario=scenario, progress=progress)
     folders.append(out / f"{prefix}code")
-    code_fault_dataset(load_topology(topology), folders[-1], traces=shard_traces, seed=seed)
+    code_fault_dataset(spec, folders[-1], traces=shard_traces, seed=seed)
     return folders
 
 

@@ -3,7 +3,7 @@
 
 No real fault label is used anywhere: the twin is fitted from fault-free traces, the
 fault-injection toolkit injects faults into the twin's services (single and multiple
-campaigns, and code faults applied to its spans), and the detector learns from the simulator's labels. Then the model is made to
+campaigns, CPU faults on the services that call stores, and code faults applied to its spans), and the detector learns from the simulator's labels. Then the model is made to
 read the real application: its per-operation baselines are refitted on the real normal
 traces the twin came from, and its stage-1 thresholds are raised until at most
 `false_alarm_rate` of the later, held-back real normal traces are flagged

@@ -110,6 +110,9 @@ class Campaign(_Strict):
     targets: dict[Source, list[str]] = Field(
         default_factory=dict, description="per source, the only services it may hit (default: any candidate); "
         "with targets, each fault draws its source first, then its service")
+    calls_stores_only: bool = Field(
+        default=False, description="candidate targets: only the services that call a store (`store_callers`); "
+        "none when no service does")
     balanced_sources: bool = Field(
         default=False, description="draw sources from a shuffled deck: every run of len(sources) consecutive faults "
         "holds each source once, so an episode's few dozen faults hold each about equally often (no targets)")
@@ -231,6 +234,16 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     return parse_scenario(read_yaml(path), str(path))
 
 
+def store_callers(topology: TopologySpec) -> set[str]:
+    """Services that call a store (a call or a cache lookup) in some operation: where a starved
+    service's time shows in real traces, in its store calls (README, issue 12, session 34)."""
+    stores = {name for name, service in topology.services.items() if service.storage}
+    return {name for name, service in topology.services.items()
+            for operation in service.operations.values()
+            for _, step in walk_calls(operation.calls, "")
+            if split_target(step_target(step))[0] in stores}
+
+
 def cache_services(topology: TopologySpec) -> set[str]:
     """Services that some cache step looks up (where a `hit_ratio` misconfiguration applies)."""
     found = set()
@@ -316,6 +329,8 @@ def _campaign_faults(scenario: Scenario, topology: TopologySpec, rng: np.random.
     chains = service_chains(topology)
     # by default only services the request mix reaches: a fault elsewhere touches no trace
     reached = campaign.services or sorted({service for chain in chains for service in chain})
+    if campaign.calls_stores_only:
+        reached = sorted(set(reached) & store_callers(topology))
     candidates = [service for service in reached if _sources_for(campaign, service)]
     caches = cache_services(topology) & set(candidates)
     deck = _source_deck(sorted(campaign.sources), rng) if campaign.balanced_sources else None
