@@ -23,6 +23,8 @@ def test_socialnet_has_the_reference_services_and_mix():
     stores = {name for name, service in topology.services.items() if service.storage}
     assert {"post-storage-mongodb", "post-storage-memcached", "social-graph-redis", "user-timeline-mongodb"} <= stores
     assert {"nginx-web-server", "compose-post-service", "text-service", "unique-id-service"} <= set(topology.services)
+    code = topology.code_services()  # where code faults and the harness's simulated faults go: no store
+    assert code == sorted(set(topology.services) - stores) and "compose-post-service" in code
     weights = {name: request.weight for name, request in topology.requests.items()}
     assert weights == {"compose-post": 0.1, "read-home-timeline": 0.6, "read-user-timeline": 0.3}
 

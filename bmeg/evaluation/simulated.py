@@ -58,7 +58,7 @@ def simulated_faults(spec: TopologySpec, out: Path, normal_s: float = 60.0, wind
     out = Path(out)
     (out / "traces").mkdir(parents=True, exist_ok=True)
     normal = spans_of(simulate(spec, [], normal_s, seed), EPOCH_NS, seed)
-    targets = services or sorted(name for name, service in spec.services.items() if service.storage is None)
+    targets = services or spec.code_services()
     entries = []
     kinds = [*SOURCES, *CODE_FAULTS]
     for index, (service, kind) in enumerate((s, k) for s in targets for k in kinds):

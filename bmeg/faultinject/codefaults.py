@@ -114,7 +114,7 @@ def code_fault_dataset(spec: TopologySpec, out: str | Path, traces: int, seed: i
     if traces < 1:
         raise ValueError(f"a code-fault dataset needs at least one trace, not {traces}")
     rng = np.random.default_rng(seed)
-    targets = sorted(name for name, service in spec.services.items() if service.storage is None)
+    targets = spec.code_services()
     if not targets:
         raise ValueError(f"topology {spec.name!r} has no service a code fault could hit")
     combos = [(service, kind) for service in targets for kind in CODE_FAULTS]

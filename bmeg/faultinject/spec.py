@@ -196,6 +196,10 @@ class TopologySpec(_Strict):
         service, operation = split_target(target)
         return service, operation, self.services[service].operations[operation]
 
+    def code_services(self) -> list[str]:
+        """The services that run the application's code, sorted: every service but the stores."""
+        return sorted(name for name, service in self.services.items() if service.storage is None)
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
 

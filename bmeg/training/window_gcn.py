@@ -92,7 +92,7 @@ def simulated_windows(spec: TopologySpec, detector: Any, count: int, seed: int =
     rate = spec.workload.rate
     baseline = rpc_view(spans_of(simulate(spec, [], NORMAL_TRACES[1] / rate, seed), EPOCH_NS, seed))
     detector = with_normal_baselines(detector, baseline)  # as the harness does with the fixed normal period
-    targets = sorted(name for name, service in spec.services.items() if service.storage is None)
+    targets = spec.code_services()
     windows = []
     for index in tqdm(range(count), desc="window GCN: simulated windows", unit="window", disable=not progress):
         window = _simulated_window(spec, detector, targets, rng, seed * 100_003 + index + 1, code_alone, shape,
