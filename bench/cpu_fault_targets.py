@@ -78,5 +78,6 @@ def main() -> None:
                            f"{len(ratios[cpu])} services)" for calls, ratios in stretches.items() if ratios.get(cpu))
             print(f"  {cpu}: anomalous traces by target: {kinds}{line}")
 
+
 if __name__ == "__main__":
     main()
