@@ -1,0 +1,43 @@
+"""`bench/testbed_cpu_demand.py`: CPU per request and its ratio to self time, from a span table
+(the testbed's part, `bmeg testbed status` and `record`, runs only on a running testbed)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from builders import chain_topology
+
+from bmeg.faultinject.twin import simulated_spans
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = Path(__file__).parents[1] / "bench" / "testbed_cpu_demand.py"
+    spec = importlib.util.spec_from_file_location("bench_testbed_cpu_demand", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_per_request_is_the_cgroups_rate_over_the_requests(bench, tmp_path):
+    spans = simulated_spans(chain_topology(rate=100), seconds=4, seed=0)
+    pq.write_table(spans, tmp_path / "spans.parquet")
+    cores = {service: 0.05 for service in set(spans["service"].to_pylist())}
+    table = bench.per_service(tmp_path / "spans.parquet", 4.0, cores)
+    assert set(table.index) <= set(cores) and len(table) >= 2
+    for service, row in table.iterrows():
+        assert row["cpu_ms"] == pytest.approx(0.05 * 1e3 / row["requests_s"])
+        assert row["cpu_over_self"] == pytest.approx(row["cpu_ms"] / row["self_ms"])
+        assert 0 < row["self_ms"] <= row["span_ms"]
+    assert table["calls"].max() >= 1  # the chain's services call the next one
+
+
+def test_a_service_without_a_cpu_figure_is_left_out(bench, tmp_path):
+    spans = simulated_spans(chain_topology(rate=100), seconds=2, seed=1)
+    pq.write_table(spans, tmp_path / "spans.parquet")
+    some = sorted(set(spans["service"].to_pylist()))[:1]
+    assert list(bench.per_service(tmp_path / "spans.parquet", 2.0, {s: 0.01 for s in some}).index) == some
