@@ -6,6 +6,7 @@ Test modules import these from here (`from builders import ...`), never from eac
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import shutil
 import tempfile
 from pathlib import Path
@@ -344,3 +345,13 @@ def front_calling(n: int, failed: set[int] = frozenset(), returned: set[int] = f
             span(trace, f"c{k}", "f", "front", f"call {callee}", offset, 1_000 + gap, status)
             span(trace, f"s{k}", f"c{k}", callee, "op", offset + gap // 2 * 1000, 1_000, status)
     return rpc_view(span_table(rows))
+
+
+def bench_module(name: str):
+    """A script of `bench/` (`name`.py) imported as a module, to test its functions."""
+    path = Path(__file__).parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None, f"no bench script {path}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

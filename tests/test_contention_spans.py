@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,6 +9,8 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+
+from builders import bench_module
 
 from bmeg.datasets.generate import generate_dataset
 from bmeg.graphs import assemble
@@ -27,11 +28,7 @@ faults:
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).parents[1] / "bench" / "contention_spans.py"
-    spec = importlib.util.spec_from_file_location("bench_contention_spans", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("contention_spans")
 
 
 @pytest.fixture(scope="module")

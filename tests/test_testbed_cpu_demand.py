@@ -3,24 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from builders import chain_topology
+from builders import bench_module, chain_topology
 
 from bmeg.faultinject.twin import simulated_spans
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).parents[1] / "bench" / "testbed_cpu_demand.py"
-    spec = importlib.util.spec_from_file_location("bench_testbed_cpu_demand", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("testbed_cpu_demand")
 
 
 def test_cpu_per_request_is_the_cgroups_rate_over_the_requests(bench, tmp_path):

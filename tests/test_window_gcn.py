@@ -25,7 +25,7 @@ from bmeg.training import window_gcn as training
 from bmeg.training.window_gcn import (MEMBER_SEED_STEP, FitSettings, TrainingWindow, WindowShape, _with_changed_traces,
                                       fit_ensemble, fit_window_gcn, listwise_loss, load_windows, save_windows,
                                       simulated_windows, top1)
-from builders import chain_spec, tiny_detector
+from builders import bench_module, chain_spec, tiny_detector
 
 SERVICES = ["front", "mid", "leaf"]
 
@@ -261,13 +261,7 @@ def test_a_run_is_trained_by_one_fit_on_every_window_and_a_second_only_for_the_h
 def test_the_bench_trains_with_the_library_defaults():
     """One source of truth: `bench/window_gcn.py`'s defaults are `FitSettings()`'s and the
     library's window counts."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "bench" / "window_gcn.py"
-    spec = importlib.util.spec_from_file_location("bench_window_gcn", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("window_gcn")
     args = bench.argument_parser().parse_args(["RUN"])
     fit = FitSettings()
     assert bench.fit_settings(args) == fit

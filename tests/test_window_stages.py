@@ -3,9 +3,7 @@ and the call edges' shifts behind the time shift's parts (`NormalStats.call_edge
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,7 +16,7 @@ from bmeg.models.window import (GATES, STAGE_DECISIVE, STAGE_FUSION, STAGE_STRUC
                                 decisive_shift, errors_began, gnn_window_scores, rank_fusion, ranked_stages,
                                 standardised_fusion, structure_changed, structure_significant, window_stages,
                                 with_normal_baselines)
-from builders import front_calling, tiny_detector
+from builders import bench_module, front_calling, tiny_detector
 
 SERVICES = [f"s{i}" for i in range(6)]
 shift = st.one_of(st.none(), st.floats(-3.0, 12.0))
@@ -110,10 +108,7 @@ def test_the_call_edges_are_what_the_parts_split_between_caller_and_callee(concu
 def test_the_bench_keeps_the_stages_and_edges_in_compact_json_and_reads_them_back(concurrent):
     """`bench/window_stages.py`: what `record` keeps of a window is plain JSON (no NaN, 3 decimals)
     and `analyse` reads the stage that placed the first from it."""
-    path = Path(__file__).parents[1] / "bench" / "window_stages.py"
-    spec = importlib.util.spec_from_file_location("bench_window_stages", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("window_stages")
     stats, window, window_scores, normal_scores = concurrent
     got = window_stages(stats, window, window_scores, normal_scores)
     kept = json.loads(json.dumps(bench.recorded(got, stats.call_edge_shifts(window)), allow_nan=False))
