@@ -56,6 +56,10 @@ def neighbour_shifts(spans: pd.DataFrame, faults: list[dict]) -> pd.DataFrame:
         before = spans[spans["trace_start_ns"].between(start - BEFORE_S * 1e9, start)]
         shift = np.log2(during.groupby("service")["self_ns"].median() / before.groupby("service")["self_ns"].median())
         shift = shift.drop(target, errors="ignore").dropna()
+        if shift.empty:  # no traces in the window or before it: nothing to compare
+            rows.append({"target": target, "most_moved": None, "shift": np.nan, "same_cpu": False,
+                         "same_cpu_median": np.nan, "other_cpu_median": np.nan})
+            continue
         same = np.array([service_cpu(s) == service_cpu(target) for s in shift.index])
         rows.append({"target": target, "most_moved": shift.idxmax(), "shift": float(shift.max()),
                      "same_cpu": bool(same[np.argmax(shift.to_numpy())]),
@@ -70,7 +74,12 @@ def main() -> None:
     parser.add_argument("--faults", action="store_true", help="print every fault's row too")
     args = parser.parse_args()
     for folder in args.recordings:
-        table = neighbour_shifts(server_self_times(folder), json.loads((folder / "faults.json").read_text()))
+        try:
+            faults = json.loads((folder / "faults.json").read_text())
+            spans = server_self_times(folder)
+        except (OSError, ValueError) as error:  # a folder that is not a recording, a broken file
+            parser.error(f"{folder} is not a readable testbed recording (spans.parquet, faults.json): {error}")
+        table = neighbour_shifts(spans, faults)
         moved = table[table["shift"] > args.above]
         print(f"{folder.name}: {len(table)} hogs; another service's self time moved > x{2 ** args.above:g} under "
               f"{len(moved)} ({int(moved['same_cpu'].sum())} on the target's CPU); the rest's median shift: "

@@ -42,12 +42,19 @@ def per_service(spans_file: Path, seconds: float, cores: dict[str, float]) -> pd
                           "duration_ms": forest.spans["duration_ns"].to_numpy() / 1e6,
                           "self_ms": forest.self_time_ns / 1e6, "server": is_server, "client": is_client})
     servers = spans[spans["server"]].groupby("service")
-    table = pd.DataFrame({"requests_s": servers.size() / seconds, "span_ms": servers["duration_ms"].mean(),
+    requests = servers.size()
+    table = pd.DataFrame({"requests_s": requests / seconds, "span_ms": servers["duration_ms"].mean(),
                           "self_ms": servers["self_ms"].mean()})
-    table["calls"] = spans[spans["client"]].groupby("service").size().reindex(table.index, fill_value=0) / servers.size()
+    table["calls"] = spans[spans["client"]].groupby("service").size().reindex(table.index, fill_value=0) / requests
     table["cpu_ms"] = pd.Series(cores).reindex(table.index) * 1e3 / table["requests_s"]
     table["cpu_over_self"] = table["cpu_ms"] / table["self_ms"]
     return table.dropna(subset=["cpu_ms"])
+
+
+def cpu_fit(table: pd.DataFrame) -> np.ndarray:
+    """(a, b, c) of CPU ms a request ~ a + b x calls a request + c x self time ms, over the services."""
+    design = np.c_[np.ones(len(table)), table["calls"], table["self_ms"]]
+    return np.linalg.lstsq(design, table["cpu_ms"], rcond=None)[0]
 
 
 def main() -> None:
@@ -63,10 +70,9 @@ def main() -> None:
     pd.set_option("display.width", 200)
     print(f"{card['seconds']} s at {card['rate']:g} req/s, {card['traces']} traces, load {card['load_average_1_5_15']}")
     print(table.round(3).sort_values("requests_s", ascending=False).to_string())
-    weights = table["requests_s"] * table["self_ms"]
-    print(f"all code services: CPU / self time {np.sum(table['cpu_ms'] * table['requests_s']) / np.sum(weights):.2f}; "
-          f"CPU per request ~ a + b calls + c self time (least squares, ms): "
-          f"{np.round(np.linalg.lstsq(np.c_[np.ones(len(table)), table['calls'], table['self_ms']], table['cpu_ms'], rcond=None)[0], 3).tolist()}")
+    overall = np.sum(table["cpu_ms"] * table["requests_s"]) / np.sum(table["self_ms"] * table["requests_s"])
+    print(f"all code services: CPU / self time {overall:.2f}; CPU per request ~ a + b calls + c self time "
+          f"(least squares, ms): {np.round(cpu_fit(table), 3).tolist()}")
 
 
 if __name__ == "__main__":

@@ -24,3 +24,11 @@ def test_a_callee_slowed_beside_the_hog_is_named_with_its_cpu(tmp_path):
     row = table.iloc[0]
     assert row["most_moved"] == "user-mention-service" and row["same_cpu"]  # both pinned to CPU 0
     assert row["shift"] > 3 and abs(row["other_cpu_median"]) < 1
+
+
+def test_a_hog_whose_window_holds_no_traces_is_reported_not_a_crash(tmp_path):
+    bench = bench_module("hog_neighbours")
+    pq.write_table(spans_of(simulate(load_topology("socialnet"), [], 3, 0)), tmp_path / "spans.parquet")
+    far = [{"source": "interference", "service": "text-service", "start_ns": 1e12, "end_ns": 1.1e12}]
+    row = bench.neighbour_shifts(bench.server_self_times(tmp_path), far).iloc[0]
+    assert row["most_moved"] is None and row["shift"] != row["shift"]  # NaN: nothing to compare

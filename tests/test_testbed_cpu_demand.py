@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
@@ -35,3 +36,9 @@ def test_a_service_without_a_cpu_figure_is_left_out(bench, tmp_path):
     pq.write_table(spans, tmp_path / "spans.parquet")
     some = sorted(set(spans["service"].to_pylist()))[:1]
     assert list(bench.per_service(tmp_path / "spans.parquet", 2.0, {s: 0.01 for s in some}).index) == some
+
+
+def test_the_fit_recovers_a_per_call_and_a_self_time_cost(bench):
+    table = pd.DataFrame({"calls": [0.0, 1.0, 2.0, 7.0, 1.0], "self_ms": [0.2, 0.1, 0.3, 0.2, 0.5]})
+    table["cpu_ms"] = 0.15 + 0.2 * table["calls"] + 0.35 * table["self_ms"]
+    assert bench.cpu_fit(table) == pytest.approx([0.15, 0.2, 0.35])
