@@ -20,7 +20,7 @@ its encoder has) at the service's store nodes (`store:` columns) and at its own 
 
 Why: a hog in the service's cgroup starves its threads, so it reads each answer late and its
 client spans stretch more than its self time; where the callee is a store, that stretch looks
-like the store's own (README, issue 12, sessions 29-30: on the testbed the hogged services'
+like the store's own (docs/issue-12.md, sessions 29-30: on the testbed the hogged services'
 store calls moved log2 +4.1..+12.3 at the median, their self time -1.1..+5.5; a twin with
 3-ms hog slices moved them +1.1..+2.0).
 """

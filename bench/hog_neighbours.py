@@ -6,8 +6,8 @@ The testbed pins its services to the two CPUs alternately and a hog to its targe
 (`bmeg.faultinject.testbed.deployment.service_cpu`), in the target's cgroup, where it should
 starve the target alone. On session 29's two recordings a hog on a service that calls others
 also raised the self time of a callee pinned to the same CPU 40-4000x, as a fault of the callee's
-own would, and the GNN alone named that callee; on the later recordings no hog did (README,
-issue 12, session 36). For each interference fault of each recording (a folder with
+own would, and the GNN alone named that callee; on the later recordings no hog did
+(docs/issue-12.md, session 36). For each interference fault of each recording (a folder with
 `spans.parquet` and `faults.json`): the log2 shift of every other service's median server-span
 self time, in the traces that began during the fault against those of the 20 s before it; the
 service that moved most, by how much, and whether it shares the target's CPU. A recording with

@@ -1,5 +1,5 @@
 """Where a trained run's errors on a simulated dataset lie against the faults that made it
-(README, issue 12, session 18: "simulated imbalance 0.01, seed 1").
+(docs/issue-12.md, session 18: "simulated imbalance 0.01, seed 1").
 
 The dataset's episodes are simulated again from their seeds (the generator's own jobs, so the
 very same traces, matched by start time) with each visit's arrival recorded, so every test trace

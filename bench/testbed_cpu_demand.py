@@ -7,7 +7,7 @@ calls per request, the mean server span and its self time, the CPU per request (
 system time of its cgroup's processes, `bmeg testbed status`'s `cpu_used_s`, read before and
 after and taken as a rate) and the ratio of that CPU to the self time. A twin charges a service
 only its spans' self time; under a CPU hog or quota what counts is the CPU its process needs,
-serialisation, the runtime and the exporter included (README, issue 12, session 36).
+serialisation, the runtime and the exporter included (docs/issue-12.md, session 36).
 """
 
 from __future__ import annotations

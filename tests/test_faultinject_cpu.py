@@ -145,7 +145,7 @@ def test_scheduler_campaigns_plan_quota_and_hog_faults():
 
 def test_a_bootstrap_shards_one_episode_holds_dozens_of_faults():
     """A bootstrap's latency shard keeps its traces from one episode: with ten faults the GNN's
-    testbed ranking swung with which services drew them (README, issue 12, session 27)."""
+    testbed ranking swung with which services drew them (docs/issue-12.md, session 27)."""
     topology = load_topology("socialnet")
     counts = {name: len(plan_faults(load_scenario(name), topology, np.random.default_rng(0)))
               for name in ("single-scheduler", "multiple-scheduler", "callers-scheduler")}

@@ -712,7 +712,7 @@ def test_router_takes_the_svm_where_it_is_measurably_better_or_tied_and_cheaper(
 
 
 def test_router_needs_a_margin_above_the_tolerance_and_never_trades_quality_for_cost():
-    """The decision bench/router.py re-measured on fresh fault draws (README, issue 17): the SVM
+    """The decision bench/router.py re-measured on fresh fault draws (docs/issue-17.md): the SVM
     takes traces only when a cut beats the GNN alone by more than `tolerance`; a cut inside the
     tolerance, however much cheaper, leaves every trace on the GNN."""
     y = np.array([1] * 100 + [0] * 100)
@@ -741,7 +741,7 @@ def test_router_needs_a_margin_above_the_tolerance_and_never_trades_quality_for_
 
 
 def test_router_keeps_the_gnn_where_the_svm_names_culprits_with_scores_too_low_to_act_on():
-    """The closed loop's case (README, issue 17): on held-out faults the SVM flagged traces as
+    """The closed loop's case (docs/issue-17.md): on held-out faults the SVM flagged traces as
     the GNN did and ranked the right service first, but scored it 0.13, and the loop's planner,
     weighing the blame by that score, acted on nothing. `choose` reads whatever credit it is
     given; the pipeline's (`named_culprit`) is 0 for a blame scored under the actionable floor
@@ -882,7 +882,7 @@ def test_a_lead_that_a_resample_of_few_traces_undoes_is_a_tie_and_goes_to_the_ch
        false_alarms=st.integers(0, 30), normal=st.integers(200, 1000))
 def test_a_tie_needs_the_cut_shown_no_worse_not_merely_the_gnn_not_shown_ahead(disagree, shared, missed,
                                                                               false_alarms, normal):
-    """README issue 17, session 12: at imbalance 0.01 the router's decision traces hold 50
+    """docs/issue-17.md, session 12: at imbalance 0.01 the router's decision traces hold 50
     bottlenecked traces, on which neither model is ahead in 95% of the resamples whatever the
     two do; the rule before took that as a tie and gave every trace to the cheaper SVM. Equal
     point figures, the two naming the culprits of different traces right: the resamples show
@@ -981,7 +981,7 @@ def test_repeated_share_counts_the_children_whose_key_a_sibling_also_has(tree):
 
 
 def test_a_fault_source_blocks_the_svm_only_on_a_loss_that_resampling_keeps():
-    """The per-source check (README, issue 17, session 8 second round; since session 14 only on
+    """The per-source check (docs/issue-17.md, session 8 second round; since session 14 only on
     the sources the decision draws lack, `pipeline._uncovered_sources_check`): one culprit in 30
     named worse (0.033) is noise and the cut stands; the same share on 1,500 traces, or a loss
     of 0.45 on 30, holds in the resamples and keeps the GNN."""
@@ -1009,7 +1009,7 @@ def test_a_fault_source_blocks_the_svm_only_on_a_loss_that_resampling_keeps():
 
 
 def test_a_loss_on_a_fault_source_of_a_handful_of_traces_does_not_block_the_svm():
-    """The testbed's case (README, issue 17, session 9): the SVM named none of 3
+    """The testbed's case (docs/issue-17.md, session 9): the SVM named none of 3
     code+misconfiguration culprits that the GNN named, a loss every resample of 3 traces keeps,
     and that blocked a cut ahead on 700 other traces. Below `MIN_SOURCE_TRACES` a source's loss
     is reported, not blocking, and the uniform mix leaves it out; from it on, the same loss
@@ -1032,7 +1032,7 @@ def test_a_loss_on_a_fault_source_of_a_handful_of_traces_does_not_block_the_svm(
 
 
 def test_the_per_source_checks_block_a_cut_no_worse_anywhere_no_more_often_than_one_check_would():
-    """Holm's step-down over the sources checked (README, issue 17, session 13): each source's
+    """Holm's step-down over the sources checked (docs/issue-17.md, session 13): each source's
     check is a test that can block, so 5 of them blocked a cut as good as the GNN on every source
     more often than the 5% one test allows. A placebo: two models naming each culprit with the
     same chance, independently, on 5 sources of 100 bottlenecked traces, 400 draws."""

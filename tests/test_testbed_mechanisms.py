@@ -88,7 +88,7 @@ STARTS_BUSY_THEN_IDLES = [sys.executable, "-c",
 def test_a_saturation_quota_is_sized_from_the_use_after_start_up(bed, monkeypatch):
     """Its demand is counted from the mark `up` takes once everything has started, not since
     the process began, which its start-up dominates: on the testbed such a quota (0.5 x twice
-    social-graph-service's average since start) did not throttle it at all (README, issue 12,
+    social-graph-service's average since start) did not throttle it at all (docs/issue-12.md,
     session 20)."""
     testbed, state = bed
     monkeypatch.setattr(system, "MIN_DEMAND_S", 1.0)

@@ -89,7 +89,7 @@ def test_posts_at_init_come_from_the_environment_and_bad_values_are_refused(monk
     from bmeg.faultinject.testbed.system import TestbedError
 
     monkeypatch.delenv(POSTS_ENV, raising=False)
-    assert posts_per_user() == DEFAULT_POSTS_PER_USER == 10  # warm stores (README, issue 12, session 23)
+    assert posts_per_user() == DEFAULT_POSTS_PER_USER == 10  # warm stores (docs/issue-12.md, session 23)
     monkeypatch.setenv(POSTS_ENV, "0")
     assert posts_per_user() == 0  # the stores start empty
     for bad in ("-1", "ten", "1.5", "", "²", " 3"):

@@ -146,7 +146,7 @@ def test_the_decision_evidence_is_the_same_at_every_training_imbalance(tmp_path,
     training imbalance, at least 0.1: 91 per source at 0.01 and 0.1, 231 at 0.3), and as many
     normal traces as put them at the training imbalance: the bottlenecked weight beside the
     normal traces, which a false alarm is counted against, no longer shrinks with the imbalance
-    (README issue 17, session 15)."""
+    (docs/issue-17.md, session 15)."""
     from bmeg.training.config import TrainConfig
     from bmeg.training.pipeline import fresh_decision_data
 
@@ -216,7 +216,7 @@ def test_source_mix_weights_give_each_source_its_reference_share(sources, refere
 
 
 def test_culprit_credit_counts_a_right_actionable_culprit_whatever_the_models_scale():
-    """The router's culprit credit (README, issue 17, session 8 second round): the GNN's node
+    """The router's culprit credit (docs/issue-17.md, session 8 second round): the GNN's node
     scores sit near 1, the SVM path's are a calibrated P(culprit); a right culprit named as a
     bottleneck earns 1 from either, a wrong one or one scored too low to act on earns 0."""
     from bmeg.mitigation.safety import SafetyPolicy

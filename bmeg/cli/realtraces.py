@@ -56,7 +56,7 @@ node_inputs_option = click.option(
     "--node-inputs", type=click.Choice(NODE_INPUTS), default="raw", show_default=True,
     help="How the node classifier reads its features: as they are, or through asinh (logarithmic far out: "
          "the GNN alone's latency AC@1 on the three testbed recordings it was developed on 0.79 -> 0.87, on a "
-         "fresh one only 0.90 -> 0.91; on the twins' own faults 0.87 -> 0.81; README, issue 12, sessions 31-32).")
+         "fresh one only 0.90 -> 0.91; on the twins' own faults 0.87 -> 0.81; docs/issue-12.md, sessions 31-32).")
 
 
 @click.command("bootstrap")
@@ -82,7 +82,7 @@ node_inputs_option = click.option(
                    "services that call stores).")
 @click.option("--hard-negatives", type=click.FloatRange(min=1.0), default=FitConfig.hard_negatives, show_default=True,
               help="How many times more the node stage's loss weighs a non-bottleneck node whose parent is a "
-                   "bottleneck (its client spans; 1: as much as any other; tried at 4, not better: README, issue 12, "
+                   "bottleneck (its client spans; 1: as much as any other; tried at 4, not better: docs/issue-12.md, "
                    "session 12).")
 @click.option("--window-gcn-windows", type=click.IntRange(min=0), default=TRAINING_WINDOWS, show_default=True,
               help="Windows simulated from the twin that the window GCN trains on (0: no window GCN; the window "

@@ -27,11 +27,11 @@ from bmeg.faultinject.spec import load_topology
 #: The latency campaigns of the training shards, a shard each, beside a shard of code faults,
 #: by how the CPU faults work: `fluid` (a CPU limit or a neighbour slows every burst alike) or
 #: `scheduler` (a CFS quota and a CPU hog's time slices, `bmeg.faultinject.cpu`; and a third shard
-#: of them on the services that call stores, README, "Issue 12, session 34").
+#: of them on the services that call stores, docs/issue-12.md, "Issue 12, session 34").
 CPU_FAULT_SCENARIOS = {"fluid": ("single", "multiple"),
                        "scheduler": ("single-scheduler", "multiple-scheduler", "callers-scheduler")}
 #: The CPU-fault model `bmeg bootstrap` trains on unless told otherwise: `scheduler` since
-#: session 11 (README, "Issue 12, session 11"), ahead of `fluid` on the testbed's single faults.
+#: session 11 (docs/issue-12.md, "Issue 12, session 11"), ahead of `fluid` on the testbed's single faults.
 DEFAULT_CPU_FAULTS = "scheduler"
 SCENARIOS = CPU_FAULT_SCENARIOS["fluid"]
 #: Seeds of family members: member i of a family with seed s is drawn with s * SEED_STRIDE + i.

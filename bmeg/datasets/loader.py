@@ -173,7 +173,7 @@ def with_normals_of(bottlenecked: Dataset, normal: Dataset) -> Dataset:
     weigh it by, and the normal traces of `load_by_source`'s parts are each an episode of one
     source's faults in every round: they are not the stream's. Under one such part (a saturation
     draw) the GNN flagged 177 of 990 normal traces; on a draw of the whole scenario, 2 of 4,950
-    (README issue 17, session 12)."""
+    (docs/issue-17.md, session 12)."""
     end = max(int(pc.max(table["start_ns"]).as_py()) for table in (bottlenecked.spans, bottlenecked.context)
               if table is not None)
     offset = -(-(end - BASE_EPOCH_NS) // SHARD_STRIDE_NS) * SHARD_STRIDE_NS  # the next whole stride

@@ -60,7 +60,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     window ranker fuses the per-trace GNN's ranking instead); `node_draws`, how many draws of the
     training faults the node stage is bagged over (each one more classifier, `bagged_node_stage`);
     `node_inputs`, how the node classifier reads its features (`NODE_INPUTS`: "asinh" helps
-    where the real deviations outgrow the twin's, README, issue 12, session 31)."""
+    where the real deviations outgrow the twin's, docs/issue-12.md, session 31)."""
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
     from bmeg.training.pipeline import TrainConfig, bagged_node_stage

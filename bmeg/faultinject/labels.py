@@ -15,7 +15,7 @@ The rule (also written into every dataset card, see `LABEL_RULE`):
   in 99% of its visits. A faulted miss of a cache that misses more often when healthy (socialnet's
   and hotelreservation's caches miss 5-30% of lookups) has exactly the spans of a normal miss (the
   simulator draws both against one uniform number), so it does not show in its trace: only the
-  cache's miss rate over many traces does (README, issue 12, session 18).
+  cache's miss rate over many traces does (docs/issue-12.md, session 18).
 - A trace is **anomalous** when it has at least one bottleneck visit. The node of a visit is
   its server span, or for a store (no server span) the caller's client span; its node
   service is the store then. Client spans of RPCs and visits to healthy services are never

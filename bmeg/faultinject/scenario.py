@@ -59,7 +59,7 @@ SCHEDULER_PARAMETERS: dict[str, dict[str, tuple[float, float]]] = {
 #: service receives (a proxy or a mesh's sidecar in front of it, as the testbed's front proxy
 #: does), 0 (the default) what it sends (tc netem on its interface: its calls and its answers). A
 #: campaign may draw both (`inbound: [0, 1]`); the shipped ones do not: twins trained on both
-#: forms ranked the testbed's delays no better (README, issue 12, session 27).
+#: forms ranked the testbed's delays no better (docs/issue-12.md, session 27).
 FORM_PARAMETERS: dict[str, set[str]] = {"network": {"inbound"}}
 #: Parameters that are 0 or 1.
 FLAG_PARAMETERS = {"shared_cgroup", "inbound"}
@@ -236,7 +236,7 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
 
 def store_callers(topology: TopologySpec) -> set[str]:
     """Services that call a store (a call or a cache lookup) in some operation: where a starved
-    service's time shows in real traces, in its store calls (README, issue 12, session 34)."""
+    service's time shows in real traces, in its store calls (docs/issue-12.md, session 34)."""
     stores = {name for name, service in topology.services.items() if service.storage}
     return {name for name, service in topology.services.items()
             for operation in service.operations.values()

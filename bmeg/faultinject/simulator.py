@@ -36,7 +36,7 @@ Mechanics (why bottlenecks behave like real ones):
   The testbed's hogged services show it: self time p50 x0.8-1.7, their calls to their stores
   p50 x3,600-13,800. Unset (the shipped topologies), the wait lands inside the span. Twins
   trained at-wakeup rank the testbed's CPU faults better and the twin's own fluid-form CPU
-  faults worse (README, issue 12, sessions 25-26).
+  faults worse (docs/issue-12.md, sessions 25-26).
 
 Times are float nanoseconds from the episode's start. The output is columnar (lists turned
 into numpy arrays) and becomes Arrow tables in `bmeg.faultinject.tables`.

@@ -122,7 +122,7 @@ def fit_twin(spans: pa.Table, name: str = "twin", description: str | None = None
         name=name,
         description=description or f"twin fitted from {forest.num_traces} traces ({forest.num_spans} RPC spans)",
         # a real process stamps its spans when it runs: a CPU backlog shows in the wait before its
-        # server spans and in its store calls, not in its self time (README, issue 12, session 26)
+        # server spans and in its store calls, not in its self time (docs/issue-12.md, session 26)
         cpu_waits="at-wakeup",
         workload=Workload(rate=rate, arrivals="poisson"),
         network=_network(forest, is_client),

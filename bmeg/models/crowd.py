@@ -2,7 +2,7 @@
 
 When the machine stalls (another job takes the CPU), every trace in flight is slow at once, on
 whichever service was running: measured on the testbed with a CPU hog, most false alarms came
-in bursts, within 1 s of another (README, issue 12, session 10). A fault confined to one
+in bursts, within 1 s of another (docs/issue-12.md, session 10). A fault confined to one
 service (a saturated service, a network delay to it) makes that service slow and leaves the
 others as they were. So each trace is set against the crowd: the nodes of the traces the
 stream began in the `window_s` seconds before it, among those it has brought by the time the
@@ -42,7 +42,7 @@ judges a trace after its spans went quiet, by then most of its crowd has ended).
     were held).
 
 The parameters were chosen on the testbed's fault-free recordings and its single-fault dataset
-(README, issue 12, sessions 11, 15 and 16), never on the dev set. The rule reads only what the stream's
+(docs/issue-12.md, sessions 11, 15 and 16), never on the dev set. The rule reads only what the stream's
 history keeps (`bmeg.models.history.Observation`: per node, its service, its trace's start, its
 self-time z-score; per trace, its start and whether stage 1 put it above its threshold), so a replayed recording (`bmeg diagnose`: every earlier trace of the file)
 and a served stream (the Kafka consumer, the REST server: the history's last seconds and the
@@ -95,7 +95,7 @@ class CrowdRule:
         together) whose trace began in [start - window_s, start). Each batch's nodes are sorted
         by service and time once (`Observation.by_service`, kept with it in a stream's history),
         so a batch's check searches the few batches its windows overlap instead of sorting them
-        all again (~55 µs a trace at 1,000 traces/s: README, issue 14)."""
+        all again (~55 µs a trace at 1,000 traces/s: docs/issue-14.md)."""
         parts = [past] if isinstance(past, Observation) else list(past)
         # searched in time order (numpy's search is several times faster on sorted needles), put back after
         order = np.argsort(starts_ns, kind="stable")

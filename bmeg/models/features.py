@@ -59,7 +59,7 @@ from bmeg.graphs.features import NodeColumns
 VARIANTS = ("thesis", "full", "relative", "relative-siblings")
 #: What a model trained on a twin reads (`bmeg bootstrap`, `bmeg pretrain`): a twin is never the
 #: real application, so columns that mean the same in both, and a call's stretch beside its
-#: siblings' (README, issue 12, session 13: ahead of `relative` on two testbed recordings).
+#: siblings' (docs/issue-12.md, session 13: ahead of `relative` on two testbed recordings).
 BOOTSTRAP_FEATURES = "relative-siblings"
 #: The variants built on `relative`'s columns.
 RELATIVE_VARIANTS = ("relative", "relative-siblings")
@@ -74,7 +74,7 @@ RELATIVE_COLUMNS = (
     "error", "error_origin", "z_cp_share",
 )
 #: How the node classifier reads these features (`bmeg.models.gcn_node`): as they are, or
-#: through asinh (linear near 0, logarithmic far out; README, issue 12, session 31).
+#: through asinh (linear near 0, logarithmic far out; docs/issue-12.md, session 31).
 NODE_INPUTS = ("raw", "asinh")
 #: Where a z-score is capped: a node 50 robust deviations off is as off as it matters.
 Z_LIMIT = 50.0

@@ -29,8 +29,8 @@ class GCNNodeClassifier(nn.Module):
     in: a twin's hogged service stretches its store calls to z 10, the testbed's to z 28, and a
     ReLU network extrapolates linearly, so the largest raw deviation wins whatever moved it. On
     the testbed it lifted the GNN alone's latency AC@1 0.732 -> 0.821 (12 paired bootstraps), on
-    the twins' own simulated faults it lost 0.870 -> 0.805, so it is not the default (README,
-    issue 12, session 31).
+    the twins' own simulated faults it lost 0.870 -> 0.805, so it is not the default (docs/issue-12.md,
+    session 31).
 
     Args:
         in_channels (int): Width of a node's feature vector.
@@ -94,7 +94,7 @@ class GCNNodeEnsemble(nn.Module):
     r"""Node classifiers trained on separate draws of training faults, read as one: a node's
     P(bottleneck) is the mean of theirs (bagging). A twin simulates a few dozen faults a draw, and
     which services drew them moved one classifier's testbed ranking 0.60-0.98 between seeds.
-    Measured with three draws (README, issue 12, session 28): the spread between seeds narrowed
+    Measured with three draws (docs/issue-12.md, session 28): the spread between seeds narrowed
     a little, the mean did not rise, so `bmeg bootstrap` keeps one unless told (`--node-draws`).
 
     Shapes as `GCNNodeClassifier`; the output is the log of the members' mean probabilities,

@@ -89,7 +89,7 @@ class Observation:
     def by_service(self) -> ServiceTimes:
         """The nodes by service, each service's in time order: sorted once per batch, when the
         crowd check first reads the batch, and kept with it in the history (sorting the whole
-        window the crowd reads, every batch, had cost ~55 µs a trace: README, issue 14)."""
+        window the crowd reads, every batch, had cost ~55 µs a trace: docs/issue-14.md)."""
         return ServiceTimes.of(*self.numbered, self.trace_start_ns, self.z_self)
 
     def of(self, services: list[str]) -> Observation:
@@ -131,7 +131,7 @@ class StreamHistory:
     The recent nodes are kept as the batches recorded them (with each batch's earliest and
     latest start): recording trims only the batches at the retained span's edges, and the crowd
     reads only the batches its window overlaps (`between`). Joining every batch to the whole
-    retained window, twice a batch, had cost as much as the crowd check itself (README, issue 14)."""
+    retained window, twice a batch, had cost as much as the crowd check itself (docs/issue-14.md)."""
 
     visits: int = 50
     z_self: dict[str, np.ndarray] = field(default_factory=dict)

@@ -50,7 +50,7 @@ def predict_proba(models: dict[Target, nn.Module], graphs: GraphSet, traces: np.
     The probabilities are taken in float64: in float32 every logit gap above ~17 rounds to
     P = 1.0, and a model bootstrapped from a twin is that sure of some real healthy traces (11
     of the testbed's 496 held-back ones), so a threshold calibrated above them went above 1 and
-    stage 1 flagged nothing at all (README, issue 12, session 9)."""
+    stage 1 flagged nothing at all (docs/issue-12.md, session 9)."""
     for model in models.values():
         if model.training:  # eval() walks every submodule: too dear for a served request
             model.eval()

@@ -129,7 +129,7 @@ class NormalStats:
         caller then often ranked first). Measured with the median -> the smallest, the time
         shift alone, AC@1 on network delays: testbed 0.69 -> 0.82 (49 faults), simulated
         Hotel Reservation 0.20 -> 0.80, Social Network 0.69 -> 0.92, Train Ticket 0.64 -> 0.82;
-        simulated CPU faults unchanged (README, issue 12, session 6). `caller_part="median"`
+        simulated CPU faults unchanged (docs/issue-12.md, session 6). `caller_part="median"`
         is the rule before, kept for that comparison (`bench/time_shift.py`). The smallest is
         capped by what the caller shows of its own (`_caller_cap`): with two faulty callees at
         once every call of their caller is slow, and the caller is not.
@@ -155,7 +155,7 @@ class NormalStats:
         alone and holds a few for up to a period while the callee cannot run, so the waits' p50 stays
         and their tail grows. On the single-fault testbed recording the gaps' mean log2 shift put the
         target first in 7 of 22 such faults, the start waits' ratio of sums in 18, network delays and
-        interference staying at 21/21 and 19/19 (README, issue 12, session 18)."""
+        interference staying at 21/21 and 19/19 (docs/issue-12.md, session 18)."""
         return self._wait_parts(_own_times(forest))
 
     def _wait_parts(self, own: pd.DataFrame) -> pd.Series:
@@ -211,7 +211,7 @@ class NormalStats:
         code fault), unless one of its calls failed: a caller that stops calling after a callee's
         exception changed nothing of its own, and the callee's span, where the error begins, is
         odd already (with 2-3 concurrent faults the caller of an excepting service was put first
-        for another fault's window, README, issue 12, session 17). Per span key, `p` is the
+        for another fault's window, docs/issue-12.md, session 17). Per span key, `p` is the
         binomial chance of at least as many odd spans in the window as it holds, each odd with
         the period's own share of them: its error origins, plus one if its fewest children were
         seen on one span only (Good-Turing's estimate of the unseen, for the low tail), counted
@@ -256,7 +256,7 @@ def _caller_cap(callers: pd.Index, servers: pd.Series, edges: pd.Series) -> pd.S
     callees are slow shows neither (text-service with both its callees delayed at once: own
     0.54, its calls 5.05 and 6.17): the time is its callees'. An entry service has no calls in
     to tell a delayed interface by (the simulated frontend's and nginx's network delays: own
-    0.0, calls 8.5-9.0), so it keeps the smallest of its calls (README, issue 12, session 18)."""
+    0.0, calls 8.5-9.0), so it keeps the smallest of its calls (docs/issue-12.md, session 18)."""
     incoming = edges.groupby(level="callee").median().reindex(callers)
     evidence = pd.concat([servers.reindex(callers), incoming], axis=1).max(axis=1).clip(lower=0.0)
     return (CALLER_OWN_FACTOR * evidence).where(incoming.notna(), np.inf)
@@ -322,7 +322,7 @@ def structure_noise(forest: SpanForest, frame: pd.DataFrame, children: pd.Series
     variances over the whole period. With 300 recent traces as the normal period (`bmeg
     evaluate rca --recent-traces 300`), 50-trace slices held 3 spans of url-shorten-service's
     compose_urls, all of a post with no URL, and its noise read 1.00: above the early return
-    that moved it by 1.00 (README, issue 12, session 13). A long fixed period has enough
+    that moved it by 1.00 (docs/issue-12.md, session 13). A long fixed period has enough
     visits of most services in every slice.
     """
     count = min(slices, forest.num_traces // max(min_traces, 1))

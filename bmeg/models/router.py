@@ -26,8 +26,8 @@ source (a lead on a few dozen bottlenecked traces is no evidence); among such cu
 tied with the GNN alone when the resamples show it no worse: in 95% of them its culprit F1
 under the uniform mix and its trace F1 are no more than `tolerance` below the GNN alone's (not
 merely when the GNN alone fails to be ahead in 95% of them: on a few dozen bottlenecked
-decision traces nothing is ahead in 95%, and absence of evidence took the worse model, README
-issue 17, session 12), and the GNN alone is not ahead in 95% of them either (a cut measurably
+decision traces nothing is ahead in 95%, and absence of evidence took the worse model,
+docs/issue-17.md, session 12), and the GNN alone is not ahead in 95% of them either (a cut measurably
 worse, though within the tolerance, is not taken for its cost); a tie goes to the cheaper
 model: the cheapest cut that passes (1) and is tied so. The reason, in words, names the
 criterion that decided and travels with the router (`why`) into every GNN-routed trace's
@@ -207,7 +207,7 @@ def choose(y: np.ndarray, verdicts: dict[str, np.ndarray], named: dict[str, np.n
     # Tied: no model measurably ahead, and the cut measurably no worse. The cuts are chosen "by
     # the measured quality and cost of each model" (issue 17), so a tie goes to the cheaper one;
     # but that neither is ahead in `confidence` of the resamples is no evidence of a tie where
-    # the decision traces are few (50 bottlenecked at imbalance 0.01, README issue 17, session
+    # the decision traces are few (50 bottlenecked at imbalance 0.01, docs/issue-17.md, session
     # 12): the cut must be no worse, within the tolerance, in `confidence` of them, and the GNN
     # not ahead in `confidence` of them (a cut measurably worse is not traded for its cost).
     tied = sorted((row for row in eligible[1:] if row["cost_s_per_trace"] < gnn_alone["cost_s_per_trace"]
@@ -277,7 +277,7 @@ def source_losses(y: np.ndarray, cut: tuple[np.ndarray, np.ndarray], gnn: tuple[
 #: (`source_codes`) and on which a loss can block a cut in the check on sources the decision
 #: draws lack (`worse_sources`). A resample
 #: of n traces keeps a point loss in most draws whatever n: 3 traces the cut gets wrong and the
-#: GNN right are a loss in every resample (the testbed's code+misconfiguration, README issue 17),
+#: GNN right are a loss in every resample (the testbed's code+misconfiguration, docs/issue-17.md),
 #: yet one such trace moves that source's recall by 1/n. At 15 one trace is 0.067.
 MIN_SOURCE_TRACES = 15
 
@@ -302,7 +302,7 @@ def worse_sources(losses: dict[str, dict[str, float]], confidence: float, checke
     noise; a real loss on many traces still holds in the resamples and still blocks. The
     `checked` sources (`checked_sources`) are as many tests, each of which can block: at
     `confidence` each, a cut no worse on any of 5 sources was blocked by one of them with a
-    chance up to 1 - 0.95^5 = 23% (README issue 17, session 13). Holm's step-down keeps that
+    chance up to 1 - 0.95^5 = 23% (docs/issue-17.md, session 13). Holm's step-down keeps that
     chance at most 1 - `confidence`: the loss held in the largest share of resamples must hold in
     1 - (1 - `confidence`) / `checked` of them, the next in 1 - (1 - `confidence`) / (`checked`
     - 1), and so on until one falls short; one source checked, `confidence` as before."""

@@ -590,7 +590,7 @@ def decisive_shift(shift: pd.Series, lead: float = DECISIVE_LEAD) -> str | None:
     alone found. Gaps only: a service's own self time also holds the wait for a free worker,
     so a slow callee can lift its callers' (the testbed twin's simulated entry moved 12.6 log2
     under a network delay two calls below it). Chosen on the testbed and simulated faults
-    (README, issue 12, session 6).
+    (docs/issue-12.md, session 6).
     """
     shift = shift.dropna()
     if len(shift) < 2:
@@ -608,7 +608,7 @@ def errors_began(parts: pd.DataFrame, noise: pd.Series, floor: float = ERROR_FLO
     The `errors` part of the structure shift on its own gate: `structure_changed`'s floor (0.1)
     is set for call counts, which drift with a cache's state; where an error begins does not
     drift so (the testbed's normal noise of it is 0 in every service), and an exception that
-    fails a few percent of a service's requests moves it less than 0.1 (README, issue 12,
+    fails a few percent of a service's requests moves it less than 0.1 (docs/issue-12.md,
     session 12). `min_spans`: a rarely visited service with one failed request is no change.
     """
     return _errors_beyond_gate(parts, noise, floor, min_spans, factor) > 0
@@ -624,7 +624,7 @@ def structure_significant(tests: pd.DataFrame, alpha: float = STRUCTURE_ALPHA) -
     does; a test of the counts fires on a few odd spans where the normal period makes them
     unlikely, and needs many where it does not (a key whose fewest children are common, one
     that fails now and then, a short period). Chosen on the testbed's partial code faults and
-    its single-fault dataset (README, issue 12, session 16)."""
+    its single-fault dataset (docs/issue-12.md, session 16)."""
     return _counts_beyond_gate(tests, alpha) > 0
 
 

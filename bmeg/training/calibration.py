@@ -12,7 +12,7 @@ How few: with `confidence` c (default 0.95), at most j of the n held-back traces
 above the threshold, j the largest count for which the one-sided Clopper-Pearson bound of the
 false-alarm rate is still at most α (equivalently: Binomial(n, α) gives j or fewer with
 probability at most 1 - c). The plain (1 - α) quantile lets about α·n through, so fresh healthy
-traffic is flagged above α about half the time (measured on the testbed: README, issue 12);
+traffic is flagged above α about half the time (measured on the testbed: docs/issue-12.md);
 with n = 488 and α = 1% the bound allows 1 where the quantile allowed 4. Where n is too small
 for any (n < 299 at α = 1%), the threshold goes above every held-back score and the
 calibration says the target is not guaranteed (`bound_met`). `confidence=None` is the plain

@@ -13,7 +13,7 @@ from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_SCENARIO, DEFAULT_
 from bmeg.models.features import NODE_INPUTS, VARIANTS
 
 #: Simulated training windows of a run's window GCN (`bmeg.training.window_gcn`; round 2's,
-#: README issue 12 session 15).
+#: docs/issue-12.md session 15).
 TRAINING_WINDOWS = 200
 #: Draws of the twin's training faults a bootstrap bags its node stage over (one node classifier
 #: each, `bmeg.models.gcn_node.GCNNodeEnsemble`; 1: one classifier, as before issue 12 session 28).
@@ -32,7 +32,7 @@ class FitConfig:
     #: Node stage: how much more a non-bottleneck node whose parent is a bottleneck (its client
     #: spans: calls to other services and to stores) weighs in the loss than other nodes of its
     #: class (`bmeg.training.trainer.callee_emphasis`); 1: as much (the default: 4 was not
-    #: better on the testbed and worse on simulated Train Ticket, README, issue 12, session 12).
+    #: better on the testbed and worse on simulated Train Ticket, docs/issue-12.md, session 12).
     hard_negatives: float = 1.0
     device: str = "auto"
     nproc: int = 1

@@ -257,7 +257,7 @@ NATURAL_SEED_OFFSET = FRESH_SEED_OFFSET + 500
 #: part of 1,000 traces (`router_fresh` 5,000, five fault sources) then holds 231 bottlenecked
 #: traces, as the 0.3 cells' did. Until session 15 they were drawn at the training imbalance, at
 #: least 0.1 (`MIN_DECISION_BOTTLENECKED` 500): 91 per source at 0.1 and 0.01, so the evidence
-#: the router decides on thinned with the training set's ratio (README issue 17, session 15). The
+#: the router decides on thinned with the training set's ratio (docs/issue-17.md, session 15). The
 #: bottlenecked traces are weighed back to the training imbalance (`decision_weights`).
 DECISION_IMBALANCE = 0.3
 #: The largest draw of the whole scenario the decision data takes its normal traces from
@@ -276,7 +276,7 @@ def decision_normal_draw(config: TrainConfig) -> int:
     traces, the noise their false alarms put into a comparison grows as 1 / sqrt(imbalance). At
     0.01, 4,950 normal traces stood beside a bottlenecked weight of 49: six false alarms of the
     SVM cost it about 0.01 of trace F1 each (the tolerance), and resampling them alone undid its lead in 7% of draws
-    (README issue 17, session 15). At most `MAX_DECISION_NORMAL_DRAW` (the cost)."""
+    (docs/issue-17.md, session 15). At most `MAX_DECISION_NORMAL_DRAW` (the cost)."""
     if config.imbalance <= 0:  # no bottlenecked traces to stand beside: as many normal ones as allowed
         return MAX_DECISION_NORMAL_DRAW
     bottlenecked = config.router_fresh * DECISION_IMBALANCE / (1 + DECISION_IMBALANCE)
@@ -508,7 +508,7 @@ def named_culprit(service: np.ndarray, present: np.ndarray, truth: np.ndarray, t
 
     A count, not the score: the GNN's node scores sit near 1 and the SVM path's are a calibrated
     P(culprit) (`CulpritScorer`), so crediting the score compared two scales and kept the GNN
-    where the SVM named more culprits right (trainticket, README issue 17). The floor keeps what
+    where the SVM named more culprits right (trainticket, docs/issue-17.md). The floor keeps what
     the score credit was for: a right culprit scored 0.13 moves no action in the closed loop."""
     scores = np.where(present, service, -np.inf)
     top = np.argmax(scores, axis=1)

@@ -223,7 +223,7 @@ def callee_emphasis(parent: np.ndarray, node_y: np.ndarray, weight: float) -> np
     None when `weight` is 1 (no emphasis). `parent`: each node's parent row, -1 at roots.
 
     Why: on the testbed the GNN's misses rank a store the faulty service calls first and the
-    target second (README, issue 12, session 10): a CPU-starved caller reads its responses late,
+    target second (docs/issue-12.md, session 10): a CPU-starved caller reads its responses late,
     so its client spans to an untouched store stretch. Those client spans are the negatives the
     node classifier must tell from the bottleneck above them.
     """

@@ -48,14 +48,14 @@ CODE_FAULT_SHARE = 0.5
 CODE_ALONE_WINDOWS = 0.2
 #: The share of the training windows' CPU faults drawn in the kernel scheduler's form (a CFS
 #: quota, a hog's time slices: `SCHEDULER_PARAMETERS`), as the testbed injects them. 0: with the
-#: start-wait inputs, 0.5 ranked the testbed's faults no better (README, issue 12, session 19), and
+#: start-wait inputs, 0.5 ranked the testbed's faults no better (docs/issue-12.md, session 19), and
 #: 0 keeps the windows of earlier sessions; `bench/window_gcn.py --kernel-form` compares.
 KERNEL_FORM_FAULTS = 0.0
 #: Traces of a window's normal period and of the window itself (drawn between the two): the
 #: default `WindowShape`; the fixed normal period the detector's baselines come from is the longest.
 NORMAL_TRACES = (300, 1200)
 WINDOW_TRACES = (300, 1500)
-#: The self-time rule's own inputs, left out since round 4 (README, issue 12, session 17): the
+#: The self-time rule's own inputs, left out since round 4 (docs/issue-12.md, session 17): the
 #: window GCN without them was at least round 2 on both testbed recordings over seeds 0-4.
 RULE_INPUTS = ("self_time", "self_time_lead")
 #: Member i of an ensemble is fitted with seed `seed + MEMBER_SEED_STEP * i` (member 0: `seed`).
@@ -171,7 +171,7 @@ class FitSettings:
     """How a window GCN is fitted: the inputs it reads (an ablation drops some), its steps and
     decay, and how many members fitted apart it holds (`fit_ensemble`)."""
 
-    # round 2's (README, issue 12, session 15), without the self-time rule's own inputs since
+    # round 2's (docs/issue-12.md, session 15), without the self-time rule's own inputs since
     # round 4 (session 17), with the start waits since round 5 (session 19); `bench/window_gcn.py`'s
     # defaults are these
     epochs: int = 10

@@ -60,7 +60,7 @@ LOAD_MAX_S = 4 * 3600.0
 #: empty). With 10, a page of the timelines the load reads (`start=0, stop=10`), they are full from
 #: the start; with none the timelines fill for about half an hour (10 composes/s over 962 users),
 #: reading more posts each minute: a drift of the application that a baseline recorded in its first
-#: minutes reads as slowness (README, issue 12, sessions 22-23).
+#: minutes reads as slowness (docs/issue-12.md, sessions 22-23).
 DEFAULT_POSTS_PER_USER = 10
 POSTS_ENV = "BMEG_TESTBED_POSTS_PER_USER"
 

@@ -236,7 +236,7 @@ def cpu_demand_cores(record: ProcessRecord, cgroup: Path, mark: list[float] | No
     the CPU counted has not fallen since (a restart), else since `record` started. Since the start alone
     counts the service's start-up: social-graph-service used 0.005 cores at 100 req/s and 0.03-0.15
     on average since its start over its first 80 s, so a saturation quota sized from that did
-    not throttle it (README, issue 12, session 20)."""
+    not throttle it (docs/issue-12.md, session 20)."""
     now, used = _uptime_s(), cpu_usage_s(cgroup)
     if mark is not None and now - mark[1] >= MIN_DEMAND_S and used >= mark[0]:
         return (used - mark[0]) / (now - mark[1])
