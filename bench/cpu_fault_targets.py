@@ -8,9 +8,9 @@ saturation) it counts the anomalous traces whose faulty service is a store, a se
 stores, or another service; and, over the faulty services, the p50 of their store calls and of
 their call gaps to services (a client span less its callee's server span) in those traces over
 the p50 in the fault-free ones (median and range over the services). The testbed hogs services
-only, and on it a starved service's time lands in its client spans, to its stores
-(docs/issue-12.md, sessions 25 and 33) and to services alike (session 35); this says how far the twin shows the
-GNN that case.
+only, and on it a starved service's time lands in its client spans, to its stores (docs/issue-12.md,
+sessions 25 and 33) and to services alike (session 35); this says how far the twin shows the GNN
+that case.
 """
 
 from __future__ import annotations

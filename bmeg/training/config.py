@@ -13,7 +13,7 @@ from bmeg.datasets.generate import DEFAULT_IMBALANCE, DEFAULT_SCENARIO, DEFAULT_
 from bmeg.models.features import NODE_INPUTS, VARIANTS
 
 #: Simulated training windows of a run's window GCN (`bmeg.training.window_gcn`; round 2's,
-#: docs/issue-12.md session 15).
+#: docs/issue-12.md, session 15).
 TRAINING_WINDOWS = 200
 #: Draws of the twin's training faults a bootstrap bags its node stage over (one node classifier
 #: each, `bmeg.models.gcn_node.GCNNodeEnsemble`; 1: one classifier, as before issue 12 session 28).
