@@ -7,7 +7,7 @@ period starts and the quota refills. A service that uses a small share of its qu
 is never throttled; cut the quota near its use and most requests still run at once, but one
 that arrives after a burst has spent the period's quota waits for the next period (tens of
 milliseconds): the local time's median barely moves and its tail grows by one or two orders
-of magnitude (the testbed's saturation faults, README "Do the faults show?": p50 x1.35, p95
+of magnitude (the testbed's saturation faults, docs/testbed.md "Do the faults show?": p50 x1.35, p95
 x18.7). A fluid model, every burst slowed by quota/period, moves the median as much as the tail.
 
 `throttle` is that rule for one burst of work, charged to the cgroup's ledger of the current

@@ -133,14 +133,14 @@ SCENARIOS: dict[str, TestbedFault] = {
     # hog's slice (slowed, not starved). With 19x it kept ~its demand: a backlog of seconds and
     # 28% of requests failed, a saturation's signature. As a sibling cgroup (the dataset's hog)
     # it slowed every service pinned to that CPU, half the application, the target not the
-    # most, and a migration of the target could not take it away (session 7, README)
+    # most, and a migration of the target could not take it away (session 7, docs/testbed.md)
     "interference": TestbedFault("post-storage-service", "interference", {"factor": 5.0, "shared_cgroup": 1.0}),
     # a worker pool of 1 on home-timeline-service (its store pool too), which holds the worker
     # across its calls to social-graph-service and post-storage-service for 60% of the requests:
     # a thread-pool misconfiguration. It shows at 100 req/s (`testbed up --rate 100`: p95 2x in
     # the fault's second half), hardly at 50 (1.3-1.7x, below the rule's 5-ms excess); on
     # post-storage-service (~0.2-ms requests, no downstream call) a pool of 1 was rarely busy
-    # and did not show (session 7, README)
+    # and did not show (session 7, docs/testbed.md)
     "misconfiguration": TestbedFault("home-timeline-service", "misconfiguration", {"pool_size": 1}),
 }
 
