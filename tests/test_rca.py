@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from bmeg.evaluation.faults import InjectedFault, read_fault_list, service_from_pod
 from bmeg.models.normal import NormalStats
 from bmeg.evaluation.rankers import MicroRankRanker, SelfTimeRanker, TraceRCARanker, default_rankers
-from bmeg.evaluation.rca import report, run_rca
+from bmeg.evaluation.rca import recent_normal, report, run_rca
 from bmeg.evaluation.windows import TraceFiles
 from bmeg.faultinject import Fault, parse_topology, simulate, spans_of
 from bmeg.graphs.rpc import rpc_view
@@ -203,6 +203,10 @@ def test_a_recent_normal_period_sets_aside_a_change_that_came_before_the_fault(t
     assert first(0.02 / 60) == "cart"  # 20 ms before the fault: a handful of traces
     assert first(recent_traces=300) == "pay"  # the latest 300 traces before it, as the server ranks a window
     assert first(recent_traces=50) == "cart"  # fewer than MIN_RECENT_TRACES
+    fixed = NormalStats.from_forest(rpc_view(normal))
+    recent = recent_normal(files, faults[0].start_ns, fixed, None, 300)
+    assert recent is not fixed and recent.forest.num_traces <= 300  # the structure gate's noise is the larger:
+    assert (recent.structure_noise.reindex(fixed.structure_noise.index) >= fixed.structure_noise).all()
 
 
 def replace_start(fault: InjectedFault, hours: int) -> InjectedFault:
@@ -309,6 +313,30 @@ def test_the_structure_gate_fires_beyond_a_services_own_normal_noise():
 def test_a_normal_period_too_short_to_slice_measures_no_structure_noise():
     normal = NormalStats.from_forest(_cache_and_api([True, False] * 20, [False] * 40))
     assert normal.structure_noise.empty and normal.error_noise.empty
+
+
+def test_a_recent_periods_structure_noise_is_at_least_the_longer_periods():
+    from bmeg.models.window import structure_changed
+
+    # the fixed period: the cache's misses drift from 10% to 40% (noise 0.15); the recent 100
+    # traces: 40% throughout (only its sampling noise); the window: 10% again, and api fails in 15%
+    n = 400
+    fixed = NormalStats.from_forest(_cache_and_api([i % 10 == 0 if i < n // 2 else i % 10 < 4 for i in range(n)],
+                                                   [False] * n))
+    recent = NormalStats.from_forest(_cache_and_api([i % 10 < 4 for i in range(100)], [False] * 100))
+    window = _cache_and_api([i % 10 == 0 for i in range(100)], [i % 20 < 3 for i in range(100)])
+    shift = recent.structure_shift(window)
+    assert shift["cache"] == pytest.approx(0.3) and recent.structure_noise["cache"] < 0.1
+    assert structure_changed(shift, recent.structure_noise)["cache"]  # the recent period alone: a change
+
+    combined = recent.with_noise_of(fixed)
+    assert combined.structure_noise["cache"] == pytest.approx(0.15)
+    assert combined.children.equals(recent.children)  # what the window is compared with stays recent
+    changed = structure_changed(combined.structure_shift(window), combined.structure_noise)
+    assert not changed["cache"] and changed["api"]  # the cache's drift is its known noise; api's exception is not
+    # a service only one of the periods measured keeps that period's noise
+    alone = NormalStats.from_forest(_cache_and_api([True, False] * 20, [False] * 40)).with_noise_of(fixed)
+    assert alone.structure_noise.equals(fixed.structure_noise) and alone.error_noise.equals(fixed.error_noise)
 
 
 def _front_and_rare(visits: list[bool | None]):

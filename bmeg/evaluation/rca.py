@@ -22,7 +22,7 @@ of the minutes just before each fault, or, with `recent_traces`, the latest that
 before it (`bmeg.models.window.latest_before`: the rule the REST server's window ranking follows) (RCAEval's cases are laid out so: normal data, then the
 injection), the same for every ranker. A fixed period can differ from the hours of the faults
 for reasons that are no fault: on the testbed the entry service's own time was twice its
-calibration phase's in the campaign's healthy traces too (README, testbed, session 9), and a
+calibration phase's in the campaign's healthy traces too (docs/testbed.md, session 9), and a
 time-shift ranker then puts it first. A fault whose recent traces are fewer than
 `MIN_RECENT_TRACES` is compared with the fixed period.
 """
@@ -143,7 +143,8 @@ def _overlapping_services(fault: InjectedFault, results: Sequence[FaultResult], 
 def recent_normal(files: TraceFiles, start_ns: int, fixed: NormalStats, minutes: float | None,
                    traces: int | None) -> NormalStats:
     """The normal period of the `minutes` before `start_ns`, or of the latest `traces` before it,
-    or `fixed` where neither is asked for or it is too thin."""
+    with `fixed`'s structure noise where larger (`NormalStats.with_noise_of`, as the REST server's
+    `WindowRanker.against`), or `fixed` where neither is asked for or it is too thin."""
     if traces is not None:
         spans = latest_before(files.window(start_ns - int(RECENT_MAX_AGE_S * 1e9), start_ns), start_ns, traces)
     elif minutes is not None:
@@ -151,7 +152,9 @@ def recent_normal(files: TraceFiles, start_ns: int, fixed: NormalStats, minutes:
     else:
         return fixed
     recent = rpc_view(spans)
-    return NormalStats.from_forest(recent) if recent.num_traces >= MIN_RECENT_TRACES else fixed
+    if recent.num_traces < MIN_RECENT_TRACES:
+        return fixed
+    return NormalStats.from_forest(recent).with_noise_of(fixed)
 
 
 def report(results: Sequence[FaultResult], rankers: Sequence[str], files: TraceFiles | None = None,

@@ -136,12 +136,13 @@ class WindowRanker:
     def against(self, recent: pa.Table) -> WindowRanker:
         """This ranker comparing windows with `recent` (the stream's traffic just before a window,
         `latest_before`) instead of the fixed period, where it holds at least `MIN_RECENT_TRACES`
-        complete traces; else this ranker itself. The health bound stays the fixed period's."""
+        complete traces; else this ranker itself. The health bound stays the fixed period's, and
+        so does the structure noise where larger (`NormalStats.with_noise_of`)."""
         forest = rpc_view(recent)
         if forest.num_traces < MIN_RECENT_TRACES:
             return self
         ranker = copy.copy(self)
-        ranker.stats = NormalStats.from_forest(forest)
+        ranker.stats = NormalStats.from_forest(forest).with_noise_of(self.stats)
         ranker.normal_scores = gnn_window_scores(self.detector, forest)
         ranker.method = WINDOW_RECENT_TRAFFIC
         return ranker
