@@ -205,7 +205,8 @@ def test_a_recent_normal_period_sets_aside_a_change_that_came_before_the_fault(t
     assert first(recent_traces=50) == "cart"  # fewer than MIN_RECENT_TRACES
     fixed = NormalStats.from_forest(rpc_view(normal))
     recent = recent_normal(files, faults[0].start_ns, fixed, None, 300)
-    assert recent is not fixed and recent.forest.num_traces <= 300  # the structure gate's noise is the larger:
+    assert recent is not fixed and recent.forest.num_traces <= 300
+    # the structure gate's noise against recent traffic is at least the fixed period's
     assert (recent.structure_noise.reindex(fixed.structure_noise.index) >= fixed.structure_noise).all()
 
 
