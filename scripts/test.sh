@@ -6,8 +6,9 @@ export PATH="$PWD/$venv/bin:$PATH"
 export BMEG_PYTHON="$PWD/$venv/bin/python"
 
 # Lint and type check first: seconds, and a failure there says more than a test would.
-ruff check bmeg tests bench notebooks
+ruff check bmeg tests bench notebooks testbed/shop
 mypy
+mypy testbed/shop/shop.py testbed/shop/record.py  # the shop's scripts, outside the package
 
 # The real Kafka broker and Kubernetes API server (DESIGN.md section 6), and Chromium for the
 # browser tests. Parts already running are reused and left running; what starts here stops on

@@ -1,0 +1,101 @@
+"""The shop (testbed/shop): a second real application, nine Python services traced by the
+OpenTelemetry Python SDK. Fast checks of its fault plan and admin switch; end to end (integration,
+root): a short recording through the real Collector with one fault of each kind, the faults seen in
+the real spans where the recording says, and nothing left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+
+from bmeg.evaluation.faults import read_fault_list
+from bmeg.faultinject.testbed import system
+from bmeg.faultinject.testbed.system import SOURCE_ROOT
+from bmeg.traces.io import read_spans
+
+sys.path.insert(0, str(SOURCE_ROOT / "testbed" / "shop"))
+import record  # noqa: E402 (testbed/shop's scripts, beside the application)
+import shop  # noqa: E402
+
+
+def test_the_plan_puts_both_cpu_faults_on_every_service_and_breaks_each_code_operation_once():
+    faults = record.plan_faults(39)
+    assert faults == record.plan_faults(39) and faults != record.plan_faults(40)  # the seed decides the order
+    for service in shop.SERVICES:
+        kinds = sorted(f.kind for f in faults if f.service == service and f.kind.startswith("cpu_"))
+        assert kinds == ["cpu_consumed", "cpu_contention"]
+    code = [f for f in faults if f.kind in ("exception", "return")]
+    assert sorted(f.parameters["operation"] for f in code) == sorted(record.CODE_OPERATIONS)
+    assert all(shop.SERVES[f.parameters["operation"]] == f.service for f in code)
+    assert len(record.plan_faults(39, limit=3)) == 3
+
+
+def test_every_operation_is_served_costs_cpu_and_is_implemented():
+    assert set(shop.SERVES) == set(shop.OPERATIONS) == set(shop.WORK_US)
+    assert set(shop.SERVES.values()) == set(shop.SERVICES)
+    assert set(shop.MIX) <= {op for op, service in shop.SERVES.items() if service == "frontend"}
+
+
+def test_a_fault_switch_names_an_operation_of_the_service_and_a_known_mode():
+    service = shop.Service.__new__(shop.Service)  # the switch alone: no tracer, no store
+    service.name, service.faults = "catalog", {}
+    assert shop.set_fault(service, {"operation": "list_products", "mode": "error"}) == (200, {"list_products": "error"})
+    assert shop.set_fault(service, {"operation": "get_cart", "mode": "error"})[0] == 400  # the cart's
+    assert shop.set_fault(service, {"operation": "list_products", "mode": "slow"})[0] == 400
+    assert shop.set_fault(service, {"mode": "error"})[0] == 400
+    assert shop.set_fault(service, {"operation": "list_products", "mode": None}) == (200, {})
+
+
+def _server_spans(spans, service: str, start: int, end: int):
+    keep = pc.and_(pc.and_(pc.equal(spans["service"], service), pc.equal(spans["kind"], "server")),
+                   pc.and_(pc.greater_equal(spans["start_ns"], start), pc.less(spans["start_ns"], end)))
+    return spans.filter(keep)
+
+
+def _calls_per_s(spans, operation: str, start: int, end: int) -> float:
+    return _server_spans(spans.filter(pc.equal(spans["operation"], operation)), "currency", start, end).num_rows / (end - start) * 1e9
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shop's faults need root (cgroups)")
+@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("stress-ng") is None,
+                    reason="bash scripts/apt-install.sh redis-server stress-ng")
+def test_a_short_recording_shows_each_fault_in_the_real_spans_and_leaves_nothing_running(tmp_path: Path):
+    faults = [record.Fault("catalog", "cpu_contention", {"factor": 10.0}),
+              record.Fault("cart", "exception", {"operation": "get_cart"}),
+              record.Fault("catalog", "return", {"operation": "list_products"})]
+    summary = record.record(tmp_path, rate=20.0, seed=0, normal_s=10.0, healthy_s=3.0, fault_s=6.0, gap_s=4.0,
+                            faults=faults, warmup_s=3.0, base=23400)
+
+    spans = read_spans(tmp_path / "spans.parquet")
+    assert set(shop.SERVICES) <= set(pc.unique(spans["service"]).to_pylist())
+    stores = spans.filter(pc.and_(pc.equal(spans["kind"], "client"), pc.equal(spans["db_system"], "redis")))
+    assert stores.num_rows > 0  # the cart's and catalog's Redis calls, as the database conventions name them
+    assert summary["load_answers"] and summary["load_answers"].get("200", 0) > 0
+    normal_start, normal_end = summary["phases"]["normal"]
+    normal = read_spans(tmp_path / "normal.parquet")
+    assert normal.num_rows > 0 and pc.min(normal["start_ns"]).as_py() >= normal_start
+
+    listed = read_fault_list(tmp_path / "fault_list.json")
+    assert [(f.service, f.kind) for f in listed] == [(f.service, f.kind) for f in faults]
+    hog, exception, early = summary["faults"]
+    before = _server_spans(spans, "catalog", normal_start, normal_end)["duration_ns"].to_numpy()
+    during = _server_spans(spans, "catalog", hog["start_ns"] + 1_000_000_000, hog["end_ns"])["duration_ns"].to_numpy()
+    assert np.median(during) > 2 * np.median(before)  # the hog in its cgroup slowed the catalog
+    failed = _server_spans(spans, "cart", exception["start_ns"], exception["end_ns"])
+    assert pc.sum(pc.equal(failed["status"], "error")).as_py() > 0
+    assert "error" not in _server_spans(spans, "cart", normal_start, normal_end)["status"].to_pylist()
+    # an empty catalog: the front end converts no prices, so the currency service gets fewer calls
+    during_early = _calls_per_s(spans, "convert", early["start_ns"] + 1_000_000_000, early["end_ns"])
+    assert during_early < 0.5 * _calls_per_s(spans, "convert", normal_start, normal_end)
+
+    assert not system.cgroup_path("bmeg-shop-23400").exists()
+    assert json.loads((tmp_path / "recording.json").read_text())["spans"] == spans.num_rows
