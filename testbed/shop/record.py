@@ -62,6 +62,8 @@ service:
   pipelines:
     traces: {{receivers: [otlp], processors: [batch], exporters: [file]}}
 """
+#: seconds over which a service's CPU use is measured before a fault (its clock ticks are 10 ms)
+DEMAND_S = 4.0
 #: the SDK's export delay (5 s), the Collector's batch (200 ms) and file flush (500 ms), and spare
 FLUSH_S = 7.0
 
@@ -142,17 +144,17 @@ def plan_faults(seed: int, limit: int | None = None) -> list[Fault]:
     """Every service's two CPU faults and the code faults, shuffled by `seed`."""
     rng = random.Random(seed)
     faults = []
-    for service in shop.SERVICES:
-        faults.append(Fault(service, "cpu_contention", {"factor": round(rng.uniform(4, 10), 2)}))
-        faults.append(Fault(service, "cpu_consumed", {"capacity": round(rng.uniform(0.15, 0.3), 3)}))
+    for service in shop.SERVICES:  # the socialnet testbed's strengths (campaigns/testbed-dataset-single.yaml)
+        faults.append(Fault(service, "cpu_contention", {"factor": round(rng.uniform(15, 25), 2)}))
+        faults.append(Fault(service, "cpu_consumed", {"capacity": round(rng.uniform(0.25, 0.45), 3)}))
     for operation in CODE_OPERATIONS:
         faults.append(Fault(shop.SERVES[operation], rng.choice(["exception", "return"]), {"operation": operation}))
     rng.shuffle(faults)
     return faults[:limit] if limit else faults
 
 
-def apply(bed: Shop, fault: Fault, seconds: float) -> dict:
-    """Start `fault`; what `undo` needs to end it."""
+def apply(bed: Shop, fault: Fault, seconds: float, demand_cores: float) -> dict:
+    """Start `fault` (`demand_cores`: the target's CPU use just before); what `undo` needs to end it."""
     target = bed.cgroup(fault.service)
     if fault.kind == "cpu_contention":
         hog = target / "hog"
@@ -167,16 +169,21 @@ def apply(bed: Shop, fault: Fault, seconds: float) -> dict:
         return {"hog": record, "quota": quota}
     if fault.kind == "cpu_consumed":
         quota = system.quota_cores(target)
-        mark = system.demand_mark(target)
-        time.sleep(2.0)  # the service's use right now (its share of the load), not since its start
-        demand = system.cpu_demand_cores(bed.records[fault.service], target, [mark[0], mark[1] - 10.0])
-        cores, period = saturation_quota(fault.parameters["capacity"], demand)
+        cores, period = saturation_quota(fault.parameters["capacity"], demand_cores)
         fault.parameters["cut_cores"] = round(cores, 5)
         system.set_period(target, period)
         system.set_quota(target, cores)
         return {"quota": quota}
     admin(bed, fault.service, {"operation": fault.parameters["operation"], "mode": "error" if fault.kind == "exception" else "return"})
     return {}
+
+
+def demand(bed: Shop, service: str, seconds: float) -> float:
+    """The CPU `service` uses per second over the next `seconds` (its share of the load now)."""
+    target = bed.cgroup(service)
+    used, began = system.cpu_usage_s(target), time.monotonic()
+    time.sleep(seconds)
+    return (system.cpu_usage_s(target) - used) / (time.monotonic() - began)
 
 
 def undo(bed: Shop, fault: Fault, state: dict) -> None:
@@ -220,12 +227,15 @@ def record(out: Path, rate: float, seed: int, normal_s: float, healthy_s: float,
         system.stop(busy, timeout_s=2)
         time.sleep(gap_s)
         for fault in faults:
+            # the last DEMAND_S of the gap before each fault measure the target's use (the quota cut's base)
+            used = demand(bed, fault.service, DEMAND_S)
             fault.start_ns = time.time_ns()
-            state = apply(bed, fault, fault_s)
+            state = apply(bed, fault, fault_s, used)
+            fault.parameters["demand_cores"] = round(used, 5)
             time.sleep(max(0.0, fault_s - (time.time_ns() - fault.start_ns) / 1e9))
             undo(bed, fault, state)
             fault.end_ns = time.time_ns()
-            time.sleep(gap_s)
+            time.sleep(max(0.0, gap_s - DEMAND_S))
         while load.alive():
             time.sleep(0.5)
         time.sleep(FLUSH_S)
