@@ -25,12 +25,12 @@ import record  # noqa: E402 (testbed/shop's scripts, beside the application)
 import shop  # noqa: E402
 
 
-def test_the_plan_puts_both_cpu_faults_on_every_service_and_breaks_each_code_operation_once():
+def test_the_plan_puts_each_latency_fault_on_every_service_and_breaks_each_code_operation_once():
     faults = record.plan_faults(39)
     assert faults == record.plan_faults(39) and faults != record.plan_faults(40)  # the seed decides the order
     for service in shop.SERVICES:
-        kinds = sorted(f.kind for f in faults if f.service == service and f.kind.startswith("cpu_"))
-        assert kinds == ["cpu_consumed", "cpu_contention"]
+        kinds = sorted(f.kind for f in faults if f.service == service and f.kind not in ("exception", "return"))
+        assert kinds == ["cpu_consumed", "cpu_contention", "network_delay"]
     code = [f for f in faults if f.kind in ("exception", "return")]
     assert sorted(f.parameters["operation"] for f in code) == sorted(record.CODE_OPERATIONS)
     assert all(shop.SERVES[f.parameters["operation"]] == f.service for f in code)
@@ -71,7 +71,8 @@ def _calls_per_s(spans, operation: str, start: int, end: int) -> float:
 def test_a_short_recording_shows_each_fault_in_the_real_spans_and_leaves_nothing_running(tmp_path: Path):
     faults = [record.Fault("catalog", "cpu_contention", {"factor": 10.0}),
               record.Fault("cart", "exception", {"operation": "get_cart"}),
-              record.Fault("catalog", "return", {"operation": "list_products"})]
+              record.Fault("catalog", "return", {"operation": "list_products"}),
+              record.Fault("currency", "network_delay", {"delay_ms": 30.0, "jitter_ms": 0.0})]
     summary = record.record(tmp_path, rate=20.0, seed=0, normal_s=10.0, healthy_s=3.0, fault_s=6.0, gap_s=4.0,
                             faults=faults, warmup_s=3.0, base=23400)
 
@@ -86,7 +87,7 @@ def test_a_short_recording_shows_each_fault_in_the_real_spans_and_leaves_nothing
 
     listed = read_fault_list(tmp_path / "fault_list.json")
     assert [(f.service, f.kind) for f in listed] == [(f.service, f.kind) for f in faults]
-    hog, exception, early = summary["faults"]
+    hog, exception, early, delay = summary["faults"]
     before = _server_spans(spans, "catalog", normal_start, normal_end)["duration_ns"].to_numpy()
     during = _server_spans(spans, "catalog", hog["start_ns"] + 1_000_000_000, hog["end_ns"])["duration_ns"].to_numpy()
     assert np.median(during) > 2 * np.median(before)  # the hog in its cgroup slowed the catalog
@@ -96,6 +97,14 @@ def test_a_short_recording_shows_each_fault_in_the_real_spans_and_leaves_nothing
     # an empty catalog: the front end converts no prices, so the currency service gets fewer calls
     during_early = _calls_per_s(spans, "convert", early["start_ns"] + 1_000_000_000, early["end_ns"])
     assert during_early < 0.5 * _calls_per_s(spans, "convert", normal_start, normal_end)
+
+    # a delay on the currency's proxy: its callers' calls stretch by it, its own spans do not
+    calls = spans.filter(pc.and_(pc.equal(spans["kind"], "client"), pc.equal(spans["peer_service"], "currency")))
+    delayed = calls.filter(pc.and_(pc.greater_equal(calls["start_ns"], delay["start_ns"] + 1_000_000_000),
+                                   pc.less(calls["start_ns"], delay["end_ns"])))["duration_ns"].to_numpy()
+    assert np.median(delayed) > 25e6
+    served = _server_spans(spans, "currency", delay["start_ns"] + 1_000_000_000, delay["end_ns"])["duration_ns"].to_numpy()
+    assert np.median(served) < 10e6
 
     assert not system.cgroup_path("bmeg-shop-23400").exists()
     assert json.loads((tmp_path / "recording.json").read_text())["spans"] == spans.num_rows

@@ -4,13 +4,15 @@ traffic at rest and with the other core busy, then one fault at a time.
     python testbed/shop/record.py --out DIR [--rate 30] [--seed 0] [--normal-seconds 120]
 
 Starts Redis, the project's OpenTelemetry Collector (`scripts/otelcol.sh`; OTLP/HTTP in, the
-batch processor, the file exporter out, defaults otherwise) and the nine services, each in its own
-cgroup v1 `cpu` cgroup with a quota of 0.5 core, pinned to CPU 0 or 1 in turn; then the open-loop
-load. The faults are the socialnet testbed's mechanisms (`bmeg.faultinject.testbed.faults`):
-`cpu_contention`, a one-core `stress-ng` hog inside the target's cgroup with `factor - 1` times
-its weight; `cpu_consumed`, the target's quota cut to `capacity` x its recent use
-(`bmeg.faultinject.cpu.saturation_quota`); `exception` and `return`, code faults switched on one
-operation (`shop.py`'s `/_admin/fault`). Writes, in DIR: `spans.parquet` (every span),
+batch processor, the file exporter out, defaults otherwise), the nine services, each in its own
+cgroup v1 `cpu` cgroup with a quota of 0.5 core, pinned to CPU 0 or 1 in turn, and in front of each
+the socialnet testbed's delay proxy (`testbed/build.sh`'s `socialnet proxy`: every caller, and the
+load, reach a service through it); then the open-loop load. The faults are the socialnet testbed's
+mechanisms (`bmeg.faultinject.testbed.faults`): `cpu_contention`, a one-core `stress-ng` hog inside
+the target's cgroup with `factor - 1` times its weight; `cpu_consumed`, the target's quota cut to
+`capacity` x its recent use (`bmeg.faultinject.cpu.saturation_quota`); `network_delay`, the target's
+proxy delaying each request into it by `delay_ms` (± `jitter_ms`); `exception` and `return`, code
+faults switched on one operation (`shop.py`'s `/_admin/fault`). Writes, in DIR: `spans.parquet` (every span),
 `normal.parquet` (the fault-free period's traces), `healthy-rest.parquet`, `healthy-busy.parquet`,
 `fault_list.json` (Nezha's format, as `bmeg evaluate rca --faults` reads it) and `recording.json`
 (the phases, the faults with their parameters, the load's answers). Everything it starts lives in
@@ -25,7 +27,6 @@ import random
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,8 +37,9 @@ import pyarrow.parquet as pq
 from bmeg.faultinject.cpu import CFS_PERIOD_US, saturation_quota
 from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.collector import collector_binary, read_collector_spans
-from bmeg.faultinject.testbed.faults import SERVICE_SHARES, hog_quota
+from bmeg.faultinject.testbed.faults import SERVICE_SHARES, admin_post, hog_quota
 from bmeg.faultinject.testbed.stores import wait_port
+from bmeg.faultinject.testbed.supervisor import build_binary
 from bmeg.traces.schema import traces_begun_between
 
 HERE = Path(__file__).resolve().parent
@@ -71,7 +73,7 @@ FLUSH_S = 7.0
 @dataclass
 class Fault:
     service: str
-    kind: str  # Nezha's inject_type: cpu_contention, cpu_consumed, exception, return
+    kind: str  # Nezha's inject_type: cpu_contention, cpu_consumed, network_delay, exception, return
     parameters: dict
     start_ns: int = 0
     end_ns: int = 0
@@ -87,6 +89,13 @@ class Shop:
 
     def port(self, service: str) -> int:
         return self.base + shop.SERVICES.index(service)
+
+    def proxy(self, service: str) -> int:
+        """The port of the delay proxy in front of `service` (its callers' and the load's address)."""
+        return self.base + 20 + shop.SERVICES.index(service)
+
+    def proxy_admin(self, service: str) -> str:
+        return f"127.0.0.1:{self.base + 40 + shop.SERVICES.index(service)}"
 
     def cgroup(self, name: str) -> Path:
         return self.group / name
@@ -106,7 +115,14 @@ class Shop:
         self.records["collector"] = system.spawn("collector", "collector", [collector_binary(), "--config", str(config)],
                                                  logs / "collector.log", cgroup=self.cgroup("stores"))
         wait_port(http_port, 60, "the OpenTelemetry Collector", self.records["collector"].alive)
-        peers = ",".join(f"{s}=127.0.0.1:{self.port(s)}" for s in shop.SERVICES)
+        binary = build_binary()
+        system.make_cgroup(self.cgroup("proxies"), None, CFS_PERIOD_US)
+        for service in shop.SERVICES:
+            self.records[f"proxy:{service}"] = system.spawn(f"proxy:{service}", "proxy", [
+                binary, "proxy", "--listen", f"127.0.0.1:{self.proxy(service)}",
+                "--upstream", f"127.0.0.1:{self.port(service)}", "--admin", self.proxy_admin(service)],
+                logs / f"proxy-{service}.log", cgroup=self.cgroup("proxies"))
+        peers = ",".join(f"{s}=127.0.0.1:{self.proxy(s)}" for s in shop.SERVICES)
         for index, service in enumerate(shop.SERVICES):
             system.make_cgroup(self.cgroup(service), QUOTA_CORES, CFS_PERIOD_US)
             env = {"PATH": "/usr/bin:/bin", "OTEL_SERVICE_NAME": service,
@@ -117,6 +133,7 @@ class Shop:
                 cpu=index % 2, cgroup=self.cgroup(service), env=env)
         for service in shop.SERVICES:
             wait_port(self.port(service), 60, service, self.records[service].alive)
+            wait_port(self.proxy(service), 10, f"the proxy of {service}", self.records[f"proxy:{service}"].alive)
 
     @property
     def spans_file(self) -> Path:
@@ -124,13 +141,14 @@ class Shop:
 
     def load(self, seconds: float, rate: float, seed: int) -> system.ProcessRecord:
         record = system.spawn(f"load-{seed}", "load", [
-            sys.executable, str(HERE / "shop.py"), "load", "--target", f"127.0.0.1:{self.port('frontend')}",
+            sys.executable, str(HERE / "shop.py"), "load", "--target", f"127.0.0.1:{self.proxy('frontend')}",
             "--rate", str(rate), "--seconds", str(seconds), "--seed", str(seed)], self.run / "logs" / "load.log")
         self.records[record.name] = record
         return record
 
     def stop(self) -> None:
-        for name in [*shop.SERVICES, "collector", "redis"]:  # services first: their SDKs flush on SIGTERM
+        proxies = [f"proxy:{service}" for service in shop.SERVICES]
+        for name in [*shop.SERVICES, *proxies, "collector", "redis"]:  # services first: their SDKs flush on SIGTERM
             if name in self.records:
                 system.stop(self.records[name], timeout_s=10)
         system.kill_cgroup_tree(self.group)
@@ -141,12 +159,14 @@ class Shop:
 
 
 def plan_faults(seed: int, limit: int | None = None) -> list[Fault]:
-    """Every service's two CPU faults and the code faults, shuffled by `seed`."""
+    """Every service's two CPU faults and network delay, and the code faults, shuffled by `seed`."""
     rng = random.Random(seed)
     faults = []
     for service in shop.SERVICES:  # the socialnet testbed's strengths (campaigns/testbed-dataset-single.yaml)
         faults.append(Fault(service, "cpu_contention", {"factor": round(rng.uniform(15, 25), 2)}))
         faults.append(Fault(service, "cpu_consumed", {"capacity": round(rng.uniform(0.25, 0.45), 3)}))
+        faults.append(Fault(service, "network_delay", {"delay_ms": round(rng.uniform(20, 50), 1),
+                                                       "jitter_ms": round(rng.uniform(0, 5), 1)}))
     for operation in CODE_OPERATIONS:
         faults.append(Fault(shop.SERVES[operation], rng.choice(["exception", "return"]), {"operation": operation}))
     rng.shuffle(faults)
@@ -174,7 +194,12 @@ def apply(bed: Shop, fault: Fault, seconds: float, demand_cores: float) -> dict:
         system.set_period(target, period)
         system.set_quota(target, cores)
         return {"quota": quota}
-    admin(bed, fault.service, {"operation": fault.parameters["operation"], "mode": "error" if fault.kind == "exception" else "return"})
+    if fault.kind == "network_delay":
+        admin_post(bed.proxy_admin(fault.service), "/_admin/delay",
+                   {"ms": fault.parameters["delay_ms"], "jitter_ms": fault.parameters["jitter_ms"]})
+        return {}
+    mode = "error" if fault.kind == "exception" else "return"
+    admin_post(f"127.0.0.1:{bed.port(fault.service)}", "/_admin/fault", {"operation": fault.parameters["operation"], "mode": mode})
     return {}
 
 
@@ -194,15 +219,10 @@ def undo(bed: Shop, fault: Fault, state: dict) -> None:
     if "quota" in state:
         system.set_period(target, CFS_PERIOD_US)
         system.set_quota(target, state["quota"])
+    if fault.kind == "network_delay":
+        admin_post(bed.proxy_admin(fault.service), "/_admin/delay", {"ms": 0})
     if fault.kind in ("exception", "return"):
-        admin(bed, fault.service, {"operation": fault.parameters["operation"], "mode": None})
-
-
-def admin(bed: Shop, service: str, body: dict) -> None:
-    request = urllib.request.Request(f"http://127.0.0.1:{bed.port(service)}/_admin/fault",
-                                     data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=5) as response:
-        response.read()
+        admin_post(f"127.0.0.1:{bed.port(fault.service)}", "/_admin/fault", {"operation": fault.parameters["operation"], "mode": None})
 
 
 # --- the recording -------------------------------------------------------------------------
