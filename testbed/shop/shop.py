@@ -52,6 +52,8 @@ SERVES: dict[str, str] = {
     "charge": "payment", "send_confirmation": "email",
 }
 SERVICES = ("frontend", "checkout", "cart", "catalog", "currency", "recommendation", "shipping", "payment", "email")
+#: the service the load calls (its server spans are the traces' roots)
+ENTRY = "frontend"
 #: the load's request mix over the frontend's operations
 MIX = {"home": 0.6, "product": 0.2, "add_to_cart": 0.1, "checkout": 0.1}
 PRODUCTS = 40
