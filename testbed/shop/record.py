@@ -140,9 +140,11 @@ class Shop:
         return self.run / "spans.otlp"
 
     def load(self, seconds: float, rate: float, seed: int) -> system.ProcessRecord:
+        system.make_cgroup(self.cgroup("load"), None, CFS_PERIOD_US)  # in the tree: `stop` ends it on a failure too
         record = system.spawn(f"load-{seed}", "load", [
             sys.executable, str(HERE / "shop.py"), "load", "--target", f"127.0.0.1:{self.proxy(shop.ENTRY)}",
-            "--rate", str(rate), "--seconds", str(seconds), "--seed", str(seed)], self.run / "logs" / "load.log")
+            "--rate", str(rate), "--seconds", str(seconds), "--seed", str(seed)], self.run / "logs" / "load.log",
+            cgroup=self.cgroup("load"))
         self.records[record.name] = record
         return record
 
