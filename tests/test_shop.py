@@ -54,6 +54,33 @@ def test_a_fault_switch_names_an_operation_of_the_service_and_a_known_mode():
     assert shop.set_fault(service, {"operation": "list_products", "mode": None}) == (200, {})
 
 
+def test_a_service_answers_malformed_huge_and_non_object_bodies_with_a_clear_error_and_keeps_serving():
+    import http.client
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    service = shop.Service("currency", {}, None)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), shop.handler_for(service))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        def post(body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+            connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=5)
+            connection.request("POST", "/convert", body, headers or {})
+            response = connection.getresponse()
+            answer = (response.status, json.loads(response.read()))
+            connection.close()
+            return answer
+
+        assert post(b"{not json")[0] == 400
+        assert post(b"[1, 2]")[0] == 400
+        assert post(b"{}", {"content-length": str(shop.MAX_BODY_BYTES + 1)})[0] == 413
+        assert post(b"{}", {"content-length": "lots"})[0] == 413
+        assert post(json.dumps({"amounts": [10.0]}).encode()) == (200, {"amounts": [9.3]})  # its neighbours unharmed
+    finally:
+        server.shutdown()
+        service.provider.shutdown()
+
+
 def _server_spans(spans, service: str, start: int, end: int):
     keep = pc.and_(pc.and_(pc.equal(spans["service"], service), pc.equal(spans["kind"], "server")),
                    pc.and_(pc.greater_equal(spans["start_ns"], start), pc.less(spans["start_ns"], end)))

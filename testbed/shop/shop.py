@@ -59,6 +59,7 @@ MIX = {"home": 0.6, "product": 0.2, "add_to_cart": 0.1, "checkout": 0.1}
 PRODUCTS = 40
 USERS = 500
 TIMEOUT_S = 10.0
+MAX_BODY_BYTES = 1 << 20
 
 
 class Injected(Exception):
@@ -302,6 +303,7 @@ def handler_for(service: Service):
         # the headers and the body leave in two writes: with Nagle's algorithm the body waits for
         # the client's delayed ACK (40 ms), which no real RPC server makes its callers pay
         disable_nagle_algorithm = True
+        timeout = TIMEOUT_S  # a client that stops sending frees its thread
 
         def log_message(self, format, *args):  # no access log
             pass
@@ -323,11 +325,21 @@ def handler_for(service: Service):
                 self._answer(404, {"error": f"no route {self.path}"})
 
         def do_POST(self):
-            length = int(self.headers.get("content-length") or 0)
+            try:
+                length = int(self.headers.get("content-length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_BODY_BYTES:
+                self.close_connection = True  # the body is not read: the connection cannot carry another request
+                self._answer(413, {"error": f"a body of 0-{MAX_BODY_BYTES} bytes with its content-length"})
+                return
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")
             except ValueError as error:
                 self._answer(400, {"error": f"body: {error}"})
+                return
+            if not isinstance(body, dict):
+                self._answer(400, {"error": "the body is a JSON object"})
                 return
             operation = self.path.lstrip("/")
             if self.path == "/_admin/fault":
