@@ -1,7 +1,7 @@
 """The shop (testbed/shop): a second real application, nine Python services traced by the
 OpenTelemetry Python SDK. Fast checks of its fault plan and admin switch; end to end (integration,
 root): a short recording through the real Collector with one fault of each kind, the faults seen in
-the real spans where the recording says, and nothing left running."""
+the real spans where the recording says, labelled per trace, and nothing left running."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
+from bmeg.datasets.loader import read_dataset
 from bmeg.evaluation.faults import read_fault_list
 from bmeg.faultinject.testbed import system
 from bmeg.faultinject.testbed.system import SOURCE_ROOT
@@ -133,6 +134,16 @@ def test_a_short_recording_shows_each_fault_in_the_real_spans_and_leaves_nothing
     assert np.median(delayed) > 25e6
     served = _server_spans(spans, "currency", delay["start_ns"] + 1_000_000_000, delay["end_ns"])["duration_ns"].to_numpy()
     assert np.median(served) < 10e6
+
+    # the faults' phase labelled per trace by the socialnet testbed's rule, a dataset bmeg reads
+    dataset = read_dataset(tmp_path / "dataset")
+    assert pc.min(dataset.spans["start_ns"]).as_py() >= summary["phases"]["healthy-busy"][1]
+    labelled = dataset.traces.to_pandas()
+    anomalous = labelled[labelled["anomalous"]]
+    assert {"interference", "code", "network"} <= set(anomalous["fault_source"])
+    assert all(services in ([hog["service"]], [exception["service"]], [early["service"]], [delay["service"]])
+               for services in anomalous["fault_services"].map(list))
+    assert dataset.nodes["bottleneck"].to_numpy().any()
 
     assert not system.cgroup_path("bmeg-shop-23400").exists()
     assert json.loads((tmp_path / "recording.json").read_text())["spans"] == spans.num_rows

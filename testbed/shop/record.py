@@ -15,7 +15,9 @@ proxy delaying each request into it by `delay_ms` (± `jitter_ms`); `exception` 
 faults switched on one operation (`shop.py`'s `/_admin/fault`). Writes, in DIR: `spans.parquet` (every span),
 `normal.parquet` (the fault-free period's traces), `healthy-rest.parquet`, `healthy-busy.parquet`,
 `fault_list.json` (Nezha's format, as `bmeg evaluate rca --faults` reads it) and `recording.json`
-(the phases, the faults with their parameters, the load's answers). Everything it starts lives in
+(the phases, the faults with their parameters, the load's answers), and `dataset/`: the
+faults' phase labelled per trace and per node by the socialnet testbed's rule (`write_dataset`).
+Everything it starts lives in
 the cgroup tree `bmeg-shop-<port base>` and is stopped and removed at the end, also on failure.
 """
 
@@ -36,8 +38,10 @@ import pyarrow.parquet as pq
 
 from bmeg.faultinject.cpu import CFS_PERIOD_US, saturation_quota
 from bmeg.faultinject.testbed import system
+from bmeg.faultinject.testbed.campaign import LABELLED_FILES, label_counts, label_recording, write_labelled
 from bmeg.faultinject.testbed.collector import collector_binary, read_collector_spans
-from bmeg.faultinject.testbed.faults import SERVICE_SHARES, admin_post, hog_quota
+from bmeg.faultinject.testbed.faults import admin_post, hog_quota, spawn_hog
+from bmeg.faultinject.testbed.labels import AppliedFault
 from bmeg.faultinject.testbed.stores import wait_port
 from bmeg.faultinject.testbed.supervisor import build_binary
 from bmeg.traces.schema import traces_begun_between
@@ -64,6 +68,9 @@ service:
   pipelines:
     traces: {{receivers: [otlp], processors: [batch], exporters: [file]}}
 """
+#: each fault kind's source, as the socialnet testbed's labels name them
+SOURCES = {"cpu_contention": "interference", "cpu_consumed": "saturation", "network_delay": "network",
+           "exception": "code", "return": "code"}
 #: seconds over which a service's CPU use is measured before a fault (its clock ticks are 10 ms)
 DEMAND_S = 4.0
 #: the SDK's export delay (5 s), the Collector's batch (200 ms) and file flush (500 ms), and spare
@@ -180,15 +187,12 @@ def apply(bed: Shop, fault: Fault, seconds: float, demand_cores: float) -> dict:
     """Start `fault` (`demand_cores`: the target's CPU use just before); what `undo` needs to end it."""
     target = bed.cgroup(fault.service)
     if fault.kind == "cpu_contention":
-        hog = target / "hog"
-        system.make_cgroup(hog, None, CFS_PERIOD_US)
         quota = system.quota_cores(target)
         system.set_quota(target, hog_quota(quota))
-        (hog / "cpu.shares").write_text(str(max(2, int(SERVICE_SHARES * (fault.parameters["factor"] - 1)))))
         cpu = bed.records[fault.service].cpu
-        record = system.spawn(f"hog-{fault.service}", "hog", [
-            "stress-ng", "--cpu", "1", "--cpu-method", "int64", "--taskset", str(cpu), "--timeout",
-            f"{int(seconds) + 30}s", "--quiet"], bed.run / "logs" / "hogs.log", cpu=cpu, cgroup=hog)
+        assert cpu is not None, "Shop.start pins every service"
+        record = spawn_hog(f"hog-{fault.service}", target / "hog", fault.parameters["factor"], cpu, int(seconds) + 30,
+                           bed.run / "logs" / "hogs.log")
         return {"hog": record, "quota": quota}
     if fault.kind == "cpu_consumed":
         quota = system.quota_cores(target)
@@ -290,7 +294,30 @@ def write(out: Path, spans: pa.Table, phases: dict[str, list[int]], faults: list
                "traces": len(pc.unique(spans["trace_id"])), "phases": phases,
                "faults": [asdict(f) for f in faults], "load_answers": json.loads(answers[0]) if answers else None}
     (out / "recording.json").write_text(json.dumps(summary, indent=1))
+    write_dataset(out, spans, summary)
     return summary
+
+
+def write_dataset(out: Path, spans: pa.Table, summary: dict) -> dict:
+    """The recording labelled per trace and per node by the socialnet testbed's rule
+    (`bmeg.faultinject.testbed.labels`), as a dataset in `out/dataset` (`bmeg.datasets` reads it;
+    `bench/healthy.py --dataset` scores stage 1 on it): calibrated on the normal period, whose
+    traces are its `normal.parquet`; its traces are those of the faults' phase (the healthy periods
+    are left out: they are `healthy-*.parquet`), each fault its own episode. Returns its card."""
+    phases, faults = summary["phases"], summary["faults"]
+    faults_began = phases["healthy-busy"][1]
+    labelled = pa.concat_tables([traces_begun_between(spans, *phases["normal"]),
+                                 traces_begun_between(spans, faults_began)])
+    applied = [AppliedFault(i, f["service"], SOURCES[f["kind"]], "single", f["start_ns"], f["end_ns"],
+                            {"inject_type": f["kind"], **f["parameters"]}) for i, f in enumerate(faults)]
+    episode_s = (faults[1]["start_ns"] - faults[0]["start_ns"]) / 1e9 if len(faults) > 1 else 1.0
+    recording = label_recording(labelled, applied, phases["normal"][1], episode_s)
+    write_labelled(out / "dataset", recording, applied)
+    card = {"name": f"shop-n{recording.traces.num_rows}-s{summary['seed']}", "backend": "shop",
+            "topology": {"name": "shop", "services": list(shop.SERVICES), "rate": summary["rate"]},
+            **label_counts(recording, applied), "seed": summary["seed"], "files": LABELLED_FILES}
+    (out / "dataset" / "dataset.json").write_text(json.dumps(card, indent=2))
+    return card
 
 
 def main() -> None:
@@ -304,7 +331,14 @@ def main() -> None:
     parser.add_argument("--gap-seconds", type=float, default=15.0)
     parser.add_argument("--faults", type=int, default=None, help="only the first N faults of the plan")
     parser.add_argument("--port-base", type=int, default=23000)
+    parser.add_argument("--label-only", action="store_true",
+                        help="label the recording already in --out again (its dataset/), recording nothing")
     args = parser.parse_args()
+    if args.label_only:
+        card = write_dataset(args.out, pq.read_table(args.out / "spans.parquet"),
+                             json.loads((args.out / "recording.json").read_text()))
+        print(json.dumps({k: card[k] for k in ("traces", "anomalous_traces", "exposed_traces", "fault_sources")}))
+        return
     if subprocess.run(["which", "stress-ng", "redis-server"], capture_output=True).returncode:
         parser.error("needs stress-ng and redis-server (scripts/apt-install.sh installs them)")
     summary = record(args.out, args.rate, args.seed, args.normal_seconds, args.healthy_seconds, args.fault_seconds,

@@ -227,38 +227,18 @@ def _write_dataset(out: Path, bed, state, plan, plan_file, faults, began, calibr
     starts = spans["start_ns"]
     spans = spans.filter(pc.and_(pc.greater_equal(starts, began), pc.less(starts, ended)))
     recording = label_recording(spans, faults, calibration_end, plan.duration_s)
-    frame, labels, calibration, traces = recording.frame, recording.labels, recording.calibration, recording.traces
-    out.mkdir(parents=True, exist_ok=True)
-    table = frame.forest.spans
-    span_keep = recording.span_keep
-    pq.write_table(table.filter(pa.array(span_keep)), out / "spans.parquet")
-    # the calibration period's traces: fault-free, for `bmeg evaluate rca --normal` and `bmeg bootstrap`
-    pq.write_table(table.filter(pa.array(~span_keep)), out / "normal.parquet")
-    pq.write_table(recording.nodes, out / "nodes.parquet")
-    pq.write_table(traces, out / "traces.parquet")
-    (out / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
+    write_labelled(out, recording, faults)
     (out / "fault_list.json").write_text(json.dumps(_fault_list(faults), indent=1))
-    anomalous = int(pc.sum(traces["anomalous"]).as_py() or 0)
     card = {
-        "name": f"socialnet-testbed-{plan.name}-n{traces.num_rows}-s{seed}",
+        "name": f"socialnet-testbed-{plan.name}-n{recording.traces.num_rows}-s{seed}",
         "backend": "testbed",
         "topology": {"name": "socialnet", "services": list(SERVICES), "rate": state.rate},
         "scenario": {"name": plan.name, "kind": plan.kind, "file": str(plan_file),
                      "sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()},
-        "traces": traces.num_rows, "requested_traces": requested,
-        "anomalous_traces": anomalous, "normal_traces": traces.num_rows - anomalous,
-        "exposed_traces": int(labels.trace_exposed[recording.keep].sum()),
-        "achieved_imbalance": anomalous / max(1, traces.num_rows - anomalous),
-        "faults": len(faults), "faults_per_source": _count(f.source for f in faults),
-        "fault_sources": _count(traces["fault_source"].to_pylist()),
-        "seed": seed, "labels": labelling.LABEL_RULE,
-        "calibration_p99_local_us": {k: round(v / 1e3, 1) for k, v in sorted(calibration.local_high.items())},
-        "files": {"spans": "spans.parquet", "traces": "traces.parquet", "nodes": "nodes.parquet",
-                  "faults": "faults.json", "fault_list": "fault_list.json",
-                  "normal": "normal.parquet"},
+        "requested_traces": requested, **label_counts(recording, faults), "seed": seed,
+        "files": {**LABELLED_FILES, "fault_list": "fault_list.json"},
         "generation": {"seconds": round((ended - began) / 1e9, 1), "calibration_s": round((calibration_end - began) / 1e9, 1),
                        "began_ns": began, "calibration_end_ns": calibration_end, "ended_ns": ended},
-        "assembly_warnings": len(frame.forest.warnings),
     }
     (out / "dataset.json").write_text(json.dumps(card, indent=2))
     return card
@@ -297,6 +277,39 @@ def label_recording(spans: pa.Table, faults: list[labelling.AppliedFault], calib
     return LabelledRecording(frame, calibration, labels, keep, span_keep,
                              nodes.filter(pa.array(span_keep & frame.is_node)),
                              _traces_table(frame, labels, faults, trace_start, keep, episode_s, calibration_end))
+
+
+#: The files `write_labelled` writes, as a dataset card names them.
+LABELLED_FILES = {"spans": "spans.parquet", "traces": "traces.parquet", "nodes": "nodes.parquet",
+                  "faults": "faults.json", "normal": "normal.parquet"}
+
+
+def write_labelled(out: Path, recording: LabelledRecording, faults: list[labelling.AppliedFault]) -> None:
+    """A labelled recording's dataset files in `out` (`LABELLED_FILES`: `bmeg.datasets` reads them): the
+    campaign's spans, the calibration period's (fault-free: `bmeg bootstrap`'s and `bmeg evaluate rca
+    --normal`'s), the node and trace labels, and the faults as they ran."""
+    out.mkdir(parents=True, exist_ok=True)
+    table = recording.frame.forest.spans
+    pq.write_table(table.filter(pa.array(recording.span_keep)), out / "spans.parquet")
+    pq.write_table(table.filter(pa.array(~recording.span_keep)), out / "normal.parquet")
+    pq.write_table(recording.nodes, out / "nodes.parquet")
+    pq.write_table(recording.traces, out / "traces.parquet")
+    (out / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
+
+
+def label_counts(recording: LabelledRecording, faults: list[labelling.AppliedFault]) -> dict:
+    """A labelled recording's dataset card entries: its traces, labels and faults counted, the rule."""
+    traces = recording.traces
+    anomalous = int(pc.sum(traces["anomalous"]).as_py() or 0)
+    return {
+        "traces": traces.num_rows, "anomalous_traces": anomalous, "normal_traces": traces.num_rows - anomalous,
+        "exposed_traces": int(recording.labels.trace_exposed[recording.keep].sum()),
+        "achieved_imbalance": anomalous / max(1, traces.num_rows - anomalous),
+        "faults": len(faults), "faults_per_source": _count(f.source for f in faults),
+        "fault_sources": _count(traces["fault_source"].to_pylist()), "labels": labelling.LABEL_RULE,
+        "calibration_p99_local_us": {k: round(v / 1e3, 1) for k, v in sorted(recording.calibration.local_high.items())},
+        "assembly_warnings": len(recording.frame.forest.warnings),
+    }
 
 
 def _count(values) -> dict[str, int]:

@@ -146,15 +146,21 @@ def _interference(testbed, state, fault_id, record, parameters, until_s, seed, u
     if shared:
         undo["target_cgroup"], undo["quota_cores"] = str(target), system.quota_cores(target)
     state.save()
-    system.make_cgroup(cgroup, None, CFS_PERIOD_US)
     if shared:  # the hog's core on top of the target's own limit: the hog does not throttle it
         system.set_quota(target, hog_quota(undo["quota_cores"]))
-    (cgroup / "cpu.shares").write_text(str(max(2, int(SERVICE_SHARES * (factor - 1)))))
     seconds = max(1, int(until_s - time.time() + SAFETY_MARGIN_S))
-    hog = spawn(f"hog:{fault_id}", "hog", ["stress-ng", "--cpu", "1", "--cpu-method", "int64", "--taskset", str(cpu),
-                                           "--timeout", f"{seconds}s", "--quiet"],
-                Path(state.run_dir) / "logs" / "hogs.log", cpu=cpu, cgroup=cgroup)
+    hog = spawn_hog(f"hog:{fault_id}", cgroup, factor, cpu, seconds, Path(state.run_dir) / "logs" / "hogs.log")
     undo["hog"] = hog.to_json()
+
+
+def spawn_hog(name: str, cgroup: Path, factor: float, cpu: int, seconds: int, log: Path) -> ProcessRecord:
+    """A one-core `stress-ng` hog pinned to `cpu` for `seconds`, in a new cgroup `cgroup` weighted
+    `factor - 1` times a service's CPU shares: beside a service's threads in one parent cgroup, it
+    takes `factor - 1` times their CPU time while both want it."""
+    system.make_cgroup(cgroup, None, CFS_PERIOD_US)
+    (cgroup / "cpu.shares").write_text(str(max(2, int(SERVICE_SHARES * (factor - 1)))))
+    return spawn(name, "hog", ["stress-ng", "--cpu", "1", "--cpu-method", "int64", "--taskset", str(cpu),
+                               "--timeout", f"{seconds}s", "--quiet"], log, cpu=cpu, cgroup=cgroup)
 
 
 def _undo_interference(testbed, state, fault_id, undo) -> None:
