@@ -15,7 +15,13 @@ bootstrapped, its own thresholds); several `--healthy` sets (e.g. recorded by `b
 record` at rest and with the machine loaded) are scored side by side by the same model, each
 named by its file's stem, with the services the bootstrapped model blamed (ranked first) for
 the traces it flagged; with ANOMALOUS_TRACES
-(traces labelled anomalous), the share of those flagged too: the recall each rule keeps.
+(traces labelled anomalous), the share of those flagged too: the recall each rule keeps. Beside
+stage 1, the simple per-trace rules (`rule_scores`: the signs of `bmeg.models.signs` -- the root's
+duration deviation, a changed call pattern, an error that begins in the trace -- and a node's
+self-time deviation), each calibrated alone by the plain quantile on the same held-back traces,
+are scored on the same sets: what stage 1 would have to beat; and stage 1 with its signs
+(`bound95+signs`: the model and the three signs, each at the rate over four, as `bmeg bootstrap`
+calibrates it since session 40), whatever the run was bootstrapped with.
 With `--dataset D` (a `bmeg generate --backend testbed` dataset), both sets come from it:
 healthy, its traces labelled fault-free that neither start nor end within `MARGIN_S` of any
 fault's window (the gaps between fault rounds); anomalous, its traces labelled anomalous. The
@@ -61,8 +67,9 @@ from bmeg.graphs import node_services
 from bmeg.graphs.rpc import rpc_view
 from bmeg.models.crowd import CrowdRule
 from bmeg.models.detector import CROWD_WARNING, Detector
-from bmeg.models.features import FeatureEncoder
+from bmeg.models.features import RELATIVE_VARIANTS, FeatureEncoder
 from bmeg.models.history import StreamHistory
+from bmeg.models.signs import trace_signs
 from bmeg.traces.io import read_spans
 from bmeg.training.calibration import calibrate_on_healthy, split_by_time
 
@@ -161,6 +168,10 @@ def aftermath_s(dataset: Path) -> dict[str, tuple[float, list[float]]]:
 
 
 RATES = (0.01, 0.005)
+#: The simple per-trace rules scored beside stage 1 (issue 12: every model figure with the simple
+#: rules beside it): the signs stage 1 may read (`bmeg.models.signs`: the root's duration deviation, a
+#: changed call pattern, an error that begins in the trace) and the largest self-time deviation of any node.
+MAX_SELF_TIME = "max self-time z"
 
 
 #: A following baseline's shift is read once per this many seconds (on a grid of absolute time,
@@ -448,6 +459,34 @@ def blamed(detector: Detector, scores) -> dict[str, int]:
     return {str(n): int(c) for n, c in sorted(zip(names, counts), key=lambda item: (-item[1], item[0]))}
 
 
+def rule_scores(encoder: FeatureEncoder, forest) -> dict[str, np.ndarray]:
+    """Each simple rule's score per trace of `forest` (its traces judged each alone: no past)."""
+    x = encoder.transform(forest)
+    largest = np.full(forest.num_traces, -np.inf)
+    np.maximum.at(largest, forest.trace_index, x[:, encoder.names.index("z_log_self_time_us")].astype(np.float64))
+    return {**trace_signs(forest, x, encoder.names), MAX_SELF_TIME: largest}
+
+
+def rule_rows(encoder: FeatureEncoder, held_back, sets: dict, faulty_forest, dataset: Path | None) -> list[dict]:
+    """The simple rules (`rule_scores`) calibrated as stage 1 is (the plain quantile at each of `RATES` on the held-back
+    traces; a trace flagged strictly above it), scored on the same fresh forests and anomalous traces."""
+    held = rule_scores(encoder, held_back)
+    fresh = {name: rule_scores(encoder, forest) for name, forest in sets.items()}
+    faulty = rule_scores(encoder, faulty_forest) if faulty_forest is not None else None
+    rows = []
+    for name in held:
+        for rate in RATES:
+            threshold = float(np.quantile(held[name], 1.0 - rate))
+            flagged = None if faulty is None else faulty[name] > threshold
+            rows.append({"rule": name, "rate": rate, "threshold": threshold,
+                         "held_back_flagged": float((held[name] > threshold).mean()),
+                         "fresh_flagged": {s: float((scores[name] > threshold).mean()) for s, scores in fresh.items()},
+                         "recall": None if flagged is None else float(flagged.mean()),
+                         "recall_by_source": {} if flagged is None or faulty_forest is None else recall_by_source(
+                             dataset, np.asarray(faulty_forest.trace_ids), flagged, "anomalous")})
+    return rows
+
+
 def percent(shares: dict[str, float]) -> str:
     return " / ".join(f"{name} {100 * share:.1f}" for name, share in shares.items())
 
@@ -480,35 +519,49 @@ def main() -> None:
     uncalibrated = replace(loaded, thresholds=loaded.metrics["calibration"]["thresholds_before"])
     _, held_back = split_by_time(read_spans(args.normal), HELD_BACK)
     held_back_forest = rpc_view(held_back)
-    scores = {name: uncalibrated.score(rpc_view(spans)) for name, spans in sets.items()}
-    faulty = uncalibrated.score(rpc_view(anomalous_spans)) if anomalous_spans is not None else None
+    forests = {name: rpc_view(spans) for name, spans in sets.items()}
+    scores = {name: uncalibrated.score(forest) for name, forest in forests.items()}
+    faulty_forest = rpc_view(anomalous_spans) if anomalous_spans is not None else None
+    faulty = uncalibrated.score(faulty_forest) if faulty_forest is not None else None
 
     def recall(detector: Detector) -> float | None:
         return None if faulty is None else float(detector.route(faulty).anomalous.mean())
+
+    def by_source(detector: Detector) -> dict[str, float]:
+        if faulty_forest is None or faulty is None:
+            return {}
+        return recall_by_source(args.dataset, np.asarray(faulty_forest.trace_ids), detector.route(faulty).anomalous,
+                                "anomalous")
 
     def flagged(detector: Detector) -> dict[str, float]:
         return {name: float(detector.route(s).anomalous.mean()) for name, s in scores.items()}
 
     rows = [{"rule": "as bootstrapped", "rate": None, "held_back_flagged": None, "graph_threshold": loaded.thresholds["graph"],
-             "fresh_flagged": flagged(loaded), "recall": recall(loaded)},
+             "fresh_flagged": flagged(loaded), "recall": recall(loaded), "recall_by_source": by_source(loaded)},
             {"rule": "uncalibrated", "rate": None, "held_back_flagged": None,
              "fresh_flagged": flagged(uncalibrated), "recall": recall(uncalibrated)}]
     for rate in RATES:
-        for rule, confidence in RULES.items():
-            calibrated, calibration = calibrate_on_healthy(uncalibrated, held_back_forest, rate, confidence)
+        variants = {rule: (confidence, False) for rule, confidence in RULES.items()}
+        if loaded.encoder.variant in RELATIVE_VARIANTS:  # the features the signs read
+            variants["bound95+signs"] = (RULES["bound95"], True)
+        for rule, (confidence, signs) in variants.items():
+            calibrated, calibration = calibrate_on_healthy(uncalibrated, held_back_forest, rate, confidence, signs)
             rows.append({"rule": rule, "rate": rate, "held_back_flagged": calibration.flagged_after,
                          "bound_met": calibration.bound_met, "graph_threshold": calibration.after["graph"],
-                         "fresh_flagged": flagged(calibrated), "recall": recall(calibrated)})
+                         "fresh_flagged": flagged(calibrated), "recall": recall(calibrated),
+                         "recall_by_source": by_source(calibrated)})
     traces = {name: len(s.anomalous) for name, s in scores.items()}
+    simple = rule_rows(loaded.encoder, held_back_forest, forests, faulty_forest, args.dataset)
     blame = {name: blamed(loaded, s) for name, s in scores.items()}
     streams = replayed(loaded, args.healthy, args.dataset, args.crowd, args.served_batch_s,
                        tuple(Follow.parse(text) for text in args.follow))
     result = {"held_back_traces": held_back_forest.num_traces, "fresh_traces": traces, "rows": rows,
-              "as_bootstrapped_blamed": blame, "replayed": streams}
-    for row in rows:
+              "simple_rules": simple, "as_bootstrapped_blamed": blame, "replayed": streams}
+    for row in rows + simple:
         shares = ", ".join(f"{name} {share:.4f} of {traces[name]}" for name, share in row["fresh_flagged"].items())
-        print(f"{row['rule']:>15} rate {row['rate']!s:>6}: held-back flagged {row['held_back_flagged']!s:>22}; "
-              f"fresh flagged: {shares}; anomalous flagged {row['recall']}")
+        print(f"{row['rule']:>24} rate {row['rate']!s:>6}: held-back flagged {row['held_back_flagged']!s:>22}; "
+              f"fresh flagged: {shares}; anomalous flagged {row['recall']}"
+              + (f" (by source {percent(row['recall_by_source'])})" if row.get("recall_by_source") else ""))
     for name, counts in blame.items():
         print(f"as bootstrapped, {name}: {sum(counts.values())} of {traces[name]} flagged, blamed: "
               + (", ".join(f"{service} {count}" for service, count in counts.items()) or "none"))

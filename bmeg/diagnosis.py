@@ -51,6 +51,9 @@ class TraceDiagnosis(BaseModel):
     model: Literal["gnn", "svm"] = Field(description="Which model decided: the GNN stages or the SVM fallback.")
     route: str = Field("", description="Why the router chose that model (the graph's services and distinct paths "
                                        "against the router's cuts).")
+    signs: list[str] = Field(default_factory=list, description="The simple signs above their calibrated thresholds "
+                             "(end_to_end, call_pattern, error: `bmeg.models.signs`); stage 1 flags a trace when its "
+                             "model's score or any sign is above its threshold.")
     bottlenecks: list[ServiceScore] = Field(default_factory=list, description="Services ranked by score.")
     critical_path: list[CriticalPathStep] = Field(default_factory=list)
     latencies: list[ServiceLatency] = Field(default_factory=list)

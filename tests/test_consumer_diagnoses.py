@@ -91,7 +91,7 @@ def test_the_consumers_json_is_the_typed_diagnosis_byte_for_byte_at_the_edges(sc
     trace = {
         "trace_id": text, "spans": spans, "total_us": latency, "anomalous": True,
         "anomaly_score": np.float64(score) if numpy_score else score, "threshold": 0.5, "model": "gnn",
-        "route": text, "bottlenecks": [{"service": text, "score": score, "bottleneck": False}],
+        "route": text, "signs": [text], "bottlenecks": [{"service": text, "score": score, "bottleneck": False}],
         "critical_path": [{"service": "a", "operation": text, "exclusive_us": latency}],
         "latencies": [{"service": "a", "latency_us": latency, "baseline_us": None, "ratio": score}],
         "mitigations": [], "warnings": [text], "start_time": start, "partial": False,

@@ -50,7 +50,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
               false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE, confidence: float | None = DEFAULT_CONFIDENCE,
               pretrained: str | Path | None = None, cpu_faults: str = DEFAULT_CPU_FAULTS,
               hard_negatives: float = FitConfig.hard_negatives, window_gcn_windows: int = TRAINING_WINDOWS,
-              node_draws: int = NODE_DRAWS, node_inputs: str = "raw"):
+              node_draws: int = NODE_DRAWS, node_inputs: str = "raw", signs: bool = False):
     """Fit a twin, generate a labelled dataset from it, train on it, calibrate on the held-back
     healthy traces; returns (Detector, metrics). With `pretrained` (a run of `pretrain_on_family`,
     or any run on the same features) both GNN stages start from its weights and specialise on the
@@ -60,7 +60,9 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
     window ranker fuses the per-trace GNN's ranking instead); `node_draws`, how many draws of the
     training faults the node stage is bagged over (each one more classifier, `bagged_node_stage`);
     `node_inputs`, how the node classifier reads its features (`NODE_INPUTS`: "asinh" helps
-    where the real deviations outgrow the twin's, docs/issue-12.md, session 31)."""
+    where the real deviations outgrow the twin's, docs/issue-12.md, session 31); `signs`, whether
+    stage 1 also reads the simple per-trace signs, calibrated beside the model (`bmeg.models.signs`;
+    not the default: docs/issue-12.md, session 40)."""
     from bmeg.training import train
     from bmeg.training.calibration import calibrate_on_healthy, split_by_time
     from bmeg.training.pipeline import TrainConfig, bagged_node_stage
@@ -101,7 +103,7 @@ def bootstrap(normal_traces: str | Path, out: str | Path, traces: int = 6000, im
         detector = bagged_node_stage(detector, draws, config)
         metrics["node_draws"] = node_draws
     detector = with_normal_baselines(detector, rpc_view(fitting))
-    detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate, confidence)
+    detector, calibration = calibrate_on_healthy(detector, rpc_view(healthy), false_alarm_rate, confidence, signs)
     metrics["calibration"] = calibration.to_dict()
     detector = replace(detector, metrics=metrics).save(out)
     if window_gcn_windows > 0:  # after the save: it simulates its windows with the calibrated detector

@@ -15,7 +15,7 @@ Training and evaluation (`score` without `crowd`) measure the models' own verdic
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from itertools import compress
 from pathlib import Path
@@ -39,6 +39,7 @@ from bmeg.models.graphset import GraphSet
 from bmeg.models.history import Observation, StreamHistory
 from bmeg.models.inference import limit_cpu_threads, predict_proba, resolve_device
 from bmeg.models.router import Router, distinct_paths
+from bmeg.models.signs import signs_above, trace_signs
 from bmeg.models.window import WINDOW_MEAN_NODE_SCORE, WindowRanker
 from bmeg.models.svm import (
     CulpritScorer,
@@ -94,6 +95,7 @@ class Scores:
     service: np.ndarray  # [T, S] routed service scores
     observation: Observation | None  # what a stream history records of these traces (the model's services)
     crowd_explained: np.ndarray  # bool [T]: the crowd explains the trace's slowness (`bmeg.models.crowd`)
+    signs: dict[str, np.ndarray] = field(default_factory=dict)  # per sign [T] (`bmeg.models.signs`): read beside the model
 
     @property
     def num_services(self) -> np.ndarray:
@@ -109,7 +111,7 @@ class Detector:
     vectorizer: TraceVectorizer
     svm: TraceSVM  # the router's per-trace fallback
     firm: FirmSVM  # FIRM's culprit finder over a window
-    thresholds: dict[str, float]  # graph (DGCNN), node (GCN), svm (trace SVM), svm_node (its services)
+    thresholds: dict[str, float]  # graph (DGCNN), node (GCN), svm (trace SVM), svm_node (its services), sign:* (signs)
     router: Router
     firm_window: int
     services: list[str]  # the training vocabulary
@@ -164,7 +166,7 @@ class Detector:
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
             above_threshold=np.zeros(forest.num_traces, bool), service=gnn_service, observation=recorded,
-            crowd_explained=np.zeros(forest.num_traces, dtype=bool),
+            crowd_explained=np.zeros(forest.num_traces, dtype=bool), signs=trace_signs(forest, x, self.encoder.names),
         )
         routed = self.route(raw)
         if not crowd:
@@ -195,13 +197,16 @@ class Detector:
 
     def route(self, scores: Scores, router: Router | None = None) -> Scores:
         """Apply the router (this detector's unless given), the thresholds and the crowd check
-        (unless this detector has none) to raw scores."""
+        (unless this detector has none) to raw scores. A trace is above stage 1's threshold when
+        its model's score is, or any sign this detector has a threshold for (`bmeg.models.signs`)."""
         router = router or self.router
         to_svm = router.to_svm(scores.num_services, scores.num_paths)
         anomaly = np.where(to_svm, scores.svm_anomaly, scores.gnn_anomaly)
         service = np.where(to_svm[:, None], scores.svm_service, scores.gnn_service)
         held = scores.crowd_explained & (self.crowd is not None)  # a detector without the rule holds nothing
         above = anomaly >= np.where(to_svm, self.thresholds["svm"], self.thresholds["graph"])
+        for sign in signs_above(scores.signs, self.thresholds, len(anomaly)).values():
+            above = above | sign
         return replace(scores, to_svm=to_svm, route=router.reasons(scores.num_services, scores.num_paths),
                        anomaly=anomaly, anomalous=above & ~held, above_threshold=above, service=service)
 
@@ -370,6 +375,9 @@ class Detector:
         # Where a service has no baseline, its ratio is None (below); 1 only avoids dividing by 0.
         ratio = latency / np.array([baseline or 1.0 for baseline in baselines])
         present_count = scores.present.sum(axis=1)
+        fired = signs_above(scores.signs, self.thresholds, forest.num_traces)
+        signs = ([list(compress(list(fired), row)) for row in zip(*fired.values(), strict=True)] if fired
+                 else [[] for _ in range(forest.num_traces)])
         rows = zip(
             forest.trace_ids, np.diff(forest.trace_offsets).tolist(), (forest.duration_ns[forest.root] / 1e3).tolist(),
             scores.anomalous.tolist(), scores.anomaly.tolist(), scores.to_svm.tolist(),
@@ -377,13 +385,13 @@ class Detector:
             ranked_bottleneck.tolist(), present_count.tolist(), by_latency.tolist(),
             np.take_along_axis(latency, by_latency, axis=1).tolist(), np.take_along_axis(ratio, by_latency, axis=1).tolist(),
             _path_steps(forest, scores, paths), self._warnings(forest, scores), scores.route,
-            forest.start_ns[forest.root].tolist(),
+            forest.start_ns[forest.root].tolist(), signs,
         )
         return [
             {
                 "trace_id": trace_id, "spans": spans, "total_us": total_us, "anomalous": anomalous,
                 "anomaly_score": anomaly, "threshold": self.thresholds["svm" if to_svm else "graph"],
-                "model": "svm" if to_svm else "gnn", "route": route,
+                "model": "svm" if to_svm else "gnn", "route": route, "signs": signs_t,
                 "bottlenecks": [{"service": names[i], "score": score, "bottleneck": bottleneck}
                                 for i, score, bottleneck in zip(ranked_t[:top], score_t, bottleneck_t)],
                 "critical_path": path,
@@ -396,7 +404,7 @@ class Detector:
                 "partial": False,
             }
             for (trace_id, spans, total_us, anomalous, anomaly, to_svm, top, ranked_t, score_t, bottleneck_t,
-                 present_t, by_latency_t, latency_t, ratio_t, path, warnings, route, start_ns) in rows
+                 present_t, by_latency_t, latency_t, ratio_t, path, warnings, route, start_ns, signs_t) in rows
         ]
 
     def _warnings(self, forest: SpanForest, scores: Scores) -> list[list[str]]:

@@ -18,6 +18,10 @@ for any (n < 299 at α = 1%), the threshold goes above every held-back score and
 calibration says the target is not guaranteed (`bound_met`). `confidence=None` is the plain
 quantile.
 
+With `signs`, the simple per-trace signs (`bmeg.models.signs`) get thresholds too, set the same
+way on the same traces, and the false-alarm budget is shared: each of the k thresholds (the
+model's and the signs') at α / k, so that a trace flagged by any of them stays within α.
+
 `split_by_time` cuts a normal period into the part the twin and the baselines are fitted
 from and the later part held back for calibration (later, not random: the calibration traces
 then come from minutes the model has not seen, as the live traffic will).
@@ -33,10 +37,13 @@ import pyarrow.compute as pc
 from scipy.special import gammaln
 
 from bmeg.graphs import SpanForest
+from bmeg.models.signs import sign_key
 from bmeg.traces.schema import trace_starts
 
 #: The share of healthy traces stage 1 may flag.
 DEFAULT_FALSE_ALARM_RATE = 0.01
+#: A sign's threshold's key starts so (`bmeg.models.signs.sign_key`): calibrated again from scratch.
+SIGN_PREFIX = sign_key("")
 #: How sure the calibration must be that fresh healthy traffic is flagged at most that often.
 DEFAULT_CONFIDENCE = 0.95
 
@@ -67,11 +74,13 @@ class Calibration:
     flagged_after: float
     confidence: float | None = DEFAULT_CONFIDENCE  # None: the plain quantile
     bound_met: bool = True  # the held-back traces were enough to bound the rate at `confidence`
+    per_threshold_rate: float | None = None  # each threshold's share of `rate` (None: `rate`, one model threshold each)
 
     def to_dict(self) -> dict:
         return {"target_false_alarm_rate": self.rate, "healthy_traces": self.traces, "thresholds_before": self.before,
                 "thresholds_after": self.after, "flagged_before": self.flagged_before,
-                "flagged_after": self.flagged_after, "confidence": self.confidence, "bound_met": self.bound_met}
+                "flagged_after": self.flagged_after, "confidence": self.confidence, "bound_met": self.bound_met,
+                "per_threshold_rate": self.rate if self.per_threshold_rate is None else self.per_threshold_rate}
 
 
 def allowed_exceedances(n: int, rate: float, confidence: float) -> int | None:
@@ -102,27 +111,36 @@ def _threshold(scores: np.ndarray, rate: float, confidence: float | None) -> tup
 
 
 def calibrate_on_healthy(detector, healthy: SpanForest, rate: float = DEFAULT_FALSE_ALARM_RATE,
-                         confidence: float | None = DEFAULT_CONFIDENCE):
+                         confidence: float | None = DEFAULT_CONFIDENCE, signs: bool = False):
     """(the detector with its stage-1 thresholds raised so that fresh healthy traffic like
-    `healthy` is flagged at most `rate` of the time, at `confidence`; what changed). The detector given is left as it was: a
-    `Detector` is immutable (a served model may be read by another thread meanwhile)."""
+    `healthy` is flagged at most `rate` of the time, at `confidence`; what changed); with `signs`,
+    also a threshold per sign, each of the model's and the signs' at `rate` over their number. The
+    detector given is left as it was: a `Detector` is immutable (a served model may be read by
+    another thread meanwhile)."""
     if not 0.0 < rate < 1.0:
         raise ValueError(f"the false-alarm rate must be between 0 and 1, not {rate}")
     if healthy.num_traces == 0:
         raise ValueError("no healthy traces to calibrate stage 1 on")
     scores = detector.score(healthy, all_models=True)
-    before = dict(detector.thresholds)
+    before = {key: value for key, value in detector.thresholds.items() if not key.startswith(SIGN_PREFIX)}
     after = dict(before)
     bound_met = True
+    read = scores.signs if signs else {}
+    if signs and not read:
+        raise ValueError(f"the {detector.encoder.variant!r} features have no signs to calibrate (`bmeg.models.signs`)")
+    share = rate / (1 + len(read))
     for key, to_model in (("graph", ~scores.to_svm), ("svm", scores.to_svm)):
         if to_model.any():
-            threshold, met = _threshold(scores.anomaly[to_model], rate, confidence)
+            threshold, met = _threshold(scores.anomaly[to_model], share, confidence)
             after[key] = max(before[key], threshold)
             bound_met &= met
+    for name, values in read.items():
+        after[sign_key(name)], met = _threshold(values, share, confidence)
+        bound_met &= met
     calibrated = replace(detector, thresholds=after)
     flagged_after = float(calibrated.route(scores).anomalous.mean())
     calibration = Calibration(rate, healthy.num_traces, before, dict(after), float(scores.anomalous.mean()),
-                              flagged_after, confidence, bound_met)
+                              flagged_after, confidence, bound_met, share)
     return calibrated, calibration
 
 

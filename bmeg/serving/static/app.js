@@ -157,7 +157,8 @@ function renderVerdict(trace) {
   verdict.replaceChildren(
     el("strong", {}, trace.anomalous ? "Anomalous trace" : "Normal trace"),
     el("span", {}, ` · ${trace.trace_id} · ${trace.spans} spans · ${ms(trace.total_us)} end to end · ` +
-      `score ${trace.anomaly_score.toFixed(2)} (threshold ${trace.threshold.toFixed(2)}, ${trace.model.toUpperCase()})`),
+      `score ${trace.anomaly_score.toFixed(2)} (threshold ${trace.threshold.toFixed(2)}, ${trace.model.toUpperCase()})` +
+      ((trace.signs || []).length ? ` · above their thresholds: ${trace.signs.join(", ")}` : "")),
   );
   if (flagged.length) verdict.append(el("div", { id: "bottlenecks" }, `Bottleneck${flagged.length > 1 ? "s" : ""}: ${flagged.join(", ")}`));
 }
