@@ -17,8 +17,8 @@ Each is calibrated like the model's threshold, on the application's held-back he
 (`bmeg.training.calibration`); a trace is flagged when its model or any sign is above its threshold.
 A detector whose thresholds have no sign (a model trained on labels, one bootstrapped without
 `--signs`, one saved before) reads none. Not the default: on two fresh recordings (session 40) the
-signs raised stage 1's recall on the labelled faulty traces from 0.42 to 0.63 (Go testbed) and from
-0.38 to 0.72 (the shop), within 1% on the shop's healthy traffic at rest and with a core busy, but
+signs raised stage 1's recall on the labelled faulty traces from 0.41 to 0.63 (Go testbed) and from
+0.35 to 0.72 (the shop), within 1% on the shop's healthy traffic at rest and with a core busy, but
 flagged 1.35% of the testbed's traffic between its faults (the rule written before asked for at
 most 1%); `bench/healthy.py` scores them beside stage 1 on every run.
 """
