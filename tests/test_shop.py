@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from bmeg.datasets.loader import read_dataset
@@ -90,6 +92,19 @@ def _server_spans(spans, service: str, start: int, end: int):
 
 def _calls_per_s(spans, operation: str, start: int, end: int) -> float:
     return _server_spans(spans.filter(pc.equal(spans["operation"], operation)), "currency", start, end).num_rows / (end - start) * 1e9
+
+
+@pytest.mark.parametrize("recording", [None, "not json", json.dumps({"phases": {}})])
+def test_labelling_a_missing_or_malformed_recording_again_is_a_clear_error(tmp_path: Path, monkeypatch, capsys,
+                                                                         recording):
+    if recording is not None:
+        (tmp_path / "recording.json").write_text(recording)
+        pq.write_table(pa.table({"trace_id": ["a"]}), tmp_path / "spans.parquet")
+    monkeypatch.setattr(sys, "argv", ["record.py", "--label-only", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as stopped:
+        record.main()
+    assert stopped.value.code == 2 and "recording" in capsys.readouterr().err
+    assert not (tmp_path / "dataset").exists()
 
 
 @pytest.mark.integration

@@ -72,15 +72,15 @@ class Calibration:
     after: dict[str, float]
     flagged_before: float  # share of the held-back traces flagged before
     flagged_after: float
+    per_threshold_rate: float  # each threshold's share of `rate` (its model's and its signs')
     confidence: float | None = DEFAULT_CONFIDENCE  # None: the plain quantile
     bound_met: bool = True  # the held-back traces were enough to bound the rate at `confidence`
-    per_threshold_rate: float | None = None  # each threshold's share of `rate` (None: `rate`, one model threshold each)
 
     def to_dict(self) -> dict:
         return {"target_false_alarm_rate": self.rate, "healthy_traces": self.traces, "thresholds_before": self.before,
                 "thresholds_after": self.after, "flagged_before": self.flagged_before,
                 "flagged_after": self.flagged_after, "confidence": self.confidence, "bound_met": self.bound_met,
-                "per_threshold_rate": self.rate if self.per_threshold_rate is None else self.per_threshold_rate}
+                "per_threshold_rate": self.per_threshold_rate}
 
 
 def allowed_exceedances(n: int, rate: float, confidence: float) -> int | None:
@@ -140,7 +140,7 @@ def calibrate_on_healthy(detector, healthy: SpanForest, rate: float = DEFAULT_FA
     calibrated = replace(detector, thresholds=after)
     flagged_after = float(calibrated.route(scores).anomalous.mean())
     calibration = Calibration(rate, healthy.num_traces, before, dict(after), float(scores.anomalous.mean()),
-                              flagged_after, confidence, bound_met, share)
+                              flagged_after, share, confidence, bound_met)
     return calibrated, calibration
 
 

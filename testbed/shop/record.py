@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from bmeg.faultinject.cpu import CFS_PERIOD_US, saturation_quota
 from bmeg.faultinject.testbed import system
-from bmeg.faultinject.testbed.campaign import LABELLED_FILES, label_counts, label_recording, write_labelled
+from bmeg.faultinject.testbed.campaign import INJECT_TYPES, LABELLED_FILES, label_counts, label_recording, write_labelled
 from bmeg.faultinject.testbed.collector import collector_binary, read_collector_spans
 from bmeg.faultinject.testbed.faults import admin_post, hog_quota, spawn_hog
 from bmeg.faultinject.testbed.labels import AppliedFault
@@ -68,9 +68,8 @@ service:
   pipelines:
     traces: {{receivers: [otlp], processors: [batch], exporters: [file]}}
 """
-#: each fault kind's source, as the socialnet testbed's labels name them
-SOURCES = {"cpu_contention": "interference", "cpu_consumed": "saturation", "network_delay": "network",
-           "exception": "code", "return": "code"}
+#: each fault kind's source, as the socialnet testbed's labels name them (its fault list's names, read back)
+SOURCES = {kind: source for source, kind in INJECT_TYPES.items()} | {"return": "code"}
 #: seconds over which a service's CPU use is measured before a fault (its clock ticks are 10 ms)
 DEMAND_S = 4.0
 #: the SDK's export delay (5 s), the Collector's batch (200 ms) and file flush (500 ms), and spare
@@ -335,8 +334,15 @@ def main() -> None:
                         help="label the recording already in --out again (its dataset/), recording nothing")
     args = parser.parse_args()
     if args.label_only:
-        card = write_dataset(args.out, pq.read_table(args.out / "spans.parquet"),
-                             json.loads((args.out / "recording.json").read_text()))
+        try:
+            summary = json.loads((args.out / "recording.json").read_text())
+            spans = pq.read_table(args.out / "spans.parquet")
+        except (OSError, ValueError, pa.ArrowInvalid) as error:  # missing, unreadable or malformed
+            parser.error(f"--label-only needs a recording made by this script in {args.out}: {error}")
+        try:
+            card = write_dataset(args.out, spans, summary)
+        except (KeyError, TypeError, IndexError) as error:
+            parser.error(f"{args.out / 'recording.json'} is not a recording this script wrote (no {error})")
         print(json.dumps({k: card[k] for k in ("traces", "anomalous_traces", "exposed_traces", "fault_sources")}))
         return
     if subprocess.run(["which", "stress-ng", "redis-server"], capture_output=True).returncode:
