@@ -39,7 +39,7 @@ from bmeg.models.graphset import GraphSet
 from bmeg.models.history import Observation, StreamHistory
 from bmeg.models.inference import limit_cpu_threads, predict_proba, resolve_device
 from bmeg.models.router import Router, distinct_paths
-from bmeg.models.signs import sign_key, signs_above, trace_signs
+from bmeg.models.signs import signs_above, trace_signs
 from bmeg.models.window import WINDOW_MEAN_NODE_SCORE, WindowRanker
 from bmeg.models.svm import (
     CulpritScorer,
@@ -128,11 +128,6 @@ class Detector:
         return f"bmeg-{__version__}/{self.application}/{self.encoder.variant}"
 
     # -- scoring -----------------------------------------------------------------------------
-    @property
-    def reads_signs(self) -> bool:
-        """Whether stage 1 reads any sign (`bmeg bootstrap --signs`: a `sign:*` threshold)."""
-        return any(key.startswith(sign_key("")) for key in self.thresholds)
-
     def score(self, forest: SpanForest, paths: CriticalPaths | None = None, history: StreamHistory | None = None,
               all_models: bool = False, replay: bool = False, context: SpanForest | None = None,
               crowd: bool = False) -> Scores:
@@ -171,9 +166,7 @@ class Detector:
             gnn_service=gnn_service, svm_anomaly=svm_anomaly, svm_service=svm_service, present=present, num_paths=num_paths,
             to_svm=to_svm, route=[], anomaly=gnn_anomaly, anomalous=np.zeros(forest.num_traces, bool),
             above_threshold=np.zeros(forest.num_traces, bool), service=gnn_service, observation=recorded,
-            crowd_explained=np.zeros(forest.num_traces, dtype=bool),
-            # the signs: read by a detector with sign thresholds, and by calibration and evaluation
-            signs=trace_signs(forest, x, self.encoder.names) if all_models or self.reads_signs else {},
+            crowd_explained=np.zeros(forest.num_traces, dtype=bool), signs=trace_signs(forest, x, self.encoder.names),
         )
         routed = self.route(raw)
         if not crowd:
