@@ -55,7 +55,11 @@ def test_calibrated_signs_flag_what_the_model_misses_within_the_shared_budget(tm
     diagnosis = calibrated.diagnose(faulty)
     flagged = {trace.trace_id: trace.signs for trace in diagnosis.traces if trace.anomalous}
     assert flagged == {"t0027": ["end_to_end"], "t0028": ["error"], "t0029": ["call_pattern"]}
-    assert not model_blind.diagnose(faulty).traces[0].signs  # no sign threshold: signs read, none applied
+    assert not model_blind.diagnose(faulty).traces[0].signs  # no sign threshold: no sign applied
+    # the raw scores of a detector without sign thresholds carry the signs, so a calibrated detector's
+    # route reads them (bench/healthy.py scores once and routes under each calibration)
+    rerouted = calibrated.route(model_blind.score(faulty)).anomalous
+    assert np.flatnonzero(rerouted).tolist() == [27, 28, 29]
     assert sum(trace.anomalous for trace in model_blind.diagnose(faulty).traces) == 0
     # calibrated again without signs: the signs' thresholds go, the model's stay
     again, _ = calibrate_on_healthy(calibrated, healthy, rate=0.04, confidence=None)
