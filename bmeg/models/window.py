@@ -374,18 +374,20 @@ def combined_ranking(normal: NormalStats, window: SpanForest, window_scores: Any
     faults no service's structure moves at all, so there the order is the fusion's; and so do
     services whose odd spans are too many for the normal period (`structure_significant`: an
     exception or an early return on a few percent of the requests, or on a rarely used
-    operation, which moves the service's shares less than the floors). Then a
-    decisive time shift of a call gap (`decisive_shift` of the caller and callee parts) comes
-    before the fusion's order. Which of the three stages placed each service, and what they
-    read: `window_stages`. `fusion` replaces the fusion chosen so, votes and all (the harness
+    operation, which moves the service's shares less than the floors). Before them all comes
+    a decisive time shift of a call gap (`decisive_shift` of the caller and callee parts): a
+    callee whose calls grew 4x slower than any other's makes its callers time out and pile up,
+    which moves their structure (on the shop a quota cut on the cart set off
+    `structure_significant` on the frontend that called it; issue 12, session 41). Which of the
+    three stages placed each service, and what they read: `window_stages`. `fusion` replaces the fusion chosen so, votes and all (the harness
     compares `rank_fusion` with a window GCN so: `bmeg-rank-fusion`); `learned` and `votes`, the
     window GCN's scores and the GNN's culprit votes of this window where the caller holds them
     already (`learned_scores`, `culprit_vote_shift`)."""
     return window_stages(normal, window, window_scores, normal_scores, window_gcn, fusion, learned, votes).ranking
 
 
-#: The stages of `combined_ranking`, in the order they place services (`WindowStages.stage`): a
-#: structure gate, the decisive call gap, the rank fusion.
+#: The stages of `combined_ranking`, in the order they place services (`WindowStages.stage`): the
+#: decisive call gap, a structure gate, the rank fusion.
 STAGE_STRUCTURE, STAGE_DECISIVE, STAGE_FUSION = "structure", "decisive", "fusion"
 #: The structure gates, as `WindowStages.gates` names its columns.
 GATES = ("structure_changed", "errors_began", "structure_significant")
@@ -401,7 +403,7 @@ class WindowStages:
     fused: pd.Series  # the fusion of the largest part, `learned` and `votes`, best first
     structure: pd.Series  # per service of `fused`: its structure shift (calls + errors parts; 0 where none)
     gates: pd.DataFrame  # bool per service of `fused`, a column per structure gate (`GATES`)
-    decisive: str | None  # `decisive_shift` of the call gaps (where a gate fired on it too, the gate placed it)
+    decisive: str | None  # `decisive_shift` of the call gaps: first, whatever gate fired on it
     ranking: Ranking  # `combined_ranking`'s answer
     stage: pd.Series  # per service of `ranking`, in its order: `STAGE_STRUCTURE`, `STAGE_DECISIVE` or `STAGE_FUSION`
 
@@ -449,7 +451,7 @@ def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, 
     order = staged_order(fused, structure[changed], decisive)
     stage = pd.Series(STAGE_FUSION, index=order.index, dtype=object)
     stage[changed[changed].index] = STAGE_STRUCTURE
-    if decisive in order.index and not changed.get(decisive, False):
+    if decisive in order.index:
         stage[decisive] = STAGE_DECISIVE
     return WindowStages(parts=parts, learned=learned, votes=votes, fused=fused, structure=structure,
                         gates=gates.astype(bool), decisive=decisive,
@@ -457,14 +459,13 @@ def ranked_stages(parts: pd.DataFrame, learned: pd.Series, shape: pd.DataFrame, 
 
 
 def staged_order(fused: pd.Series, gated: pd.Series, decisive: str | None) -> pd.Series:
-    """`ranked_stages`' order, best first, with its scores: the `gated` services (their structure
-    shift, in `fused`'s order) first, by how far their structure moved; then the `decisive` call
-    gap's service unless a gate placed it; then the rest in the fusion's order."""
-    first = gated.sort_values(ascending=False, kind="stable") + 2.0 + fused.max()
-    rest = fused.drop(first.index)
-    if decisive in rest.index:
-        rest = pd.concat([pd.Series({decisive: 1.0 + fused.max()}), rest.drop(decisive)])
-    return pd.concat([first, rest])
+    """`ranked_stages`' order, best first, with its scores: the `decisive` call gap's service
+    first; then the `gated` services (their structure shift, in `fused`'s order), by how far
+    their structure moved; then the rest in the fusion's order."""
+    first = gated[gated.index != decisive].sort_values(ascending=False, kind="stable") + 2.0 + fused.max()
+    if decisive in fused.index:
+        first = pd.concat([pd.Series({decisive: max([float(fused.max()), *first]) + 1.0}), first])
+    return pd.concat([first, fused.drop(first.index)])
 
 
 def window_gcn_scores(model: WindowModel, normal: NormalStats, window: SpanForest, gnn_shift: pd.Series) -> pd.Series:
