@@ -94,7 +94,8 @@ node_inputs_option = click.option(
               help="Stage 1 also flags a trace by simple per-trace signs (its end-to-end time, a changed call "
                    "pattern, an error that begins in it), each calibrated beside the model (bmeg.models.signs): "
                    "on real traces it doubled stage 1's recall, and raised false alarms between a campaign's "
-                   "faults past 1% on the testbed, so it is not the default (docs/issue-12.md, session 40).")
+                   "faults past 1% (testbed, shop under load), so it is not the default (docs/issue-12.md, "
+                   "sessions 40-41).")
 @node_inputs_option
 @format_option
 @json_option
